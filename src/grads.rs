@@ -1,0 +1,222 @@
+//! Gradient buffers: fp32 accumulation over micro-batches, and the boundary pass that unscales,
+//! detects inf/NaN (`found_inf`) and measures the global L2 norm for clipping.
+//!
+//! Accumulation with weights: micro-batch `i` with weight `w_i` (e.g. its sample or token
+//! count) adds `w_i * g_i` to the fp32 buffer; at the accumulation boundary the buffer is
+//! divided by `sum_i w_i`. When each micro-batch loss is a mean over its `w_i` samples, the
+//! result is exactly the gradient of the mean loss over the full batch.
+//!
+//! The divide, the loss-scale unscale and the clip factor are folded into one multiplier that
+//! the optimizer applies in its update pass, so the buffers are read once per step.
+
+use crate::params::Param;
+use anyhow::{bail, Result};
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Storage, Tensor};
+use rayon::prelude::*;
+
+/// fp32 gradient accumulation buffers, one per parameter (`None` until a gradient arrives).
+#[derive(Debug, Default)]
+pub struct GradBuffers {
+    bufs: Vec<Option<Tensor>>,
+    weight_sum: f64,
+    micro_steps: usize,
+}
+
+/// What the boundary pass found.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GradStats {
+    /// Some gradient element is inf or NaN (GradScaler's `found_inf`).
+    pub found_inf: bool,
+    /// Global L2 norm of the unscaled, weight-normalised gradients (NaN/inf when `found_inf`).
+    pub norm: f64,
+    /// Multiplier that turns buffer values into true gradients: `1 / (loss_scale * sum_w)`.
+    pub unscale: f64,
+}
+
+impl GradBuffers {
+    /// Empty buffers for `n` parameters.
+    pub fn new(n: usize) -> Self {
+        Self {
+            bufs: vec![None; n],
+            weight_sum: 0.0,
+            micro_steps: 0,
+        }
+    }
+
+    /// Adds `weight * grad` (cast to f32) for every parameter that received a gradient.
+    /// Frozen parameters are skipped. `weight` must be finite and > 0.
+    pub fn accumulate(&mut self, params: &[Param], grads: &GradStore, weight: f64) -> Result<()> {
+        if !(weight.is_finite() && weight > 0.0) {
+            bail!("micro-batch weight must be finite and > 0, got {weight}");
+        }
+        if self.bufs.len() != params.len() {
+            self.bufs.resize(params.len(), None);
+        }
+        for (buf, p) in self.bufs.iter_mut().zip(params) {
+            if p.options.frozen {
+                continue;
+            }
+            let Some(g) = grads.get(p.differentiated()) else {
+                continue;
+            };
+            let g = if g.dtype() == DType::F32 {
+                g.clone()
+            } else {
+                g.to_dtype(DType::F32)?
+            };
+            let g = if weight == 1.0 { g } else { (g * weight)? };
+            *buf = Some(match buf.take() {
+                None => g,
+                Some(acc) => (acc + g)?,
+            });
+        }
+        self.weight_sum += weight;
+        self.micro_steps += 1;
+        Ok(())
+    }
+
+    /// Micro-batches accumulated since the last [`Self::clear`].
+    pub fn micro_steps(&self) -> usize {
+        self.micro_steps
+    }
+
+    /// The buffers, aligned with the store's parameters.
+    pub fn buffers(&self) -> &[Option<Tensor>] {
+        &self.bufs
+    }
+
+    /// Drops the accumulated gradients (after the optimizer step, applied or skipped).
+    pub fn clear(&mut self) {
+        self.bufs.iter_mut().for_each(|b| *b = None);
+        self.weight_sum = 0.0;
+        self.micro_steps = 0;
+    }
+
+    /// The boundary pass: `found_inf` and the global norm of the true gradients, for a loss
+    /// scaled by `loss_scale`. `fused` selects a single rayon pass over the f32 data (CPU);
+    /// otherwise candle tensor ops are used (any device).
+    pub fn unscale_and_check(&self, loss_scale: f32, fused: bool) -> Result<GradStats> {
+        if self.weight_sum <= 0.0 {
+            bail!("unscale_and_check called with no accumulated micro-batch");
+        }
+        let unscale = 1.0 / (loss_scale as f64 * self.weight_sum);
+        let bufs: Vec<&Tensor> = self.bufs.iter().flatten().collect();
+        let (sumsq, found_inf) = if fused {
+            fused_sumsq(&bufs)?
+        } else {
+            reference_sumsq(&bufs)?
+        };
+        Ok(GradStats {
+            found_inf,
+            norm: sumsq.sqrt() * unscale,
+            unscale,
+        })
+    }
+}
+
+/// Clip factor of `torch.nn.utils.clip_grad_norm_`: `min(1, max_norm / (norm + 1e-6))`.
+pub fn clip_factor(norm: f64, max_norm: Option<f64>) -> f64 {
+    match max_norm {
+        Some(max) if norm.is_finite() => (max / (norm + 1e-6)).min(1.0),
+        _ => 1.0,
+    }
+}
+
+/// Sum of squares and non-finite detection in candle ops. `x - x` is NaN exactly where `x` is
+/// inf or NaN, so its sum detects non-finite elements without overflow false positives.
+fn reference_sumsq(bufs: &[&Tensor]) -> Result<(f64, bool)> {
+    let mut sumsq = 0f64;
+    let mut found_inf = false;
+    for g in bufs {
+        if g.elem_count() == 0 {
+            continue;
+        }
+        let nan_probe = (*g - *g)?.sum_all()?.to_scalar::<f32>()?;
+        found_inf |= !nan_probe.is_finite();
+        sumsq += g
+            .sqr()?
+            .sum_all()?
+            .to_dtype(DType::F64)?
+            .to_scalar::<f64>()?;
+    }
+    Ok((sumsq, found_inf))
+}
+
+/// One pass over every element of every buffer (f64 accumulation, rayon across chunks).
+fn fused_sumsq(bufs: &[&Tensor]) -> Result<(f64, bool)> {
+    let mut total = 0f64;
+    let mut found_inf = false;
+    for g in bufs {
+        let (s, inf) = with_cpu_f32(g, |x| {
+            x.par_chunks(1 << 14)
+                .map(|c| {
+                    let mut s = 0f64;
+                    let mut bad = false;
+                    for &v in c {
+                        bad |= !v.is_finite();
+                        s += (v as f64) * (v as f64);
+                    }
+                    (s, bad)
+                })
+                .reduce(|| (0.0, false), |a, b| (a.0 + b.0, a.1 | b.1))
+        })?;
+        total += s;
+        found_inf |= inf;
+    }
+    Ok((total, found_inf))
+}
+
+/// Runs `f` on the contiguous f32 data of a CPU tensor (copying to contiguous first if needed).
+pub(crate) fn with_cpu_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+    let t = if t.is_contiguous() {
+        t.clone()
+    } else {
+        t.contiguous()?
+    };
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cpu(cpu) = &*storage else {
+        bail!(
+            "the fused CPU path got a tensor on {:?}; use the reference path on this device",
+            t.device()
+        )
+    };
+    let data = cpu.as_slice::<f32>()?;
+    let (a, b) = layout
+        .contiguous_offsets()
+        .ok_or_else(|| anyhow::anyhow!("tensor is not contiguous"))?;
+    Ok(f(&data[a..b]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn fused_and_reference_norms_agree_and_detect_inf() -> Result<()> {
+        let a = Tensor::new(&[3f32, 4.0], &Device::Cpu)?;
+        let e = Tensor::zeros(0, DType::F32, &Device::Cpu)?;
+        let bufs = GradBuffers {
+            bufs: vec![Some(a.clone()), Some(e)],
+            weight_sum: 2.0,
+            micro_steps: 1,
+        };
+        for fused in [false, true] {
+            let s = bufs.unscale_and_check(4.0, fused)?;
+            assert!(!s.found_inf);
+            assert!((s.norm - 5.0 / 8.0).abs() < 1e-12, "{s:?}");
+        }
+        let inf = Tensor::new(&[1f32, f32::INFINITY], &Device::Cpu)?;
+        let bufs = GradBuffers {
+            bufs: vec![Some(a), Some(inf)],
+            weight_sum: 1.0,
+            micro_steps: 1,
+        };
+        assert!(bufs.unscale_and_check(1.0, true)?.found_inf);
+        assert!(bufs.unscale_and_check(1.0, false)?.found_inf);
+        assert_eq!(clip_factor(10.0, Some(1.0)), 1.0 / (10.0 + 1e-6));
+        assert_eq!(clip_factor(0.5, Some(1.0)), 1.0);
+        Ok(())
+    }
+}

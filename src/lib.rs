@@ -1,0 +1,43 @@
+//! # wick — mixed-precision training for candle
+//!
+//! wick turns a candle model plus a loss into training steps that run bf16/f16 autocast over
+//! fp32 master weights, with a dynamic loss scaler (PyTorch `GradScaler` semantics), gradient
+//! accumulation with per-micro-batch weights, global-norm clipping, and optimizers with two
+//! implementations each: a reference path in plain candle tensor ops and a fused path (a single
+//! pass per element; rayon on the CPU, multi-tensor kernels on CUDA).
+//!
+//! ```no_run
+//! use wick::{Engine, EngineConfig, ParamStore, Precision, nn, loss};
+//! use candle_core::{Device, Tensor};
+//! # fn main() -> anyhow::Result<()> {
+//! let store = ParamStore::new(Precision::Bf16Mixed, Device::Cpu, 0);
+//! let l1 = nn::Linear::new(&store, "l1", 784, 10, true)?;
+//! let mut engine = Engine::new(store, EngineConfig::adamw(1e-3))?;
+//! let (x, y) = (Tensor::zeros((8, 784), candle_core::DType::F32, &Device::Cpu)?,
+//!               Tensor::zeros(8, candle_core::DType::U32, &Device::Cpu)?);
+//! let report = engine.step(|_ctx| loss::cross_entropy(&l1.forward(&x)?, &y))?;
+//! println!("loss {}", report.loss()?);
+//! # Ok(()) }
+//! ```
+//!
+//! Module map: [`precision`] (the autocast policy), [`params`] (master weights and working
+//! copies), [`nn`] (policy-following layers), [`loss`], [`scaler`], [`grads`] (accumulation,
+//! unscale, norm, clipping), [`optim`], [`engine`] (one training step), [`coverage`] (which
+//! parameters received no gradient, and why), [`profile`] (per-phase timing), [`data`].
+
+pub mod coverage;
+pub mod data;
+pub mod engine;
+pub mod grads;
+pub mod loss;
+pub mod nn;
+pub mod optim;
+pub mod params;
+pub mod precision;
+pub mod profile;
+pub mod scaler;
+
+pub use engine::{Engine, EngineConfig, StepCtx, StepReport};
+pub use params::{ParamOptions, ParamStore};
+pub use precision::Precision;
+pub use scaler::{LossScaler, ScalerConfig};

@@ -1,0 +1,292 @@
+//! Layers that follow the autocast policy of [`crate::precision`].
+//!
+//! | layer | computes | dtype |
+//! |---|---|---|
+//! | [`Linear`] | `y = x @ w.t() + b`, `x: (.., in)`, `w: (out, in)`, `b: (out,)` | compute dtype |
+//! | [`Conv2d`] | 2-D convolution, `x: (N, C_in, H, W)`, `w: (C_out, C_in/groups, k, k)` | compute dtype |
+//! | [`Embedding`] | `y = table[ids]`, `ids: (..)` u32, `table: (vocab, dim)` | compute dtype |
+//! | [`LayerNorm`] | `y = (x - mean) / sqrt(var + eps) * gamma + beta` over the last dim | f32 |
+//!
+//! Matmul-class weights are working copies (see [`crate::params`]); LayerNorm's gain and bias
+//! are fp32 masters and its statistics run in f32, as in PyTorch's autocast, where `layer_norm`
+//! is on the fp32 list. Every layer here is differentiable with respect to every parameter:
+//! unlike `candle_nn::LayerNorm` (which uses the forward-only fused kernel on contiguous input
+//! in candle-nn 0.11.1), wick's LayerNorm is composed of differentiable ops on the CPU; fused
+//! CUDA kernels with their own backward replace it on the GPU.
+
+use crate::params::{ParamStore, Role};
+use crate::precision::{to_f32, Precision};
+use candle_core::{Module, Result, Tensor, D};
+use candle_nn::Init;
+
+fn param(
+    store: &ParamStore,
+    name: String,
+    shape: impl Into<candle_core::Shape>,
+    init: Init,
+    role: Role,
+) -> Result<Tensor> {
+    store
+        .get_or_init(&name, shape, init, role)
+        .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
+}
+
+/// Fully connected layer, `y = x @ w.t() + b`, in the compute dtype. Initialised like
+/// PyTorch's `nn.Linear`: `w, b ~ U(-1/sqrt(in), 1/sqrt(in))`. Parameter names:
+/// `{name}.weight` `(out, in)` and `{name}.bias` `(out,)`.
+#[derive(Debug, Clone)]
+pub struct Linear {
+    inner: candle_nn::Linear,
+    precision: Precision,
+}
+
+impl Linear {
+    /// Creates (or reuses) the parameters `{name}.weight` and, when `bias`, `{name}.bias`.
+    pub fn new(
+        store: &ParamStore,
+        name: &str,
+        in_dim: usize,
+        out_dim: usize,
+        bias: bool,
+    ) -> Result<Self> {
+        let bound = 1.0 / (in_dim.max(1) as f64).sqrt();
+        let init = Init::Uniform {
+            lo: -bound,
+            up: bound,
+        };
+        let w = param(
+            store,
+            format!("{name}.weight"),
+            (out_dim, in_dim),
+            init,
+            Role::Matmul,
+        )?;
+        let b = if bias {
+            Some(param(
+                store,
+                format!("{name}.bias"),
+                out_dim,
+                init,
+                Role::Matmul,
+            )?)
+        } else {
+            None
+        };
+        Ok(Self {
+            inner: candle_nn::Linear::new(w, b),
+            precision: store.precision(),
+        })
+    }
+
+    /// The weight tensor that autograd differentiates, `(out, in)`.
+    pub fn weight(&self) -> &Tensor {
+        self.inner.weight()
+    }
+}
+
+impl Module for Linear {
+    /// `x: (.., in)` of any float dtype; returns `(.., out)` in the compute dtype.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.inner.forward(&self.precision.to_compute(x)?)
+    }
+}
+
+/// 2-D convolution in the compute dtype, initialised like PyTorch's `nn.Conv2d`
+/// (`U(-1/sqrt(fan_in), 1/sqrt(fan_in))`). Parameters `{name}.weight`
+/// `(c_out, c_in/groups, k, k)` and `{name}.bias` `(c_out,)`.
+#[derive(Debug, Clone)]
+pub struct Conv2d {
+    inner: candle_nn::Conv2d,
+    precision: Precision,
+}
+
+impl Conv2d {
+    /// Creates the layer; `cfg` gives padding, stride, dilation and groups.
+    pub fn new(
+        store: &ParamStore,
+        name: &str,
+        c_in: usize,
+        c_out: usize,
+        kernel: usize,
+        cfg: candle_nn::Conv2dConfig,
+        bias: bool,
+    ) -> Result<Self> {
+        if cfg.groups == 0 || c_in % cfg.groups != 0 {
+            candle_core::bail!(
+                "Conv2d {name}: c_in {c_in} is not divisible by groups {}",
+                cfg.groups
+            );
+        }
+        let fan_in = (c_in / cfg.groups * kernel * kernel).max(1) as f64;
+        let bound = 1.0 / fan_in.sqrt();
+        let init = Init::Uniform {
+            lo: -bound,
+            up: bound,
+        };
+        let w = param(
+            store,
+            format!("{name}.weight"),
+            (c_out, c_in / cfg.groups, kernel, kernel),
+            init,
+            Role::Matmul,
+        )?;
+        let b = if bias {
+            Some(param(
+                store,
+                format!("{name}.bias"),
+                c_out,
+                init,
+                Role::Matmul,
+            )?)
+        } else {
+            None
+        };
+        Ok(Self {
+            inner: candle_nn::Conv2d::new(w, b, cfg),
+            precision: store.precision(),
+        })
+    }
+}
+
+impl Module for Conv2d {
+    /// `x: (N, C_in, H, W)`; returns `(N, C_out, H', W')` in the compute dtype.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.inner.forward(&self.precision.to_compute(x)?)
+    }
+}
+
+/// Token embedding, `y = table[ids]`, table `{name}.weight` `(vocab, dim)` in the compute
+/// dtype, initialised `N(0, std)`.
+#[derive(Debug, Clone)]
+pub struct Embedding {
+    inner: candle_nn::Embedding,
+}
+
+impl Embedding {
+    /// Creates the table, `N(0, std^2)` (GPT-2 uses `std = 0.02`, PyTorch's default is 1).
+    pub fn new(store: &ParamStore, name: &str, vocab: usize, dim: usize, std: f64) -> Result<Self> {
+        let w = param(
+            store,
+            format!("{name}.weight"),
+            (vocab, dim),
+            Init::Randn {
+                mean: 0.0,
+                stdev: std,
+            },
+            Role::Matmul,
+        )?;
+        Ok(Self {
+            inner: candle_nn::Embedding::new(w, dim),
+        })
+    }
+
+    /// The table, `(vocab, dim)` (for weight tying).
+    pub fn weight(&self) -> &Tensor {
+        self.inner.embeddings()
+    }
+}
+
+impl Module for Embedding {
+    /// `ids`: u32 of any shape `(..)`; returns `(.., dim)`.
+    fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        self.inner.forward(ids)
+    }
+}
+
+/// Layer normalisation over the last dimension (Ba et al. 2016, "Layer Normalization"),
+/// statistics and affine transform in f32 with fp32 master gain `{name}.weight` (ones) and bias
+/// `{name}.bias` (zeros), both `(dim,)`. Biased variance, as PyTorch's `nn.LayerNorm`.
+/// Differentiable with respect to the input, gain and bias.
+#[derive(Debug, Clone)]
+pub struct LayerNorm {
+    weight: Tensor,
+    bias: Tensor,
+    eps: f64,
+}
+
+impl LayerNorm {
+    /// Creates the layer; PyTorch's default `eps` is `1e-5`.
+    pub fn new(store: &ParamStore, name: &str, dim: usize, eps: f64) -> Result<Self> {
+        let weight = param(
+            store,
+            format!("{name}.weight"),
+            dim,
+            Init::Const(1.0),
+            Role::Fp32,
+        )?;
+        let bias = param(
+            store,
+            format!("{name}.bias"),
+            dim,
+            Init::Const(0.0),
+            Role::Fp32,
+        )?;
+        Ok(Self { weight, bias, eps })
+    }
+}
+
+impl Module for LayerNorm {
+    /// `x: (.., dim)` of any float dtype; returns `(.., dim)` in f32.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dim = x.dim(D::Minus1)?;
+        if dim != self.weight.dim(0)? {
+            candle_core::bail!(
+                "LayerNorm: input last dimension {dim} != normalized size {}",
+                self.weight.dim(0)?
+            );
+        }
+        let x = to_f32(x)?;
+        let mean = x.mean_keepdim(D::Minus1)?;
+        let centered = x.broadcast_sub(&mean)?;
+        let var = centered.sqr()?.mean_keepdim(D::Minus1)?;
+        let inv_std = (var + self.eps)?.sqrt()?.recip()?;
+        centered
+            .broadcast_mul(&inv_std)?
+            .broadcast_mul(&self.weight)?
+            .broadcast_add(&self.bias)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+
+    #[test]
+    fn layer_norm_matches_closed_form_and_is_differentiable() -> anyhow::Result<()> {
+        let store = ParamStore::new(Precision::Bf16Mixed, Device::Cpu, 0);
+        let ln = LayerNorm::new(&store, "ln", 4, 1e-5)?;
+        let x = Tensor::new(&[[1f32, 2., 3., 4.]], &Device::Cpu)?.to_dtype(DType::BF16)?;
+        let y = ln.forward(&x)?;
+        assert_eq!(y.dtype(), DType::F32);
+        // mean 2.5, biased var 1.25
+        let want: Vec<f32> = [1f32, 2., 3., 4.]
+            .iter()
+            .map(|v| (v - 2.5) / (1.25f32 + 1e-5).sqrt())
+            .collect();
+        let got: Vec<f32> = y.flatten_all()?.to_vec1()?;
+        for (g, w) in got.iter().zip(&want) {
+            assert!((g - w).abs() < 1e-5, "{got:?} vs {want:?}");
+        }
+        let grads = (y * Tensor::new(&[[1f32, 0., 0., 0.]], &Device::Cpu)?)?
+            .sum_all()?
+            .backward()?;
+        for p in store.params() {
+            assert!(
+                grads.get(p.differentiated()).is_some(),
+                "{} got no gradient",
+                p.name
+            );
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn linear_runs_in_compute_dtype() -> anyhow::Result<()> {
+        let store = ParamStore::new(Precision::Bf16Mixed, Device::Cpu, 0);
+        let l = Linear::new(&store, "l", 3, 2, true)?;
+        let y = l.forward(&Tensor::ones((5, 3), DType::F32, &Device::Cpu)?)?;
+        assert_eq!((y.dims(), y.dtype()), (&[5usize, 2][..], DType::BF16));
+        Ok(())
+    }
+}

@@ -1,0 +1,297 @@
+//! AdamW: Adam with decoupled weight decay (Loshchilov & Hutter, "Decoupled Weight Decay
+//! Regularization", ICLR 2019), with the semantics of `torch.optim.AdamW`:
+//! ```text
+//! t  = t + 1                                  # per-parameter step
+//! p  = p * (1 - lr * weight_decay)            # decoupled decay (only decayed groups)
+//! m  = beta1 * m + (1 - beta1) * g            # first moment (exp_avg)
+//! v  = beta2 * v + (1 - beta2) * g^2          # second moment (exp_avg_sq)
+//! p  = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+//! ```
+//! `g` is the fp32 gradient buffer times the engine's multiplier (unscale × clip). State is
+//! fp32 whatever the compute dtype.
+
+use super::Optimizer;
+use crate::grads::with_cpu_f32;
+use crate::params::Param;
+use anyhow::{bail, Result};
+use candle_core::{CpuStorage, DType, Layout, Tensor};
+use rayon::prelude::*;
+use std::sync::Mutex;
+
+/// AdamW hyper-parameters; defaults are `torch.optim.AdamW`'s.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdamWConfig {
+    /// Base learning rate (the schedule overrides it per step). Default 1e-3.
+    pub lr: f64,
+    /// First-moment decay. Default 0.9.
+    pub beta1: f64,
+    /// Second-moment decay. Default 0.999.
+    pub beta2: f64,
+    /// Denominator term. Default 1e-8.
+    pub eps: f64,
+    /// Decoupled weight decay for decayed groups. Default 0.01.
+    pub weight_decay: f64,
+}
+
+impl Default for AdamWConfig {
+    fn default() -> Self {
+        Self {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+        }
+    }
+}
+
+impl AdamWConfig {
+    /// Checks ranges: betas in [0, 1), eps > 0, weight_decay >= 0.
+    pub fn validate(&self) -> Result<()> {
+        for (n, b) in [("beta1", self.beta1), ("beta2", self.beta2)] {
+            anyhow::ensure!(
+                (0.0..1.0).contains(&b),
+                "AdamW {n} must be in [0, 1), got {b}"
+            );
+        }
+        anyhow::ensure!(self.eps > 0.0, "AdamW eps must be > 0, got {}", self.eps);
+        anyhow::ensure!(self.weight_decay >= 0.0, "AdamW weight_decay must be >= 0");
+        Ok(())
+    }
+}
+
+/// Per-parameter state: moments and step count.
+enum Moments {
+    /// candle tensors (reference path).
+    Tensors { m: Tensor, v: Tensor },
+    /// host vectors updated in place by the fused CPU pass.
+    Host { m: Vec<f32>, v: Vec<f32> },
+}
+
+struct State {
+    step: u64,
+    moments: Moments,
+}
+
+/// AdamW over fp32 masters, reference or fused.
+pub struct AdamW {
+    config: AdamWConfig,
+    fused: bool,
+    states: Vec<Option<State>>,
+    steps: u64,
+}
+
+impl AdamW {
+    /// `fused`: use the single-pass CPU implementation (see [`super::OptimPath::resolve`]).
+    pub fn new(config: AdamWConfig, fused: bool) -> Result<Self> {
+        config.validate()?;
+        Ok(Self {
+            config,
+            fused,
+            states: Vec::new(),
+            steps: 0,
+        })
+    }
+
+    /// True for the fused path.
+    pub fn is_fused(&self) -> bool {
+        self.fused
+    }
+
+    fn new_state(&self, p: &Param) -> Result<State> {
+        let moments = if self.fused {
+            let n = p.elem_count();
+            Moments::Host {
+                m: vec![0.0; n],
+                v: vec![0.0; n],
+            }
+        } else {
+            let z = p.master.zeros_like()?;
+            Moments::Tensors { m: z.clone(), v: z }
+        };
+        Ok(State { step: 0, moments })
+    }
+}
+
+/// Scalars of one parameter's update.
+#[derive(Clone, Copy)]
+struct Coeffs {
+    beta1: f32,
+    beta2: f32,
+    eps: f32,
+    decay: f32,     // 1 - lr * wd (or 1)
+    step_size: f32, // lr / (1 - beta1^t)
+    bc2_sqrt: f32,  // sqrt(1 - beta2^t)
+    grad_mult: f32,
+}
+
+impl Coeffs {
+    fn new(c: &AdamWConfig, t: u64, lr: f64, decayed: bool, grad_mult: f64) -> Self {
+        let wd = if decayed { c.weight_decay } else { 0.0 };
+        Self {
+            beta1: c.beta1 as f32,
+            beta2: c.beta2 as f32,
+            eps: c.eps as f32,
+            decay: (1.0 - lr * wd) as f32,
+            step_size: (lr / (1.0 - c.beta1.powi(t as i32))) as f32,
+            bc2_sqrt: (1.0 - c.beta2.powi(t as i32)).sqrt() as f32,
+            grad_mult: grad_mult as f32,
+        }
+    }
+}
+
+impl Optimizer for AdamW {
+    fn step(
+        &mut self,
+        params: &[Param],
+        grads: &[Option<Tensor>],
+        grad_multiplier: f64,
+        lr: f64,
+    ) -> Result<()> {
+        if grads.len() != params.len() {
+            bail!(
+                "AdamW::step: {} gradient slots for {} parameters",
+                grads.len(),
+                params.len()
+            );
+        }
+        if self.states.len() < params.len() {
+            self.states.resize_with(params.len(), || None);
+        }
+        for (i, p) in params.iter().enumerate() {
+            if grads[i].is_some() && self.states[i].is_none() {
+                self.states[i] = Some(self.new_state(p)?);
+            }
+        }
+        let config = self.config.clone();
+        let work: Vec<(&Param, &Tensor, &mut State)> = params
+            .iter()
+            .zip(grads)
+            .zip(self.states.iter_mut())
+            .filter_map(|((p, g), s)| Some((p, g.as_ref()?, s.as_mut()?)))
+            .filter(|(p, _, _)| !p.options.frozen)
+            .collect();
+        if self.fused {
+            work.into_par_iter().try_for_each(|(p, g, s)| {
+                s.step += 1;
+                let k = Coeffs::new(&config, s.step, lr, p.options.weight_decay, grad_multiplier);
+                fused_update(p, g, s, k)
+            })?;
+        } else {
+            for (p, g, s) in work {
+                s.step += 1;
+                let k = Coeffs::new(&config, s.step, lr, p.options.weight_decay, grad_multiplier);
+                reference_update(p, g, s, k)?;
+            }
+        }
+        self.steps += 1;
+        Ok(())
+    }
+
+    fn step_count(&self) -> u64 {
+        self.steps
+    }
+
+    fn state_tensors(&self, params: &[Param]) -> Result<Vec<(String, Tensor)>> {
+        let mut out = Vec::new();
+        for (p, s) in params.iter().zip(&self.states) {
+            let Some(s) = s else { continue };
+            let (m, v) = match &s.moments {
+                Moments::Tensors { m, v } => (m.clone(), v.clone()),
+                Moments::Host { m, v } => (
+                    Tensor::from_slice(m, p.master.shape(), p.master.device())?,
+                    Tensor::from_slice(v, p.master.shape(), p.master.device())?,
+                ),
+            };
+            out.push((format!("{}.exp_avg", p.name), m));
+            out.push((format!("{}.exp_avg_sq", p.name), v));
+            out.push((
+                format!("{}.step", p.name),
+                Tensor::new(&[s.step as f32], p.master.device())?,
+            ));
+        }
+        Ok(out)
+    }
+}
+
+/// Reference update in candle tensor ops (f32).
+fn reference_update(p: &Param, g: &Tensor, s: &mut State, k: Coeffs) -> Result<()> {
+    let Moments::Tensors { m, v } = &mut s.moments else {
+        bail!("AdamW state/path mismatch")
+    };
+    let g = (g.to_dtype(DType::F32)? * k.grad_mult as f64)?;
+    *m = ((&*m * k.beta1 as f64)? + (&g * (1.0 - k.beta1 as f64))?)?;
+    *v = ((&*v * k.beta2 as f64)? + (g.sqr()? * (1.0 - k.beta2 as f64))?)?;
+    let denom = ((v.sqrt()? / k.bc2_sqrt as f64)? + k.eps as f64)?;
+    let p_new =
+        ((p.master.as_tensor() * k.decay as f64)? - ((&*m / denom)? * k.step_size as f64)?)?;
+    p.master.set(&p_new)?;
+    Ok(())
+}
+
+/// The fused CPU update: one pass over each element of p, g, m, v.
+fn fused_update(p: &Param, g: &Tensor, s: &mut State, k: Coeffs) -> Result<()> {
+    let Moments::Host { m, v } = &mut s.moments else {
+        bail!("AdamW state/path mismatch")
+    };
+    with_cpu_f32(g, |g| {
+        let op = FusedAdamW {
+            g,
+            mv: Mutex::new((m.as_mut_slice(), v.as_mut_slice())),
+            k,
+        };
+        p.master.as_tensor().inplace_op1(&op)
+    })??;
+    Ok(())
+}
+
+struct FusedAdamW<'a> {
+    g: &'a [f32],
+    mv: Mutex<(&'a mut [f32], &'a mut [f32])>,
+    k: Coeffs,
+}
+
+impl candle_core::InplaceOp1 for FusedAdamW<'_> {
+    fn name(&self) -> &'static str {
+        "wick-fused-adamw-cpu"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
+        let CpuStorage::F32(data) = storage else {
+            candle_core::bail!("fused AdamW: master weights must be f32")
+        };
+        let Some((a, b)) = layout.contiguous_offsets() else {
+            candle_core::bail!("fused AdamW: master weights must be contiguous")
+        };
+        let p = &mut data[a..b];
+        let mut guard = self
+            .mv
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("poisoned".into()))?;
+        let (m, v) = &mut *guard;
+        if p.len() != self.g.len() || m.len() != p.len() {
+            candle_core::bail!(
+                "fused AdamW: {} params, {} grads, {} moments",
+                p.len(),
+                self.g.len(),
+                m.len()
+            );
+        }
+        let k = self.k;
+        const CHUNK: usize = 1 << 14;
+        p.par_chunks_mut(CHUNK)
+            .zip(m.par_chunks_mut(CHUNK))
+            .zip(v.par_chunks_mut(CHUNK))
+            .zip(self.g.par_chunks(CHUNK))
+            .for_each(|(((p, m), v), g)| {
+                for i in 0..p.len() {
+                    let gi = g[i] * k.grad_mult; // unscaled, clipped gradient
+                    m[i] = k.beta1 * m[i] + (1.0 - k.beta1) * gi; // first moment
+                    v[i] = k.beta2 * v[i] + (1.0 - k.beta2) * gi * gi; // second moment
+                    let denom = v[i].sqrt() / k.bc2_sqrt + k.eps; // sqrt(v_hat) + eps
+                    p[i] = p[i] * k.decay - (m[i] / denom) * k.step_size; // decay, then step along m_hat / denom
+                }
+            });
+        Ok(())
+    }
+}

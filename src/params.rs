@@ -1,0 +1,383 @@
+//! `ParamStore`: fp32 master weights, their working copies, and a candle-nn `VarBuilder`
+//! backend.
+//!
+//! Every parameter has an fp32 **master** (a candle [`Var`]) that the optimizer updates. In the
+//! mixed precisions a matmul-class parameter also has a **working copy** in the compute dtype
+//! (bf16/f16): that is the tensor the forward pass uses and autograd differentiates; it is
+//! refreshed from the master after each optimizer step. Parameters that feed f32 ops (norm
+//! gains and biases in wick's own layers) are differentiated as masters directly.
+//!
+//! Models written against candle-nn (`candle_nn::linear`, `conv2d`, `embedding`, ...) train
+//! unchanged through [`ParamStore::var_builder`]: every parameter they ask for gets a working
+//! copy in the compute dtype (apex's "O2" layout).
+//!
+//! Parameter groups: weight decay is off by default for tensors of rank < 2 (biases, norm
+//! gains), the usual GPT/BERT practice; [`ParamStore::set_weight_decay`] overrides it by name.
+
+use crate::precision::Precision;
+use anyhow::{bail, Context};
+use candle_core::{DType, Device, Shape, Tensor, Var};
+use candle_nn::Init;
+use rand::{rngs::StdRng, SeedableRng};
+use rand_distr::{Distribution, Normal, Uniform};
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
+
+/// Which tensor of a parameter the model's forward pass differentiates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// Input of a matmul-class op: a working copy in the compute dtype (the master itself in
+    /// [`Precision::Fp32`]).
+    Matmul,
+    /// Input of an f32 op (norm gain/bias): the fp32 master is differentiated directly.
+    Fp32,
+}
+
+/// Per-parameter options, resolved when the parameter is created.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParamOptions {
+    /// Decoupled weight decay applies to this parameter.
+    pub weight_decay: bool,
+    /// Marked frozen on purpose: never updated, and a missing gradient is only a warning.
+    pub frozen: bool,
+}
+
+/// One parameter: its name, fp32 master and optional working copy.
+#[derive(Debug, Clone)]
+pub struct Param {
+    /// The model's name for it (`"layers.0.attn.weight"`), used in checkpoints and errors.
+    pub name: String,
+    /// fp32 master weights.
+    pub master: Var,
+    /// Working copy in the compute dtype; `None` when the master is differentiated directly.
+    pub working: Option<Var>,
+    /// Group options.
+    pub options: ParamOptions,
+}
+
+impl Param {
+    /// The tensor autograd differentiates for this parameter (working copy or master).
+    pub fn differentiated(&self) -> &Tensor {
+        self.working.as_ref().unwrap_or(&self.master).as_tensor()
+    }
+
+    /// Number of elements.
+    pub fn elem_count(&self) -> usize {
+        self.master.elem_count()
+    }
+}
+
+struct Inner {
+    params: Vec<Param>,
+    by_name: HashMap<String, usize>,
+    rng: StdRng,
+    decay_overrides: Vec<(String, bool)>,
+    frozen: Vec<String>,
+}
+
+/// The parameter store. Cheap to clone (shared handle).
+#[derive(Clone)]
+pub struct ParamStore {
+    precision: Precision,
+    device: Device,
+    inner: Arc<RwLock<Inner>>,
+}
+
+/// `pattern` matches `name` exactly, or as a prefix when it ends in `*`.
+fn matches(pattern: &str, name: &str) -> bool {
+    match pattern.strip_suffix('*') {
+        Some(prefix) => name.starts_with(prefix),
+        None => pattern == name,
+    }
+}
+
+impl ParamStore {
+    /// An empty store. `seed` drives every random initialisation, so two stores built with the
+    /// same seed and the same model code hold identical weights.
+    pub fn new(precision: Precision, device: Device, seed: u64) -> Self {
+        Self {
+            precision,
+            device,
+            inner: Arc::new(RwLock::new(Inner {
+                params: Vec::new(),
+                by_name: HashMap::new(),
+                rng: StdRng::seed_from_u64(seed),
+                decay_overrides: Vec::new(),
+                frozen: Vec::new(),
+            })),
+        }
+    }
+
+    /// The precision mode.
+    pub fn precision(&self) -> Precision {
+        self.precision
+    }
+
+    /// The device the parameters live on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, Inner> {
+        self.inner.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, Inner> {
+        self.inner.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Overrides weight decay for parameters whose name equals `pattern` (or starts with it,
+    /// when `pattern` ends in `*`). Applies to existing and future parameters; later calls win.
+    pub fn set_weight_decay(&self, pattern: &str, decay: bool) {
+        let mut inner = self.write();
+        inner.decay_overrides.push((pattern.to_string(), decay));
+        for p in inner
+            .params
+            .iter_mut()
+            .filter(|p| matches(pattern, &p.name))
+        {
+            p.options.weight_decay = decay;
+        }
+    }
+
+    /// Marks matching parameters (same pattern rules as [`Self::set_weight_decay`]) frozen on
+    /// purpose: the optimizer leaves them alone and gradient coverage only warns about them.
+    pub fn freeze(&self, pattern: &str) {
+        let mut inner = self.write();
+        inner.frozen.push(pattern.to_string());
+        for p in inner
+            .params
+            .iter_mut()
+            .filter(|p| matches(pattern, &p.name))
+        {
+            p.options.frozen = true;
+        }
+    }
+
+    /// Returns the differentiated tensor of parameter `name`, creating it with `init` on first
+    /// use. `shape` must match an existing parameter of that name.
+    ///
+    /// Errors: shape mismatch with an existing parameter (names both shapes).
+    pub fn get_or_init(
+        &self,
+        name: &str,
+        shape: impl Into<Shape>,
+        init: Init,
+        role: Role,
+    ) -> anyhow::Result<Tensor> {
+        let shape = shape.into();
+        let mut inner = self.write();
+        if let Some(&i) = inner.by_name.get(name) {
+            let p = &inner.params[i];
+            if p.master.shape() != &shape {
+                bail!(
+                    "parameter {name:?} exists with shape {:?} but shape {:?} was requested; \
+                     two layers probably share a name",
+                    p.master.shape(),
+                    shape
+                );
+            }
+            return Ok(p.differentiated().clone());
+        }
+        let values = sample_init(&init, &shape, &mut inner.rng)
+            .with_context(|| format!("initialising parameter {name:?}"))?;
+        let master = Var::from_vec(values, shape.clone(), &self.device)?;
+        let working = match (role, self.precision.is_mixed()) {
+            (Role::Matmul, true) => Some(Var::from_tensor(
+                &master
+                    .as_tensor()
+                    .to_dtype(self.precision.compute_dtype())?,
+            )?),
+            _ => None,
+        };
+        let mut options = ParamOptions {
+            weight_decay: shape.rank() >= 2,
+            frozen: false,
+        };
+        for (pattern, decay) in &inner.decay_overrides {
+            if matches(pattern, name) {
+                options.weight_decay = *decay;
+            }
+        }
+        options.frozen = inner.frozen.iter().any(|p| matches(p, name));
+        let param = Param {
+            name: name.to_string(),
+            master,
+            working,
+            options,
+        };
+        let t = param.differentiated().clone();
+        let idx = inner.params.len();
+        inner.params.push(param);
+        inner.by_name.insert(name.to_string(), idx);
+        Ok(t)
+    }
+
+    /// All parameters in creation order (cheap clones of shared handles).
+    pub fn params(&self) -> Vec<Param> {
+        self.read().params.clone()
+    }
+
+    /// Number of parameters (tensors).
+    pub fn len(&self) -> usize {
+        self.read().params.len()
+    }
+
+    /// True when no parameter has been created.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Total number of scalar parameters.
+    pub fn num_elements(&self) -> usize {
+        self.read().params.iter().map(Param::elem_count).sum()
+    }
+
+    /// The parameter called `name`, if any.
+    pub fn get(&self, name: &str) -> Option<Param> {
+        let inner = self.read();
+        inner.by_name.get(name).map(|&i| inner.params[i].clone())
+    }
+
+    /// Copies every master into its working copy (cast to the compute dtype, round to nearest
+    /// even). Called by the engine after each applied optimizer step.
+    pub fn refresh_working_copies(&self) -> candle_core::Result<()> {
+        for p in self.read().params.iter() {
+            if let Some(w) = &p.working {
+                w.set(&p.master.as_tensor().to_dtype(w.dtype())?)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A candle-nn `VarBuilder` over this store, so candle-nn models train unchanged. Tensors
+    /// it hands out are working copies in the compute dtype (masters in fp32 mode).
+    pub fn var_builder(&self) -> candle_nn::VarBuilder<'static> {
+        candle_nn::VarBuilder::from_backend(
+            Box::new(StoreBackend(self.clone())),
+            self.precision.compute_dtype(),
+            self.device.clone(),
+        )
+    }
+}
+
+/// Draws initial values on the host with the store's seeded RNG (candle's CPU RNG cannot be
+/// seeded). Follows candle-nn's `Init` semantics, including Kaiming's gain and fan.
+fn sample_init(init: &Init, shape: &Shape, rng: &mut StdRng) -> anyhow::Result<Vec<f32>> {
+    let n = shape.elem_count();
+    let uniform = |lo: f64, up: f64, rng: &mut StdRng| -> anyhow::Result<Vec<f32>> {
+        if lo == up {
+            return Ok(vec![lo as f32; n]);
+        }
+        let d = Uniform::new(lo, up).context("invalid uniform bounds")?;
+        Ok((0..n).map(|_| d.sample(rng) as f32).collect())
+    };
+    let normal = |mean: f64, std: f64, rng: &mut StdRng| -> anyhow::Result<Vec<f32>> {
+        let d = Normal::new(mean, std).context("invalid normal std")?;
+        Ok((0..n).map(|_| d.sample(rng) as f32).collect())
+    };
+    match init {
+        Init::Const(c) => Ok(vec![*c as f32; n]),
+        Init::Uniform { lo, up } => uniform(*lo, *up, rng),
+        Init::Randn { mean, stdev } => normal(*mean, *stdev, rng),
+        Init::Kaiming {
+            dist,
+            fan,
+            non_linearity,
+        } => {
+            let fan = fan.for_shape(shape).max(1) as f64;
+            let std = non_linearity.gain() / fan.sqrt();
+            match dist {
+                candle_nn::init::NormalOrUniform::Uniform => {
+                    let bound = 3f64.sqrt() * std;
+                    uniform(-bound, bound, rng)
+                }
+                candle_nn::init::NormalOrUniform::Normal => normal(0.0, std, rng),
+            }
+        }
+    }
+}
+
+struct StoreBackend(ParamStore);
+
+impl candle_nn::var_builder::SimpleBackend for StoreBackend {
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        h: Init,
+        dtype: DType,
+        _dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        let t = self
+            .0
+            .get_or_init(name, s, h, Role::Matmul)
+            .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?;
+        if t.dtype() == dtype {
+            Ok(t)
+        } else {
+            t.to_dtype(dtype)
+        }
+    }
+
+    fn get_unchecked(
+        &self,
+        name: &str,
+        dtype: DType,
+        _dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        match self.0.get(name) {
+            Some(p) => p.differentiated().to_dtype(dtype),
+            None => Err(candle_core::Error::Msg(format!(
+                "parameter {name:?} does not exist in the ParamStore and no shape was given to create it"
+            ))),
+        }
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.0.get(name).is_some()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn same_seed_same_weights_and_decay_groups() -> anyhow::Result<()> {
+        let a = ParamStore::new(Precision::Bf16Mixed, Device::Cpu, 7);
+        let b = ParamStore::new(Precision::Bf16Mixed, Device::Cpu, 7);
+        for s in [&a, &b] {
+            let vb = s.var_builder();
+            candle_nn::linear(4, 3, vb.pp("l"))?;
+        }
+        let (pa, pb) = (a.params(), b.params());
+        assert_eq!(pa.len(), 2);
+        let wa: Vec<f32> = pa[0].master.flatten_all()?.to_vec1()?;
+        let wb: Vec<f32> = pb[0].master.flatten_all()?.to_vec1()?;
+        assert_eq!(wa, wb);
+        assert_eq!(pa[0].working.as_ref().unwrap().dtype(), DType::BF16);
+        assert!(
+            pa[0].options.weight_decay,
+            "rank-2 weight decays by default"
+        );
+        assert!(
+            !pa[1].options.weight_decay,
+            "rank-1 bias does not decay by default"
+        );
+        a.set_weight_decay("l.bias", true);
+        assert!(a.get("l.bias").unwrap().options.weight_decay);
+        Ok(())
+    }
+
+    #[test]
+    fn shape_mismatch_is_an_error() {
+        let s = ParamStore::new(Precision::Fp32, Device::Cpu, 0);
+        s.get_or_init("w", (2, 2), Init::Const(0.), Role::Matmul)
+            .unwrap();
+        let err = s
+            .get_or_init("w", (3, 2), Init::Const(0.), Role::Matmul)
+            .unwrap_err();
+        assert!(format!("{err}").contains("\"w\""), "{err}");
+    }
+}
