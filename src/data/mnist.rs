@@ -141,6 +141,12 @@ fn load_split(dir: &Path, images_name: &str, labels_name: &str) -> Result<(Tenso
             images_path.display()
         );
     }
+    if count == 0 {
+        bail!(
+            "{}: the dataset is empty (0 images); re-run scripts/fetch_mnist.sh",
+            images_path.display()
+        );
+    }
     let labels = read_idx_labels(&labels_path)?;
     if labels.len() != count {
         bail!(

@@ -113,28 +113,37 @@ impl AdamW {
     }
 }
 
-/// Scalars of one parameter's update.
+/// Scalars of one parameter's update, rounded to f32 once so that the reference and fused
+/// paths perform bit-identical arithmetic (same constants, same operation order).
 #[derive(Clone, Copy)]
 struct Coeffs {
     beta1: f32,
+    one_minus_beta1: f32,
     beta2: f32,
+    one_minus_beta2: f32,
     eps: f32,
-    decay: f32,     // 1 - lr * wd (or 1)
-    step_size: f32, // lr / (1 - beta1^t)
-    bc2_sqrt: f32,  // sqrt(1 - beta2^t)
+    /// `1 - lr * weight_decay` (1 for groups without decay).
+    decay: f32,
+    /// `lr / (1 - beta1^t)`.
+    step_size: f32,
+    /// `1 / sqrt(1 - beta2^t)`.
+    inv_bc2_sqrt: f32,
     grad_mult: f32,
 }
 
 impl Coeffs {
     fn new(c: &AdamWConfig, t: u64, lr: f64, decayed: bool, grad_mult: f64) -> Self {
         let wd = if decayed { c.weight_decay } else { 0.0 };
+        let t = t.min(i32::MAX as u64) as i32;
         Self {
             beta1: c.beta1 as f32,
+            one_minus_beta1: (1.0 - c.beta1) as f32,
             beta2: c.beta2 as f32,
+            one_minus_beta2: (1.0 - c.beta2) as f32,
             eps: c.eps as f32,
             decay: (1.0 - lr * wd) as f32,
-            step_size: (lr / (1.0 - c.beta1.powi(t as i32))) as f32,
-            bc2_sqrt: (1.0 - c.beta2.powi(t as i32)).sqrt() as f32,
+            step_size: (lr / (1.0 - c.beta1.powi(t))) as f32,
+            inv_bc2_sqrt: (1.0 / (1.0 - c.beta2.powi(t)).sqrt()) as f32,
             grad_mult: grad_mult as f32,
         }
     }
@@ -219,12 +228,15 @@ fn reference_update(p: &Param, g: &Tensor, s: &mut State, k: Coeffs) -> Result<(
     let Moments::Tensors { m, v } = &mut s.moments else {
         bail!("AdamW state/path mismatch")
     };
+    if p.elem_count() == 0 {
+        return Ok(()); // candle's ops return empty tensors that alias their input
+    }
     let g = (g.to_dtype(DType::F32)? * k.grad_mult as f64)?;
-    *m = ((&*m * k.beta1 as f64)? + (&g * (1.0 - k.beta1 as f64))?)?;
-    *v = ((&*v * k.beta2 as f64)? + (g.sqr()? * (1.0 - k.beta2 as f64))?)?;
-    let denom = ((v.sqrt()? / k.bc2_sqrt as f64)? + k.eps as f64)?;
-    let p_new =
-        ((p.master.as_tensor() * k.decay as f64)? - ((&*m / denom)? * k.step_size as f64)?)?;
+    *m = ((&*m * k.beta1 as f64)? + (&g * k.one_minus_beta1 as f64)?)?;
+    *v = ((&*v * k.beta2 as f64)? + (g.sqr()? * k.one_minus_beta2 as f64)?)?;
+    let denom = v.sqrt()?.affine(k.inv_bc2_sqrt as f64, k.eps as f64)?;
+    let p_new = ((p.master.as_detached_tensor() * k.decay as f64)?
+        - ((&*m / denom)? * k.step_size as f64)?)?;
     p.master.set(&p_new)?;
     Ok(())
 }
@@ -286,10 +298,10 @@ impl candle_core::InplaceOp1 for FusedAdamW<'_> {
             .for_each(|(((p, m), v), g)| {
                 for i in 0..p.len() {
                     let gi = g[i] * k.grad_mult; // unscaled, clipped gradient
-                    m[i] = k.beta1 * m[i] + (1.0 - k.beta1) * gi; // first moment
-                    v[i] = k.beta2 * v[i] + (1.0 - k.beta2) * gi * gi; // second moment
-                    let denom = v[i].sqrt() / k.bc2_sqrt + k.eps; // sqrt(v_hat) + eps
-                    p[i] = p[i] * k.decay - (m[i] / denom) * k.step_size; // decay, then step along m_hat / denom
+                    m[i] = m[i] * k.beta1 + gi * k.one_minus_beta1; // first moment
+                    v[i] = v[i] * k.beta2 + (gi * gi) * k.one_minus_beta2; // second moment
+                    let denom = v[i].sqrt() * k.inv_bc2_sqrt + k.eps; // sqrt(v_hat) + eps
+                    p[i] = p[i] * k.decay - (m[i] / denom) * k.step_size; // decoupled decay, Adam step
                 }
             });
         Ok(())
