@@ -26,10 +26,13 @@
 //! parameters received no gradient, and why), [`profile`] (per-phase timing), [`data`].
 
 pub mod coverage;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod data;
 pub mod engine;
 pub mod grads;
 pub mod loss;
+pub mod multi_tensor;
 pub mod nn;
 pub mod optim;
 pub mod params;

@@ -1,0 +1,84 @@
+// Gradient statistics at the accumulation boundary, without host synchronisation:
+//   mt_sumsq_<g>         per-block partial sums of (g * inv_scale)^2 over many tensors
+//                        (a block that meets inf/NaN writes NaN), one pass over the gradients;
+//   finalize_grad_stats  sums the partials in a fixed order (deterministic: no float atomics)
+//                        and writes stats = [found_inf, norm, multiplier], where
+//                        multiplier = inv_scale * min(1, max_norm / (norm + 1e-6)), the clip rule
+//                        of torch.nn.utils.clip_grad_norm_;
+//   mt_unscale_check_<g> in-place g *= inv_scale with found_inf detection, the analogue of
+//                        torch._amp_foreach_non_finite_check_and_unscale_ (for users who want
+//                        unscaled gradients before the step).
+// inv_scale = 1 / (loss_scale * weight_sum); the loss scale is read from the device state
+// amp_state = [scale, growth_tracker, hysteresis_left, applied_steps].
+#include "multi_tensor.cuh"
+
+template <typename G>
+__device__ void sumsq_block(const TensorListMeta<1>& meta, float* partials, int block_offset,
+                            const float* amp_state, float inv_weight_sum) {
+    __shared__ float smem[32];
+    const int t = meta.block_tensor[blockIdx.x];
+    const int64_t start = (int64_t)meta.block_chunk[blockIdx.x] * MT_CHUNK;
+    const int64_t n = min((int64_t)MT_CHUNK, meta.numel[t] - start);
+    const G* g = mt_ptr<const G>(meta.addr[0][t]) + start;
+    const float inv = inv_weight_sum / amp_state[0];   // unscale before squaring: no overflow
+    float acc = 0.0f;
+    bool bad = false;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        float v = to_f32(g[i]);
+        bad |= !isfinite(v);
+        v *= inv;
+        acc += v * v;
+    }
+    bad = __syncthreads_or(bad);
+    float total = block_sum(acc, smem);
+    if (threadIdx.x == 0) partials[block_offset + blockIdx.x] = bad ? NAN : total;
+}
+
+// stats[0] = found_inf (0/1), stats[1] = global L2 norm of the unscaled gradients,
+// stats[2] = multiplier for the optimizer (unscale x clip). One block.
+extern "C" __global__ void finalize_grad_stats(const float* partials, int n, const float* amp_state,
+                                               float inv_weight_sum, float max_norm, float* stats) {
+    __shared__ float smem[32];
+    float acc = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) acc += partials[i];   // fixed order per thread
+    float total = block_sum(acc, smem);                                     // fixed tree order
+    if (threadIdx.x == 0) {
+        float norm = sqrtf(total);
+        bool found_inf = !isfinite(total);
+        float clip = (max_norm > 0.0f && !found_inf) ? fminf(1.0f, max_norm / (norm + 1e-6f)) : 1.0f;
+        stats[0] = found_inf ? 1.0f : 0.0f;
+        stats[1] = norm;
+        stats[2] = inv_weight_sum / amp_state[0] * clip;
+    }
+}
+
+template <typename G>
+__device__ void unscale_check_block(const TensorListMeta<1>& meta, float* found_inf, float inv_scale) {
+    const int t = meta.block_tensor[blockIdx.x];
+    const int64_t start = (int64_t)meta.block_chunk[blockIdx.x] * MT_CHUNK;
+    const int64_t n = min((int64_t)MT_CHUNK, meta.numel[t] - start);
+    G* g = mt_ptr<G>(meta.addr[0][t]) + start;
+    bool bad = false;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        float v = to_f32(g[i]);
+        bad |= !isfinite(v);
+        g[i] = from_f32<G>(v * inv_scale);
+    }
+    // every writer stores the same value, so the race is benign (no read-modify-write)
+    if (__syncthreads_or(bad) && threadIdx.x == 0) *found_inf = 1.0f;
+}
+
+// ---------------------------------------------------------------------------------------------
+#define SUMSQ(SUFFIX, G)                                                                           \
+    extern "C" __global__ void mt_sumsq_##SUFFIX(TensorListMeta<1> meta, float* partials,         \
+                                                 int block_offset, const float* amp_state,        \
+                                                 float inv_weight_sum) {                          \
+        sumsq_block<G>(meta, partials, block_offset, amp_state, inv_weight_sum);                  \
+    }                                                                                              \
+    extern "C" __global__ void mt_unscale_check_##SUFFIX(TensorListMeta<1> meta, float* found_inf, \
+                                                         float inv_scale) {                       \
+        unscale_check_block<G>(meta, found_inf, inv_scale);                                       \
+    }
+SUMSQ(f32, float)
+SUMSQ(bf16, __nv_bfloat16)
+SUMSQ(f16, __half)

@@ -1,0 +1,79 @@
+// Multi-tensor apply: one launch covers many tensors. The host splits every tensor into chunks
+// of MT_CHUNK elements and gives each thread block one (tensor, chunk) pair; the table of
+// tensor addresses and block assignments travels as a by-value kernel argument (no memcpy, no
+// host synchronisation), so it must stay under the 4 KiB kernel-parameter limit. The same
+// scheme as apex/PyTorch's multi_tensor_apply. The Rust mirror of TensorListMeta is in
+// src/cuda/multi_tensor.rs and must keep the same layout.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#define MT_CHUNK 65536
+#define MT_BLOCK 512
+#define MT_MAX_TENSORS 24
+#define MT_MAX_BLOCKS 160
+
+template <int DEPTH>
+struct TensorListMeta {
+    uint64_t addr[DEPTH][MT_MAX_TENSORS];   // device address of list d, tensor t (0 = absent)
+    int64_t numel[MT_MAX_TENSORS];          // elements of tensor t
+    int32_t block_tensor[MT_MAX_BLOCKS];    // tensor handled by block b
+    int32_t block_chunk[MT_MAX_BLOCKS];     // chunk index within that tensor
+    int32_t tensor_group[MT_MAX_TENSORS];   // per-tensor integer attribute (e.g. decay on/off)
+    int32_t tensor_index[MT_MAX_TENSORS];   // index of tensor t in the whole list (for per-tensor outputs)
+};
+
+// Conversions between storage types and f32 (all arithmetic is f32).
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+
+template <typename T> __device__ __forceinline__ T from_f32(float x);
+template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
+
+// Stochastic rounding of an f32 to bf16/f16: add uniform noise below the kept mantissa bits,
+// then truncate. The noise comes from a counter-based hash (seed, element index), so the
+// result is reproducible from the seed alone.
+__device__ __forceinline__ uint32_t mt_hash(uint32_t a, uint32_t b) {
+    uint32_t h = a * 0x9E3779B1u ^ (b + 0x7F4A7C15u);
+    h ^= h >> 16; h *= 0x85EBCA6Bu; h ^= h >> 13; h *= 0xC2B2AE35u; h ^= h >> 16;
+    return h;
+}
+template <typename T> __device__ __forceinline__ T round_stochastic(float x, uint32_t seed, uint32_t idx);
+template <> __device__ __forceinline__ float round_stochastic<float>(float x, uint32_t, uint32_t) { return x; }
+template <> __device__ __forceinline__ __nv_bfloat16 round_stochastic<__nv_bfloat16>(float x, uint32_t seed, uint32_t idx) {
+    if (!isfinite(x)) return __float2bfloat16_rn(x);
+    uint32_t bits = __float_as_uint(x);
+    bits += mt_hash(seed, idx) & 0xFFFFu;        // noise in the 16 bits bf16 drops
+    bits &= 0xFFFF0000u;                          // truncate
+    return __float2bfloat16_rz(__uint_as_float(bits));
+}
+template <> __device__ __forceinline__ __half round_stochastic<__half>(float x, uint32_t seed, uint32_t idx) {
+    // f16 has a different exponent range: round via the nearest neighbours instead of bits.
+    __half lo = __float2half_rd(x), hi = __float2half_ru(x);
+    float flo = __half2float(lo), fhi = __half2float(hi);
+    if (fhi == flo) return lo;
+    float u = (mt_hash(seed, idx) >> 8) * (1.0f / 16777216.0f);
+    return (x - flo) / (fhi - flo) > u ? hi : lo;
+}
+
+template <typename T>
+__device__ __forceinline__ T* mt_ptr(uint64_t a) { return reinterpret_cast<T*>(a); }
+
+// Sum of a float over the block, deterministic (fixed tree order). `smem` holds blockDim.x floats.
+__device__ __forceinline__ float block_sum(float v, float* smem) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) smem[warp] = v;
+    __syncthreads();
+    int nwarps = (blockDim.x + 31) >> 5;
+    v = (threadIdx.x < nwarps) ? smem[threadIdx.x] : 0.0f;
+    if (warp == 0) {
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+    }
+    __syncthreads();
+    return v; // valid in thread 0
+}

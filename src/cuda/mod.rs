@@ -1,0 +1,67 @@
+//! CUDA kernels (feature `cuda`): PTX compiled from `kernels/*.cu` by build.rs, loaded once
+//! per device through candle's `CudaDevice::get_or_load_custom_func`, and launched with cudarc
+//! on candle's stream, so they are ordered with candle's own kernels without any host
+//! synchronisation.
+//!
+//! Each `kernels/<name>.cu` has a launcher here in `<name>.rs` and a CPU reference that the
+//! tests compare against (`cargo test --features cuda` on a GPU machine).
+
+/// The embedded PTX modules, one constant per `kernels/*.cu` file.
+pub mod ptx {
+    include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
+}
+
+use anyhow::{bail, Result};
+use candle_core::cuda::cudarc::driver::{DevicePtr, LaunchConfig};
+use candle_core::cuda_backend::CudaDevice;
+use candle_core::{DType, Device, Storage, Tensor};
+
+/// The CUDA device of `t`, or an error naming what was found.
+pub fn cuda_device(t: &Tensor) -> Result<CudaDevice> {
+    match t.device() {
+        Device::Cuda(d) => Ok(d.clone()),
+        other => bail!("expected a CUDA tensor, found one on {other:?}"),
+    }
+}
+
+/// Device address of the first element of a contiguous CUDA tensor (f32, bf16, f16, u32).
+///
+/// The address stays valid while `t` (or a clone sharing its storage) is alive; candle never
+/// moves a storage. Every launch goes to candle's single stream, so ordering with candle's
+/// own kernels is the stream order. Errors for non-CUDA or non-contiguous tensors.
+pub fn addr(t: &Tensor) -> Result<u64> {
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cuda(c) = &*storage else {
+        bail!("expected a CUDA tensor, found one on {:?}", t.device())
+    };
+    if !layout.is_contiguous() {
+        bail!("kernel input of shape {:?} is not contiguous; call .contiguous() first", t.dims());
+    }
+    let stream = c.device.cuda_stream();
+    let (base, elem) = match t.dtype() {
+        DType::F32 => (c.as_cuda_slice::<f32>()?.device_ptr(&stream).0, 4),
+        DType::BF16 => (c.as_cuda_slice::<half::bf16>()?.device_ptr(&stream).0, 2),
+        DType::F16 => (c.as_cuda_slice::<half::f16>()?.device_ptr(&stream).0, 2),
+        DType::U32 => (c.as_cuda_slice::<u32>()?.device_ptr(&stream).0, 4),
+        d => bail!("unsupported dtype {d:?} for a wick kernel"),
+    };
+    Ok(base + (layout.start_offset() * elem) as u64)
+}
+
+// SAFETY: plain-old-data with the C layout of the kernels' by-value `TensorListMeta`.
+unsafe impl<const D: usize> candle_core::cuda::cudarc::driver::DeviceRepr for crate::multi_tensor::Meta<D> {}
+
+/// Launch configuration of a multi-tensor launch: one block of `MT_BLOCK` threads per chunk.
+pub fn mt_config<const D: usize>(l: &crate::multi_tensor::Launch<D>) -> LaunchConfig {
+    LaunchConfig { grid_dim: (l.blocks, 1, 1), block_dim: (crate::multi_tensor::BLOCK, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// Kernel-name suffix for a storage dtype: `f32`, `bf16`, `f16`.
+pub fn dtype_suffix(d: DType) -> Result<&'static str> {
+    Ok(match d {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        d => bail!("unsupported dtype {d:?}: wick kernels take f32, bf16 or f16"),
+    })
+}
