@@ -14,7 +14,7 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use rand::{rngs::StdRng, SeedableRng};
 use rand_distr::{Distribution, Normal};
 use std::time::Duration;
-use wick::optim::{AdamW, AdamWConfig, Optimizer};
+use wick::optim::{AdamW, AdamWConfig, GradStats, Impl, Optimizer, StepInputs};
 use wick::params::Role;
 use wick::{ParamStore, Precision};
 
@@ -60,9 +60,24 @@ fn adamw_step_mlp(c: &mut Criterion) {
     group.warm_up_time(Duration::from_secs(1));
     group.measurement_time(Duration::from_secs(3));
     for (label, fused) in [("reference", false), ("fused", true)] {
-        let mut opt = AdamW::new(AdamWConfig::default(), fused).expect("AdamW config");
+        let mut opt = AdamW::new(
+            AdamWConfig::default(),
+            if fused {
+                Impl::FusedCpu
+            } else {
+                Impl::Reference
+            },
+        )
+        .expect("AdamW config");
         group.bench_function(label, |b| {
-            b.iter(|| opt.step(&params, &grads, 1.0, lr).expect("AdamW step"))
+            b.iter(|| {
+                opt.step(
+                    &params,
+                    &grads,
+                    StepInputs::host(&GradStats::clean(1.0), lr),
+                )
+                .expect("AdamW step")
+            })
         });
     }
     group.finish();

@@ -1,24 +1,25 @@
 // Gradient accumulation into fp32 buffers over many tensors: acc = (first ? 0 : acc) + weight * g,
-// with g in f32/bf16/f16. Lists: 0 = acc (f32), 1 = g (G).
+// with g in f32/bf16/f16. Lists: 0 = acc (f32), 1 = g (G). tensor_group = 1 (first) for a tensor
+// whose buffer holds nothing of this accumulation window yet.
 #include "multi_tensor.cuh"
 
 template <typename G>
-__device__ void accumulate_block(const TensorListMeta<2>& meta, float weight, int first) {
+__device__ void accumulate_block(const TensorListMeta<2>& meta, float weight) {
     const int t = meta.block_tensor[blockIdx.x];
     const int64_t start = (int64_t)meta.block_chunk[blockIdx.x] * MT_CHUNK;
     const int64_t n = min((int64_t)MT_CHUNK, meta.numel[t] - start);
     float* acc = mt_ptr<float>(meta.addr[0][t]) + start;
     const G* g = mt_ptr<const G>(meta.addr[1][t]) + start;
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-        float prev = first ? 0.0f : acc[i];
+        float prev = meta.tensor_group[t] ? 0.0f : acc[i];
         acc[i] = prev + weight * to_f32(g[i]);
     }
 }
 
 // ---------------------------------------------------------------------------------------------
 #define ACC(SUFFIX, G)                                                                             \
-    extern "C" __global__ void mt_accumulate_##SUFFIX(TensorListMeta<2> meta, float weight, int first) { \
-        accumulate_block<G>(meta, weight, first);                                                 \
+    extern "C" __global__ void mt_accumulate_##SUFFIX(TensorListMeta<2> meta, float weight) { \
+        accumulate_block<G>(meta, weight);                                                 \
     }
 ACC(f32, float)
 ACC(bf16, __nv_bfloat16)

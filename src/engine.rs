@@ -12,16 +12,16 @@
 //! apply_update (skipped when found_inf)     → masters and moments; step count
 //! refresh_working_copies                    → bf16/f16 copies from the masters
 //! update_scale                              → GradScaler state machine
-//! advance the LR schedule (applied steps only)
+//! advance the LR schedule (every boundary, as scheduler.step() in a GradScaler loop)
 //! ```
 
 use crate::coverage::Coverage;
-use crate::grads::{clip_factor, GradBuffers, GradStats};
-use crate::optim::{AdamW, AdamWConfig, LrSchedule, OptimPath, Optimizer};
+use crate::grads::{GradBuffers, GradStats};
+use crate::optim::{AdamW, AdamWConfig, Impl, LrSchedule, OptimPath, Optimizer, StepInputs};
 use crate::params::{Param, ParamStore};
 use crate::precision::Precision;
 use crate::profile::PhaseTimes;
-use crate::scaler::{LossScaler, ScalerConfig};
+use crate::scaler::{LossScaler, ScalerConfig, ScalerState};
 use anyhow::{bail, Context, Result};
 use candle_core::{backprop::GradStore, DType, Tensor};
 use std::time::Instant;
@@ -91,23 +91,27 @@ impl StepCtx<'_> {
     }
 }
 
-/// The outcome of one call to [`Engine::step`].
+/// The outcome of one call to [`Engine::step`]. Values that live on the device (the loss, and
+/// on the fused CUDA path the gradient statistics and the loss scale) are read back only when
+/// their accessor is called, so logging every N steps costs one synchronisation per N steps.
 #[derive(Debug, Clone)]
 pub struct StepReport {
     loss: Tensor,
+    stats: Option<GradStats>,
+    loss_scale: ScaleValue,
     /// True when this micro-batch closed an accumulation window (an optimizer step ran or was
     /// skipped).
     pub boundary: bool,
-    /// At a boundary: the step had inf/NaN gradients and changed nothing but the loss scale.
-    pub skipped: bool,
-    /// At a boundary: global L2 norm of the unscaled gradients, before clipping.
-    pub grad_norm: Option<f64>,
-    /// Learning rate used by this step's update (the next update's rate between boundaries).
+    /// Learning rate of this window's optimizer step.
     pub lr: f64,
-    /// Loss scale used for this micro-batch's backward.
-    pub loss_scale: f32,
     /// Per-phase wall times of this call (data/h2d are zero: the caller measures them).
     pub times: PhaseTimes,
+}
+
+#[derive(Debug, Clone)]
+enum ScaleValue {
+    Host(f32),
+    Device(Tensor),
 }
 
 impl StepReport {
@@ -120,6 +124,31 @@ impl StepReport {
     pub fn loss_tensor(&self) -> &Tensor {
         &self.loss
     }
+
+    /// At a boundary: whether the step had inf/NaN gradients and changed nothing but the loss
+    /// scale. `false` between boundaries.
+    pub fn skipped(&self) -> Result<bool> {
+        Ok(match &self.stats {
+            Some(s) => s.read()?.found_inf,
+            None => false,
+        })
+    }
+
+    /// At a boundary: the global L2 norm of the unscaled gradients, before clipping.
+    pub fn grad_norm(&self) -> Result<Option<f64>> {
+        Ok(match &self.stats {
+            Some(s) => Some(s.read()?.norm),
+            None => None,
+        })
+    }
+
+    /// The loss scale this micro-batch's backward used.
+    pub fn loss_scale(&self) -> Result<f32> {
+        Ok(match &self.loss_scale {
+            ScaleValue::Host(s) => *s,
+            ScaleValue::Device(t) => t.to_vec1::<f32>()?[0],
+        })
+    }
 }
 
 /// The training engine: parameters, optimizer, loss scaler and gradient buffers.
@@ -127,10 +156,15 @@ pub struct Engine {
     store: ParamStore,
     config: EngineConfig,
     optimizer: Box<dyn Optimizer>,
-    fused: bool,
+    imp: Impl,
     scaler: LossScaler,
+    /// `[scale, growth_tracker, hysteresis_left, applied_steps]` on the device (fused CUDA).
+    amp_state: Option<Tensor>,
     grads: GradBuffers,
-    optimizer_steps: u64,
+    /// Accumulation boundaries so far (applied or skipped): the schedule's step.
+    boundaries: u64,
+    /// Applied optimizer steps (host paths; on the fused CUDA path `amp_state[3]`).
+    applied_steps: u64,
     check_coverage_next: bool,
 }
 
@@ -149,9 +183,9 @@ impl Engine {
             );
         }
         config.schedule.validate()?;
-        let fused = config.path.resolve(store.device())?;
+        let imp = config.path.resolve(store.device())?;
         let optimizer: Box<dyn Optimizer> = match &config.optimizer {
-            OptimizerConfig::AdamW(c) => Box::new(AdamW::new(c.clone(), fused)?),
+            OptimizerConfig::AdamW(c) => Box::new(AdamW::new(c.clone(), imp)?),
         };
         let scaler = LossScaler::new(
             config
@@ -159,14 +193,29 @@ impl Engine {
                 .clone()
                 .unwrap_or_else(|| ScalerConfig::default_for(store.precision())),
         )?;
+        let amp_state = match imp {
+            Impl::FusedCuda => {
+                let s = scaler.state();
+                let v = [
+                    s.scale,
+                    s.growth_tracker as f32,
+                    s.hysteresis_left as f32,
+                    0.0,
+                ];
+                Some(Tensor::new(&v, store.device())?)
+            }
+            _ => None,
+        };
         Ok(Self {
             grads: GradBuffers::new(store.len()),
             store,
             config,
             optimizer,
-            fused,
+            imp,
             scaler,
-            optimizer_steps: 0,
+            amp_state,
+            boundaries: 0,
+            applied_steps: 0,
             check_coverage_next: true,
         })
     }
@@ -183,9 +232,10 @@ impl Engine {
     /// Runs `forward` (which must return a scalar loss, a mean over its micro-batch), then
     /// backward, and accumulates the gradient with `weight` (e.g. the micro-batch's sample or
     /// token count: the applied gradient is `sum w_i g_i / sum w_i`). Every
-    /// `accumulation_steps` calls, the optimizer step runs.
+    /// `accumulation_steps` calls, the optimizer step runs. On the fused CUDA path nothing in
+    /// here waits for the device.
     ///
-    /// Errors: the loss is not a scalar or not finite-typed; `weight` not finite and > 0; a
+    /// Errors: the loss is not a one-element float tensor; `weight` not finite and > 0; a
     /// trainable parameter got no gradient on the first backward (see [`crate::coverage`]).
     /// An error leaves the parameters and optimizer state untouched.
     pub fn step_weighted<F, E>(&mut self, weight: f64, forward: F) -> Result<StepReport>
@@ -198,7 +248,6 @@ impl Engine {
         }
         let params = self.store.params();
         let mut times = PhaseTimes::default();
-        let loss_scale = self.scaler.scale();
 
         // forward under the autocast policy
         let t = Instant::now();
@@ -214,51 +263,58 @@ impl Engine {
 
         // scale the loss, backward
         let t = Instant::now();
+        let loss_scale = self.current_scale()?;
         let grads = self
-            .scale_loss(&loss, loss_scale)?
+            .scale_loss(&loss, &loss_scale)?
             .backward()
             .context("backward failed")?;
         times.backward = t.elapsed();
 
+        // accumulate; at the boundary: unscale and check, clip, update, update the scale
         let t = Instant::now();
         if self.check_coverage_next {
             self.check_coverage(&params, &grads)?;
         }
-        self.grads.accumulate(&params, &grads, weight)?;
+        let keep_raw = self.config.accumulation_steps == 1;
+        self.grads.accumulate(&params, &grads, weight, keep_raw)?;
         drop(grads);
-
-        let mut report = StepReport {
-            loss,
-            boundary: false,
-            skipped: false,
-            grad_norm: None,
-            lr: self.config.schedule.lr(self.optimizer_steps),
-            loss_scale,
-            times,
-        };
+        let lr = self.config.schedule.lr(self.boundaries);
+        let mut stats = None;
         if self.grads.micro_steps() >= self.config.accumulation_steps {
-            // the accumulation boundary
-            let stats = self.grads.unscale_and_check(loss_scale, self.fused)?;
-            if !stats.found_inf {
-                self.apply_update(&params, &stats, report.lr)?;
+            let s = self.unscale_and_check(&loss_scale)?;
+            let applied = self.apply_update(&params, &s, lr)?;
+            if applied == Some(true) && !self.optimizer.writes_working_copies() {
                 self.store.refresh_working_copies()?;
-                self.optimizer_steps += 1;
             }
-            self.scaler.update(stats.found_inf);
+            self.update_scale(&s, applied)?;
             self.grads.clear();
-            report.boundary = true;
-            report.skipped = stats.found_inf;
-            report.grad_norm = Some(stats.norm);
+            self.boundaries += 1;
+            stats = Some(s);
         }
-        report.times.optimizer = t.elapsed();
-        Ok(report)
+        times.optimizer = t.elapsed();
+        Ok(StepReport {
+            loss,
+            boundary: stats.is_some(),
+            stats,
+            loss_scale,
+            lr,
+            times,
+        })
     }
 
-    fn scale_loss(&self, loss: &Tensor, scale: f32) -> Result<Tensor> {
-        Ok(if scale == 1.0 {
-            loss.clone()
-        } else {
-            (loss * scale as f64)?
+    /// The scale for this micro-batch: a host value, or a copy of `amp_state[0]` on the device.
+    fn current_scale(&self) -> Result<ScaleValue> {
+        Ok(match &self.amp_state {
+            Some(a) => ScaleValue::Device(a.narrow(0, 0, 1)?.copy()?),
+            None => ScaleValue::Host(self.scaler.scale()),
+        })
+    }
+
+    fn scale_loss(&self, loss: &Tensor, scale: &ScaleValue) -> Result<Tensor> {
+        Ok(match scale {
+            ScaleValue::Host(s) if *s == 1.0 => loss.clone(),
+            ScaleValue::Host(s) => (loss * *s as f64)?,
+            ScaleValue::Device(t) => loss.mul(&t.reshape(())?)?,
         })
     }
 
@@ -274,10 +330,50 @@ impl Engine {
         Ok(())
     }
 
-    fn apply_update(&mut self, params: &[Param], stats: &GradStats, lr: f64) -> Result<()> {
-        let clip = clip_factor(stats.norm, self.config.max_grad_norm);
-        self.optimizer
-            .step(params, self.grads.buffers(), stats.unscale * clip, lr)
+    fn unscale_and_check(&self, loss_scale: &ScaleValue) -> Result<GradStats> {
+        match (&self.amp_state, loss_scale) {
+            #[cfg(feature = "cuda")]
+            (Some(amp), _) => self
+                .grads
+                .unscale_and_check_on_device(amp, self.config.max_grad_norm),
+            (_, ScaleValue::Host(s)) => self.grads.unscale_and_check(
+                *s,
+                self.config.max_grad_norm,
+                self.imp == Impl::FusedCpu,
+            ),
+            _ => bail!("device loss scale without the fused CUDA path"),
+        }
+    }
+
+    fn apply_update(
+        &mut self,
+        params: &[Param],
+        stats: &GradStats,
+        lr: f64,
+    ) -> Result<Option<bool>> {
+        let inputs = StepInputs {
+            stats,
+            lr,
+            amp_state: self.amp_state.as_ref(),
+            seed: self.boundaries,
+        };
+        self.optimizer.step(params, self.grads.buffers(), inputs)
+    }
+
+    fn update_scale(&mut self, stats: &GradStats, applied: Option<bool>) -> Result<()> {
+        match &self.amp_state {
+            #[cfg(feature = "cuda")]
+            Some(amp) => crate::cuda::scaler::update_scale(amp, stats, self.scaler.config()),
+            _ => {
+                let found_inf = match applied {
+                    Some(a) => !a,
+                    None => stats.read()?.found_inf,
+                };
+                self.applied_steps += u64::from(!found_inf);
+                self.scaler.update(found_inf);
+                Ok(())
+            }
+        }
     }
 
     /// Runs the gradient-coverage check again on the next backward.
@@ -290,7 +386,27 @@ impl Engine {
         &self.store
     }
 
-    /// The loss scaler.
+    /// The loss scaler's state (read from the device on the fused CUDA path).
+    pub fn scaler_state(&self) -> Result<ScalerState> {
+        match &self.amp_state {
+            Some(a) => {
+                let v: Vec<f32> = a.to_vec1()?;
+                Ok(ScalerState {
+                    scale: v[0],
+                    growth_tracker: v[1] as u32,
+                    hysteresis_left: v[2] as u32,
+                })
+            }
+            None => Ok(self.scaler.state()),
+        }
+    }
+
+    /// The current loss scale (a device read on the fused CUDA path).
+    pub fn loss_scale(&self) -> Result<f32> {
+        Ok(self.scaler_state()?.scale)
+    }
+
+    /// The loss scaler (its configuration; use [`Self::scaler_state`] for the state).
     pub fn scaler(&self) -> &LossScaler {
         &self.scaler
     }
@@ -300,9 +416,25 @@ impl Engine {
         self.optimizer.as_ref()
     }
 
-    /// Applied optimizer steps so far.
-    pub fn optimizer_steps(&self) -> u64 {
-        self.optimizer_steps
+    /// The implementation the optimizer runs.
+    pub fn implementation(&self) -> Impl {
+        self.imp
+    }
+
+    /// Applied optimizer steps so far (skipped steps do not count; a device read on the fused
+    /// CUDA path).
+    pub fn optimizer_steps(&self) -> Result<u64> {
+        match &self.amp_state {
+            Some(a) => Ok(a.to_vec1::<f32>()?[3] as u64),
+            None => Ok(self.applied_steps),
+        }
+    }
+
+    /// Accumulation boundaries so far (applied or skipped optimizer steps); the LR schedule's
+    /// position, which advances on skipped steps too, as `scheduler.step()` does in a PyTorch
+    /// GradScaler loop.
+    pub fn boundaries(&self) -> u64 {
+        self.boundaries
     }
 
     /// The configuration.

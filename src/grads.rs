@@ -16,22 +16,84 @@ use candle_core::{DType, Storage, Tensor};
 use rayon::prelude::*;
 
 /// fp32 gradient accumulation buffers, one per parameter (`None` until a gradient arrives).
+///
+/// With a single micro-batch per step the raw gradients are kept as they are (any float
+/// dtype, no copy); the fused CUDA kernels read bf16/f16 gradients directly.
 #[derive(Debug, Default)]
 pub struct GradBuffers {
     bufs: Vec<Option<Tensor>>,
+    /// Persistent f32 allocations reused by the CUDA accumulation kernel.
+    pool: Vec<Option<Tensor>>,
     weight_sum: f64,
     micro_steps: usize,
 }
 
-/// What the boundary pass found.
+/// found_inf, norm and multiplier as host values.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct GradStats {
+pub struct HostStats {
     /// Some gradient element is inf or NaN (GradScaler's `found_inf`).
     pub found_inf: bool,
-    /// Global L2 norm of the unscaled, weight-normalised gradients (NaN/inf when `found_inf`).
+    /// Global L2 norm of the unscaled, weight-normalised gradients, before clipping.
     pub norm: f64,
-    /// Multiplier that turns buffer values into true gradients: `1 / (loss_scale * sum_w)`.
-    pub unscale: f64,
+    /// What turns buffer values into the applied gradient: `clip / (loss_scale * sum_w)`.
+    pub multiplier: f64,
+}
+
+/// What the boundary pass found: on the host (CPU paths) or in a device tensor
+/// `[found_inf, norm, multiplier]` (f32, fused CUDA path), read only when asked.
+#[derive(Debug, Clone)]
+pub struct GradStats {
+    host: Option<HostStats>,
+    device: Option<Tensor>,
+}
+
+impl GradStats {
+    /// Stats known on the host.
+    pub fn host(stats: HostStats) -> Self {
+        Self {
+            host: Some(stats),
+            device: None,
+        }
+    }
+
+    /// Finite gradients to be multiplied by `multiplier` (benchmarks, direct optimizer use).
+    pub fn clean(multiplier: f64) -> Self {
+        Self::host(HostStats {
+            found_inf: false,
+            norm: f64::NAN,
+            multiplier,
+        })
+    }
+
+    /// Stats living in a `(3,)` f32 device tensor `[found_inf, norm, multiplier]`.
+    pub fn device(t: Tensor) -> Self {
+        Self {
+            host: None,
+            device: Some(t),
+        }
+    }
+
+    /// The device tensor, when the stats live on the device.
+    pub fn tensor(&self) -> Option<&Tensor> {
+        self.device.as_ref()
+    }
+
+    /// The values; reads them back from the device when they live there (a synchronisation).
+    pub fn read(&self) -> Result<HostStats> {
+        if let Some(h) = self.host {
+            return Ok(h);
+        }
+        let t = self
+            .device
+            .as_ref()
+            .ok_or_else(|| anyhow::anyhow!("empty GradStats"))?;
+        let v: Vec<f32> = t.to_vec1()?;
+        Ok(HostStats {
+            found_inf: v[0] != 0.0,
+            norm: v[1] as f64,
+            multiplier: v[2] as f64,
+        })
+    }
 }
 
 impl GradBuffers {
@@ -39,36 +101,68 @@ impl GradBuffers {
     pub fn new(n: usize) -> Self {
         Self {
             bufs: vec![None; n],
+            pool: vec![None; n],
             weight_sum: 0.0,
             micro_steps: 0,
         }
     }
 
-    /// Adds `weight * grad` (cast to f32) for every parameter that received a gradient.
-    /// Frozen parameters are skipped. `weight` must be finite and > 0.
-    pub fn accumulate(&mut self, params: &[Param], grads: &GradStore, weight: f64) -> Result<()> {
+    /// Adds `weight * grad` for every parameter that received a gradient (frozen parameters
+    /// are skipped). With `keep_raw` (a single micro-batch per step) the raw gradient is kept
+    /// as is and the weight only enters the normaliser. `weight` must be finite and > 0.
+    pub fn accumulate(
+        &mut self,
+        params: &[Param],
+        grads: &GradStore,
+        weight: f64,
+        keep_raw: bool,
+    ) -> Result<()> {
         if !(weight.is_finite() && weight > 0.0) {
             bail!("micro-batch weight must be finite and > 0, got {weight}");
         }
         if self.bufs.len() != params.len() {
             self.bufs.resize(params.len(), None);
+            self.pool.resize(params.len(), None);
         }
-        for (buf, p) in self.bufs.iter_mut().zip(params) {
-            if p.options.frozen {
-                continue;
-            }
-            let Some(g) = grads.get(p.differentiated()) else {
-                continue;
-            };
+        let incoming: Vec<Option<Tensor>> = params
+            .iter()
+            .map(|p| {
+                if p.options.frozen {
+                    None
+                } else {
+                    grads.get(p.differentiated()).cloned()
+                }
+            })
+            .collect();
+        if keep_raw && self.micro_steps == 0 {
+            self.bufs = incoming;
+            self.weight_sum = 1.0;
+            self.micro_steps = 1;
+            return Ok(());
+        }
+        #[cfg(feature = "cuda")]
+        if params.first().is_some_and(|p| p.master.device().is_cuda()) {
+            crate::cuda::accumulate::accumulate(
+                &mut self.pool,
+                &mut self.bufs,
+                &incoming,
+                weight as f32,
+            )?;
+            self.weight_sum += weight;
+            self.micro_steps += 1;
+            return Ok(());
+        }
+        for (buf, g) in self.bufs.iter_mut().zip(incoming) {
+            let Some(g) = g else { continue };
             let g = if g.dtype() == DType::F32 {
-                g.clone()
+                g
             } else {
                 g.to_dtype(DType::F32)?
             };
             let g = if weight == 1.0 { g } else { (g * weight)? };
             *buf = Some(match buf.take() {
-                None => g,
                 Some(acc) => (acc + g)?,
+                None => g,
             });
         }
         self.weight_sum += weight;
@@ -86,17 +180,22 @@ impl GradBuffers {
         &self.bufs
     }
 
-    /// Drops the accumulated gradients (after the optimizer step, applied or skipped).
+    /// Starts a new accumulation window (the CUDA pool stays allocated).
     pub fn clear(&mut self) {
         self.bufs.iter_mut().for_each(|b| *b = None);
         self.weight_sum = 0.0;
         self.micro_steps = 0;
     }
 
-    /// The boundary pass: `found_inf` and the global norm of the true gradients, for a loss
-    /// scaled by `loss_scale`. `fused` selects a single rayon pass over the f32 data (CPU);
-    /// otherwise candle tensor ops are used (any device).
-    pub fn unscale_and_check(&self, loss_scale: f32, fused: bool) -> Result<GradStats> {
+    /// The boundary pass: `found_inf`, the global norm of the true gradients for a loss scaled
+    /// by `loss_scale`, and the multiplier `clip / (loss_scale * sum_w)` with the clip factor of
+    /// `max_norm`. `fused`: a single rayon pass over the f32 data (CPU); otherwise candle ops.
+    pub fn unscale_and_check(
+        &self,
+        loss_scale: f32,
+        max_norm: Option<f64>,
+        fused: bool,
+    ) -> Result<GradStats> {
         if self.weight_sum <= 0.0 {
             bail!("unscale_and_check called with no accumulated micro-batch");
         }
@@ -107,11 +206,38 @@ impl GradBuffers {
         } else {
             reference_sumsq(&bufs)?
         };
-        Ok(GradStats {
+        let norm = sumsq.sqrt() * unscale;
+        let clip = if found_inf {
+            1.0
+        } else {
+            clip_factor(norm, max_norm)
+        };
+        Ok(GradStats::host(HostStats {
             found_inf,
-            norm: sumsq.sqrt() * unscale,
-            unscale,
-        })
+            norm,
+            multiplier: unscale * clip,
+        }))
+    }
+
+    /// The boundary pass on the device (fused CUDA path): reads the loss scale from
+    /// `amp_state[0]` and returns stats in a device tensor, without synchronisation.
+    #[cfg(feature = "cuda")]
+    pub fn unscale_and_check_on_device(
+        &self,
+        amp_state: &Tensor,
+        max_norm: Option<f64>,
+    ) -> Result<GradStats> {
+        if self.weight_sum <= 0.0 {
+            bail!("unscale_and_check called with no accumulated micro-batch");
+        }
+        let bufs: Vec<&Tensor> = self.bufs.iter().flatten().collect();
+        let t = crate::cuda::grad_norm::grad_stats(
+            &bufs,
+            amp_state,
+            (1.0 / self.weight_sum) as f32,
+            max_norm.map(|m| m as f32),
+        )?;
+        Ok(GradStats::device(t))
     }
 }
 
@@ -132,7 +258,8 @@ fn reference_sumsq(bufs: &[&Tensor]) -> Result<(f64, bool)> {
         if g.elem_count() == 0 {
             continue;
         }
-        let nan_probe = (*g - *g)?.sum_all()?.to_scalar::<f32>()?;
+        let g = g.to_dtype(DType::F32)?;
+        let nan_probe = (&g - &g)?.sum_all()?.to_scalar::<f32>()?;
         found_inf |= !nan_probe.is_finite();
         sumsq += g
             .sqr()?
@@ -169,7 +296,9 @@ fn fused_sumsq(bufs: &[&Tensor]) -> Result<(f64, bool)> {
 
 /// Runs `f` on the contiguous f32 data of a CPU tensor (copying to contiguous first if needed).
 pub(crate) fn with_cpu_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
-    let t = if t.is_contiguous() {
+    let t = if t.dtype() != DType::F32 {
+        t.to_dtype(DType::F32)?
+    } else if t.is_contiguous() {
         t.clone()
     } else {
         t.contiguous()?
@@ -199,22 +328,26 @@ mod tests {
         let e = Tensor::zeros(0, DType::F32, &Device::Cpu)?;
         let bufs = GradBuffers {
             bufs: vec![Some(a.clone()), Some(e)],
+            pool: vec![],
             weight_sum: 2.0,
             micro_steps: 1,
         };
         for fused in [false, true] {
-            let s = bufs.unscale_and_check(4.0, fused)?;
+            let s = bufs.unscale_and_check(4.0, Some(0.25), fused)?.read()?;
             assert!(!s.found_inf);
             assert!((s.norm - 5.0 / 8.0).abs() < 1e-12, "{s:?}");
+            let clip = 0.25 / (5.0 / 8.0 + 1e-6);
+            assert!((s.multiplier - clip / 8.0).abs() < 1e-12, "{s:?}");
         }
         let inf = Tensor::new(&[1f32, f32::INFINITY], &Device::Cpu)?;
         let bufs = GradBuffers {
             bufs: vec![Some(a), Some(inf)],
+            pool: vec![],
             weight_sum: 1.0,
             micro_steps: 1,
         };
-        assert!(bufs.unscale_and_check(1.0, true)?.found_inf);
-        assert!(bufs.unscale_and_check(1.0, false)?.found_inf);
+        assert!(bufs.unscale_and_check(1.0, None, true)?.read()?.found_inf);
+        assert!(bufs.unscale_and_check(1.0, None, false)?.read()?.found_inf);
         assert_eq!(clip_factor(10.0, Some(1.0)), 1.0 / (10.0 + 1e-6));
         assert_eq!(clip_factor(0.5, Some(1.0)), 1.0);
         Ok(())

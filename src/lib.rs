@@ -8,7 +8,7 @@
 //!
 //! ```no_run
 //! use wick::{Engine, EngineConfig, ParamStore, Precision, nn, loss};
-//! use candle_core::{Device, Tensor};
+//! use candle_core::{Device, Module, Tensor};
 //! # fn main() -> anyhow::Result<()> {
 //! let store = ParamStore::new(Precision::Bf16Mixed, Device::Cpu, 0);
 //! let l1 = nn::Linear::new(&store, "l1", 784, 10, true)?;

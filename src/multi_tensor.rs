@@ -74,7 +74,11 @@ pub fn plan<const D: usize>(rows: &[Row<D>]) -> Vec<Launch<D>> {
         for chunk in 0..chunks {
             if slot.is_none() {
                 if nt == MAX_TENSORS {
-                    out.push(Launch { meta, blocks: nb as u32, block_offset: offset });
+                    out.push(Launch {
+                        meta,
+                        blocks: nb as u32,
+                        block_offset: offset,
+                    });
                     offset += nb as u32;
                     (meta, nt, nb) = (Meta::empty(), 0, 0);
                 }
@@ -92,7 +96,11 @@ pub fn plan<const D: usize>(rows: &[Row<D>]) -> Vec<Launch<D>> {
             meta.block_chunk[nb] = chunk as i32;
             nb += 1;
             if nb == MAX_BLOCKS {
-                out.push(Launch { meta, blocks: nb as u32, block_offset: offset });
+                out.push(Launch {
+                    meta,
+                    blocks: nb as u32,
+                    block_offset: offset,
+                });
                 offset += nb as u32;
                 // the next launch starts empty; an unfinished tensor is registered there again
                 (meta, nt, nb) = (Meta::empty(), 0, 0);
@@ -101,7 +109,11 @@ pub fn plan<const D: usize>(rows: &[Row<D>]) -> Vec<Launch<D>> {
         }
     }
     if nb > 0 {
-        out.push(Launch { meta, blocks: nb as u32, block_offset: offset });
+        out.push(Launch {
+            meta,
+            blocks: nb as u32,
+            block_offset: offset,
+        });
     }
     out
 }
@@ -116,7 +128,12 @@ mod tests {
     use super::*;
 
     fn row(numel: usize, index: i32) -> Row<2> {
-        Row { addrs: [1000 + index as u64, 0], numel, group: 0, index }
+        Row {
+            addrs: [1000 + index as u64, 0],
+            numel,
+            group: 0,
+            index,
+        }
     }
 
     #[test]
@@ -139,7 +156,9 @@ mod tests {
             for b in 0..l.blocks as usize {
                 let t = l.meta.block_tensor[b] as usize;
                 assert!(t < MAX_TENSORS);
-                *seen.entry((l.meta.tensor_index[t], l.meta.block_chunk[b])).or_default() += 1;
+                *seen
+                    .entry((l.meta.tensor_index[t], l.meta.block_chunk[b]))
+                    .or_default() += 1;
                 assert_eq!(l.meta.addr[0][t], 1000 + l.meta.tensor_index[t] as u64);
             }
         }

@@ -72,10 +72,10 @@ fn weighted_micro_batches_equal_the_full_batch_gradient() -> anyhow::Result<()> 
             &model.forward(&x.narrow(0, start, n)?)?,
             &y.narrow(0, start, n)?,
         )?;
-        bufs.accumulate(&params, &l.backward()?, n as f64)?;
+        bufs.accumulate(&params, &l.backward()?, n as f64, false)?;
         start += n;
     }
-    let stats = bufs.unscale_and_check(1.0, true)?;
+    let stats = bufs.unscale_and_check(1.0, None, true)?.read()?;
     let mut sumsq = 0f64;
     for (p, b) in params.iter().zip(bufs.buffers()) {
         let want: Vec<f32> = full
@@ -83,7 +83,7 @@ fn weighted_micro_batches_equal_the_full_batch_gradient() -> anyhow::Result<()> 
             .unwrap()
             .flatten_all()?
             .to_vec1()?;
-        let got: Vec<f32> = (b.as_ref().unwrap() * stats.unscale)?
+        let got: Vec<f32> = (b.as_ref().unwrap() * stats.multiplier)?
             .flatten_all()?
             .to_vec1()?;
         // relative to the tensor's largest gradient: f32 sums in another order differ by a few ulp
@@ -122,13 +122,13 @@ fn weighted_micro_batches_equal_the_full_batch_gradient() -> anyhow::Result<()> 
         start += n;
     }
     assert!(!reports[0].boundary && !reports[1].boundary && reports[2].boundary);
-    let norm = reports[2].grad_norm.unwrap();
+    let norm = reports[2].grad_norm()?.unwrap();
     assert!(
         (norm - sumsq.sqrt()).abs() <= 1e-6 * sumsq.sqrt(),
         "engine norm {norm} vs {}",
         sumsq.sqrt()
     );
-    assert_eq!(engine.optimizer_steps(), 1);
+    assert_eq!(engine.optimizer_steps()?, 1);
     Ok(())
 }
 
@@ -151,7 +151,7 @@ fn a_forced_overflow_changes_nothing_but_the_scale() -> anyhow::Result<()> {
     let (x, y) = batch(8, 9);
     let before = snapshot(&store);
     let r = engine.step(|_| loss::cross_entropy(&model.forward(&x)?, &y))?;
-    assert!(r.boundary && r.skipped);
+    assert!(r.boundary && r.skipped()?);
     assert!(
         r.loss()?.is_finite(),
         "the reported loss is the unscaled one"
@@ -161,8 +161,7 @@ fn a_forced_overflow_changes_nothing_but_the_scale() -> anyhow::Result<()> {
         before,
         "masters and working copies unchanged"
     );
-    assert_eq!(engine.optimizer_steps(), 0);
-    assert_eq!(engine.optimizer().step_count(), 0);
+    assert_eq!(engine.optimizer_steps()?, 0);
     assert!(
         engine
             .optimizer()
@@ -170,17 +169,17 @@ fn a_forced_overflow_changes_nothing_but_the_scale() -> anyhow::Result<()> {
             .is_empty(),
         "no moments created"
     );
-    assert_eq!(engine.scaler().scale(), 2f32.powi(119));
+    assert_eq!(engine.loss_scale()?, 2f32.powi(119));
     // the scale keeps backing off until the step goes through
     let mut applied = false;
     for _ in 0..200 {
         let r = engine.step(|_| loss::cross_entropy(&model.forward(&x)?, &y))?;
-        if !r.skipped {
+        if !r.skipped()? {
             applied = true;
             break;
         }
     }
-    assert!(applied && engine.optimizer_steps() == 1);
+    assert!(applied && engine.optimizer_steps()? == 1);
     assert_ne!(snapshot(&store), before);
     Ok(())
 }
@@ -194,9 +193,9 @@ fn f16_with_the_dynamic_scaler_reports_the_unscaled_loss() -> anyhow::Result<()>
     let (x, y) = batch(16, 1);
     let direct = loss::cross_entropy(&model.forward(&x)?, &y)?.to_scalar::<f32>()?;
     let r = engine.step(|_| loss::cross_entropy(&model.forward(&x)?, &y))?;
-    assert_eq!(r.loss_scale, 65536.0);
+    assert_eq!(r.loss_scale()?, 65536.0);
     assert_eq!(r.loss()?, direct);
-    assert!(!r.skipped);
+    assert!(!r.skipped()?);
     Ok(())
 }
 
@@ -330,7 +329,8 @@ fn clipping_bounds_the_applied_gradient() -> anyhow::Result<()> {
     )?;
     let (x, y) = batch(8, 5);
     let r = engine.step(|_| loss::cross_entropy(&model.forward(&x)?, &y))?;
-    assert!(r.grad_norm.unwrap() > 1e-3);
+    let norm = r.grad_norm()?.unwrap();
+    assert!(norm > 1e-3);
     // the first moment after one step is (1 - beta1) * clipped gradient: its norm is 0.1 * 1e-3
     let m_sq: f64 = engine
         .optimizer()
@@ -346,7 +346,7 @@ fn clipping_bounds_the_applied_gradient() -> anyhow::Result<()> {
                 .unwrap() as f64
         })
         .sum();
-    let want = 0.1 * 1e-3 * r.grad_norm.unwrap() / (r.grad_norm.unwrap() + 1e-6);
+    let want = 0.1 * 1e-3 * norm / (norm + 1e-6);
     assert!(
         (m_sq.sqrt() - want).abs() < 1e-6 * want + 1e-12,
         "{} vs {want}",

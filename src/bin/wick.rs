@@ -23,7 +23,7 @@ use rand::{rngs::StdRng, SeedableRng};
 use rand_distr::{Distribution, Normal};
 use std::str::FromStr;
 use std::time::{Duration, Instant};
-use wick::optim::{AdamW, AdamWConfig, Optimizer};
+use wick::optim::{AdamW, AdamWConfig, GradStats, Impl, Optimizer, StepInputs};
 use wick::params::{Param, Role};
 use wick::{ParamStore, Precision};
 
@@ -202,15 +202,22 @@ fn time_steps(
     grads: &[Option<Tensor>],
     iters: u32,
 ) -> Result<Vec<Duration>> {
-    let mut opt = AdamW::new(AdamWConfig::default(), fused)?;
+    let mut opt = AdamW::new(
+        AdamWConfig::default(),
+        if fused {
+            Impl::FusedCpu
+        } else {
+            Impl::Reference
+        },
+    )?;
     let lr = AdamWConfig::default().lr;
     for _ in 0..WARMUP_STEPS {
-        opt.step(params, grads, 1.0, lr)?;
+        opt.step(params, grads, StepInputs::host(&GradStats::clean(1.0), lr))?;
     }
     let mut times = Vec::with_capacity(iters as usize);
     for _ in 0..iters {
         let t = Instant::now();
-        opt.step(params, grads, 1.0, lr)?;
+        opt.step(params, grads, StepInputs::host(&GradStats::clean(1.0), lr))?;
         times.push(t.elapsed());
     }
     times.sort();

@@ -6,6 +6,11 @@
 //! Each `kernels/<name>.cu` has a launcher here in `<name>.rs` and a CPU reference that the
 //! tests compare against (`cargo test --features cuda` on a GPU machine).
 
+pub mod accumulate;
+pub mod adamw;
+pub mod grad_norm;
+pub mod scaler;
+
 /// The embedded PTX modules, one constant per `kernels/*.cu` file.
 pub mod ptx {
     include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
@@ -35,7 +40,10 @@ pub fn addr(t: &Tensor) -> Result<u64> {
         bail!("expected a CUDA tensor, found one on {:?}", t.device())
     };
     if !layout.is_contiguous() {
-        bail!("kernel input of shape {:?} is not contiguous; call .contiguous() first", t.dims());
+        bail!(
+            "kernel input of shape {:?} is not contiguous; call .contiguous() first",
+            t.dims()
+        );
     }
     let stream = c.device.cuda_stream();
     let (base, elem) = match t.dtype() {
@@ -49,11 +57,18 @@ pub fn addr(t: &Tensor) -> Result<u64> {
 }
 
 // SAFETY: plain-old-data with the C layout of the kernels' by-value `TensorListMeta`.
-unsafe impl<const D: usize> candle_core::cuda::cudarc::driver::DeviceRepr for crate::multi_tensor::Meta<D> {}
+unsafe impl<const D: usize> candle_core::cuda::cudarc::driver::DeviceRepr
+    for crate::multi_tensor::Meta<D>
+{
+}
 
 /// Launch configuration of a multi-tensor launch: one block of `MT_BLOCK` threads per chunk.
 pub fn mt_config<const D: usize>(l: &crate::multi_tensor::Launch<D>) -> LaunchConfig {
-    LaunchConfig { grid_dim: (l.blocks, 1, 1), block_dim: (crate::multi_tensor::BLOCK, 1, 1), shared_mem_bytes: 0 }
+    LaunchConfig {
+        grid_dim: (l.blocks, 1, 1),
+        block_dim: (crate::multi_tensor::BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 /// Kernel-name suffix for a storage dtype: `f32`, `bf16`, `f16`.

@@ -10,7 +10,7 @@
 //! `g` is the fp32 gradient buffer times the engine's multiplier (unscale × clip). State is
 //! fp32 whatever the compute dtype.
 
-use super::Optimizer;
+use super::{Impl, Optimizer, StepInputs};
 use crate::grads::with_cpu_f32;
 use crate::params::Param;
 use anyhow::{bail, Result};
@@ -76,30 +76,29 @@ struct State {
 /// AdamW over fp32 masters, reference or fused.
 pub struct AdamW {
     config: AdamWConfig,
-    fused: bool,
+    imp: Impl,
     states: Vec<Option<State>>,
-    steps: u64,
 }
 
 impl AdamW {
-    /// `fused`: use the single-pass CPU implementation (see [`super::OptimPath::resolve`]).
-    pub fn new(config: AdamWConfig, fused: bool) -> Result<Self> {
+    /// An optimizer running implementation `imp` (see [`super::OptimPath::resolve`]).
+    /// Errors when the configuration is out of range.
+    pub fn new(config: AdamWConfig, imp: Impl) -> Result<Self> {
         config.validate()?;
         Ok(Self {
             config,
-            fused,
+            imp,
             states: Vec::new(),
-            steps: 0,
         })
     }
 
-    /// True for the fused path.
-    pub fn is_fused(&self) -> bool {
-        self.fused
+    /// The implementation in use.
+    pub fn implementation(&self) -> Impl {
+        self.imp
     }
 
     fn new_state(&self, p: &Param) -> Result<State> {
-        let moments = if self.fused {
+        let moments = if self.imp == Impl::FusedCpu {
             let n = p.elem_count();
             Moments::Host {
                 m: vec![0.0; n],
@@ -154,9 +153,8 @@ impl Optimizer for AdamW {
         &mut self,
         params: &[Param],
         grads: &[Option<Tensor>],
-        grad_multiplier: f64,
-        lr: f64,
-    ) -> Result<()> {
+        inputs: StepInputs,
+    ) -> Result<Option<bool>> {
         if grads.len() != params.len() {
             bail!(
                 "AdamW::step: {} gradient slots for {} parameters",
@@ -167,12 +165,24 @@ impl Optimizer for AdamW {
         if self.states.len() < params.len() {
             self.states.resize_with(params.len(), || None);
         }
+        // the fused CUDA path decides on the device; the others read found_inf
+        let host = match self.imp {
+            Impl::FusedCuda => None,
+            _ => {
+                let h = inputs.stats.read()?;
+                if h.found_inf {
+                    return Ok(Some(false));
+                }
+                Some(h)
+            }
+        };
         for (i, p) in params.iter().enumerate() {
-            if grads[i].is_some() && self.states[i].is_none() {
+            if grads[i].is_some() && self.states[i].is_none() && !p.options.frozen {
                 self.states[i] = Some(self.new_state(p)?);
             }
         }
         let config = self.config.clone();
+        let lr = inputs.lr;
         let work: Vec<(&Param, &Tensor, &mut State)> = params
             .iter()
             .zip(grads)
@@ -180,25 +190,50 @@ impl Optimizer for AdamW {
             .filter_map(|((p, g), s)| Some((p, g.as_ref()?, s.as_mut()?)))
             .filter(|(p, _, _)| !p.options.frozen)
             .collect();
-        if self.fused {
-            work.into_par_iter().try_for_each(|(p, g, s)| {
-                s.step += 1;
-                let k = Coeffs::new(&config, s.step, lr, p.options.weight_decay, grad_multiplier);
-                fused_update(p, g, s, k)
-            })?;
-        } else {
-            for (p, g, s) in work {
-                s.step += 1;
-                let k = Coeffs::new(&config, s.step, lr, p.options.weight_decay, grad_multiplier);
-                reference_update(p, g, s, k)?;
+        match (self.imp, host) {
+            #[cfg(feature = "cuda")]
+            (Impl::FusedCuda, _) => {
+                let amp = inputs.amp_state.ok_or_else(|| {
+                    anyhow::anyhow!("fused CUDA AdamW needs the engine's amp_state")
+                })?;
+                let stats = inputs
+                    .stats
+                    .tensor()
+                    .ok_or_else(|| anyhow::anyhow!("fused CUDA AdamW needs device stats"))?;
+                let rows = work
+                    .into_iter()
+                    .map(|(p, g, s)| match &s.moments {
+                        Moments::Tensors { m, v } => Ok(crate::cuda::adamw::Row {
+                            param: p,
+                            grad: g,
+                            m,
+                            v,
+                        }),
+                        Moments::Host { .. } => bail!("AdamW state/path mismatch"),
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                crate::cuda::adamw::step(&rows, stats, amp, &config, lr, inputs.seed)?;
+                return Ok(None);
             }
+            (Impl::FusedCpu, Some(h)) => work.into_par_iter().try_for_each(|(p, g, s)| {
+                s.step += 1;
+                let k = Coeffs::new(&config, s.step, lr, p.options.weight_decay, h.multiplier);
+                fused_update(p, g, s, k)
+            })?,
+            (Impl::Reference, Some(h)) => {
+                for (p, g, s) in work {
+                    s.step += 1;
+                    let k = Coeffs::new(&config, s.step, lr, p.options.weight_decay, h.multiplier);
+                    reference_update(p, g, s, k)?;
+                }
+            }
+            (imp, _) => bail!("AdamW: implementation {imp:?} is not available in this build"),
         }
-        self.steps += 1;
-        Ok(())
+        Ok(Some(true))
     }
 
-    fn step_count(&self) -> u64 {
-        self.steps
+    fn writes_working_copies(&self) -> bool {
+        self.imp == Impl::FusedCuda
     }
 
     fn state_tensors(&self, params: &[Param]) -> Result<Vec<(String, Tensor)>> {

@@ -13,6 +13,7 @@
 pub mod adamw;
 pub mod schedule;
 
+pub use crate::grads::{GradStats, HostStats};
 pub use adamw::{AdamW, AdamWConfig};
 pub use schedule::LrSchedule;
 
@@ -20,7 +21,7 @@ use crate::params::Param;
 use anyhow::Result;
 use candle_core::{Device, Tensor};
 
-/// Which implementation runs the update.
+/// Which implementation runs the update, as asked by the user.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum OptimPath {
     /// Fused where the device has a fused implementation, reference elsewhere.
@@ -32,37 +33,86 @@ pub enum OptimPath {
     Fused,
 }
 
+/// The implementation that actually runs, resolved for a device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Impl {
+    /// candle tensor ops (any device).
+    Reference,
+    /// One rayon pass per element (CPU).
+    FusedCpu,
+    /// Multi-tensor CUDA kernels, no host synchronisation (feature `cuda`).
+    FusedCuda,
+}
+
+impl Impl {
+    /// True for the fused implementations.
+    pub fn is_fused(self) -> bool {
+        self != Impl::Reference
+    }
+}
+
 impl OptimPath {
-    /// Resolves `Auto` for `device`: true means fused. Today the fused path exists on the CPU;
-    /// the CUDA multi-tensor kernels come with the `cuda` kernels release.
-    pub fn resolve(self, device: &Device) -> Result<bool> {
-        let has_fused = device.is_cpu();
-        match self {
-            OptimPath::Auto => Ok(has_fused),
-            OptimPath::Reference => Ok(false),
-            OptimPath::Fused if has_fused => Ok(true),
-            OptimPath::Fused => anyhow::bail!(
+    /// Resolves the path for `device`: CPU → fused CPU; CUDA → fused CUDA kernels when the
+    /// crate is built with `cuda`; `Reference` everywhere on request.
+    pub fn resolve(self, device: &Device) -> Result<Impl> {
+        let fused = if device.is_cpu() {
+            Some(Impl::FusedCpu)
+        } else if cfg!(feature = "cuda") && device.is_cuda() {
+            Some(Impl::FusedCuda)
+        } else {
+            None
+        };
+        match (self, fused) {
+            (OptimPath::Reference, _) | (OptimPath::Auto, None) => Ok(Impl::Reference),
+            (_, Some(f)) => Ok(f),
+            (OptimPath::Fused, None) => anyhow::bail!(
                 "OptimPath::Fused: no fused optimizer for {device:?} in this build; use OptimPath::Auto or Reference"
             ),
         }
     }
 }
 
-/// The optimizer seam: update masters from gradient buffers.
+/// What an optimizer step consumes besides parameters and gradients.
+#[derive(Debug, Clone, Copy)]
+pub struct StepInputs<'a> {
+    /// found_inf, global norm and the gradient multiplier (unscale × clip).
+    pub stats: &'a GradStats,
+    /// This step's learning rate.
+    pub lr: f64,
+    /// The engine's device state `[scale, growth_tracker, hysteresis_left, applied_steps]`
+    /// (fused CUDA path only).
+    pub amp_state: Option<&'a Tensor>,
+    /// Seed for stochastic rounding of working copies at this step.
+    pub seed: u64,
+}
+
+impl<'a> StepInputs<'a> {
+    /// Inputs for a host-side step (CPU paths, benchmarks): `stats` and `lr`, no device state.
+    pub fn host(stats: &'a GradStats, lr: f64) -> Self {
+        Self {
+            stats,
+            lr,
+            amp_state: None,
+            seed: 0,
+        }
+    }
+}
+
+/// The optimizer seam: update masters (and moments) from gradient buffers.
 pub trait Optimizer: Send {
-    /// Applies one update. `grads[i]` is the fp32 gradient buffer of `params[i]` (`None`: no
-    /// gradient, parameter untouched, its step count not advanced), to be multiplied by
-    /// `grad_multiplier` before use; `lr` is this step's learning rate.
+    /// Applies one update. `grads[i]` is the gradient buffer of `params[i]` (`None`: no
+    /// gradient, parameter untouched), to be multiplied by the stats' multiplier before use.
+    /// The step is skipped when the stats report found_inf. Returns whether it was applied when
+    /// that is known on the host (`None`: decided on the device, without synchronisation).
     fn step(
         &mut self,
         params: &[Param],
         grads: &[Option<Tensor>],
-        grad_multiplier: f64,
-        lr: f64,
-    ) -> Result<()>;
+        inputs: StepInputs,
+    ) -> Result<Option<bool>>;
 
-    /// Number of applied steps (skipped steps are not counted).
-    fn step_count(&self) -> u64;
+    /// True when the update also writes the working copies (no separate refresh needed).
+    fn writes_working_copies(&self) -> bool;
 
     /// Optimizer state by name (`"{param}.exp_avg"`, ...), for checkpoints and tests.
     fn state_tensors(&self, params: &[Param]) -> Result<Vec<(String, Tensor)>>;

@@ -1,0 +1,125 @@
+//! Launcher of kernels/adamw.cu: the fused multi-tensor AdamW step.
+
+use super::{addr, dtype_suffix, mt_config, ptx};
+use crate::multi_tensor::{plan, Row as MtRow};
+use crate::optim::AdamWConfig;
+use crate::params::Param;
+use anyhow::{bail, Result};
+use candle_core::cuda::cudarc::driver::{DeviceRepr, PushKernelArg};
+use candle_core::cuda::WrapErr;
+use candle_core::{DType, Tensor};
+use std::collections::BTreeMap;
+
+/// Mirror of `AdamWArgs` in kernels/adamw.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct AdamWArgs {
+    lr: f32,
+    beta1: f32,
+    beta2: f32,
+    eps: f32,
+    weight_decay: f32,
+    seed: u32,
+    stochastic: i32,
+}
+
+// SAFETY: plain-old-data with the C layout of the kernel's by-value parameter.
+unsafe impl DeviceRepr for AdamWArgs {}
+
+/// One parameter of the step: master, gradient (f32/bf16/f16) and the two f32 moments.
+pub struct Row<'a> {
+    pub param: &'a Param,
+    pub grad: &'a Tensor,
+    pub m: &'a Tensor,
+    pub v: &'a Tensor,
+}
+
+/// Enqueues the AdamW update of every row on candle's stream: one launch per (gradient dtype,
+/// working-copy dtype) group and per [`crate::multi_tensor::MAX_TENSORS`] tensors. `stats` is
+/// the device `[found_inf, norm, multiplier]`, `amp_state[3]` the applied-step count. No host
+/// synchronisation. `seed` seeds stochastic rounding (used when `WICK_STOCHASTIC_ROUNDING=1`).
+pub fn step(
+    rows: &[Row],
+    stats: &Tensor,
+    amp_state: &Tensor,
+    c: &AdamWConfig,
+    lr: f64,
+    seed: u64,
+) -> Result<()> {
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let dev = super::cuda_device(stats)?;
+    let (stats_addr, amp_addr) = (addr(stats)?, addr(amp_state)?);
+    let stochastic = std::env::var("WICK_STOCHASTIC_ROUNDING").is_ok_and(|v| v == "1");
+    let args = AdamWArgs {
+        lr: lr as f32,
+        beta1: c.beta1 as f32,
+        beta2: c.beta2 as f32,
+        eps: c.eps as f32,
+        weight_decay: c.weight_decay as f32,
+        seed: (seed as u32) ^ ((seed >> 32) as u32).wrapping_mul(0x9E37_79B9),
+        stochastic: i32::from(stochastic),
+    };
+    // keep contiguous copies of non-contiguous gradients alive until the launches are queued
+    let mut keep = Vec::new();
+    let mut groups: BTreeMap<(&'static str, &'static str), Vec<MtRow<5>>> = BTreeMap::new();
+    for (i, r) in rows.iter().enumerate() {
+        let g = if r.grad.is_contiguous() {
+            r.grad.clone()
+        } else {
+            r.grad.contiguous()?
+        };
+        if r.param.master.dtype() != DType::F32 {
+            bail!("fused AdamW: master of {} must be f32", r.param.name);
+        }
+        if g.elem_count() != r.param.elem_count() {
+            bail!(
+                "fused AdamW: gradient of {} has {} elements, expected {}",
+                r.param.name,
+                g.elem_count(),
+                r.param.elem_count()
+            );
+        }
+        let w = r.param.working.as_ref().map(|w| w.as_tensor());
+        let wdt = w.map_or(DType::F32, |w| w.dtype());
+        let gs = dtype_suffix(g.dtype())?;
+        let ws = dtype_suffix(wdt)?;
+        // kernels exist for f32 grads with any working copy, and half grads matching it
+        let gs = if gs != "f32" && gs != ws {
+            keep.push(g.to_dtype(DType::F32)?);
+            "f32"
+        } else {
+            gs
+        };
+        let g_addr = if gs == "f32" && g.dtype() != DType::F32 {
+            addr(keep.last().expect("pushed"))?
+        } else {
+            addr(&g)?
+        };
+        groups.entry((gs, ws)).or_default().push(MtRow {
+            addrs: [
+                addr(r.param.master.as_tensor())?,
+                g_addr,
+                addr(r.m)?,
+                addr(r.v)?,
+                w.map(addr).transpose()?.unwrap_or(0),
+            ],
+            numel: r.param.elem_count(),
+            group: i32::from(r.param.options.weight_decay),
+            index: i as i32,
+        });
+        keep.push(g);
+    }
+    for ((gs, ws), list) in groups {
+        let func =
+            dev.get_or_load_custom_func(&format!("mt_adamw_{gs}_{ws}"), "wick_adamw", ptx::ADAMW)?;
+        for l in plan(&list) {
+            let mut b = func.builder();
+            b.arg(&l.meta).arg(&stats_addr).arg(&amp_addr).arg(&args);
+            unsafe { b.launch(mt_config(&l)) }.w()?;
+        }
+    }
+    drop(keep);
+    Ok(())
+}

@@ -1,0 +1,127 @@
+//! Launchers of kernels/grad_norm.cu: gradient statistics at the accumulation boundary and
+//! the in-place unscale with found_inf detection.
+
+use super::{addr, cuda_device, dtype_suffix, mt_config, ptx};
+use crate::multi_tensor::{plan, total_blocks, Row};
+use anyhow::Result;
+use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda::WrapErr;
+use candle_core::{DType, Tensor};
+use std::collections::BTreeMap;
+
+/// `[found_inf, norm, multiplier]` (f32, on the device) for gradient buffers `grads` (any mix of
+/// f32/bf16/f16), a loss scale in `amp_state[0]`, the accumulation normaliser
+/// `inv_weight_sum = 1 / sum_w` and an optional clip threshold. Deterministic: per-block
+/// partial sums in a fixed order, no float atomics. No host synchronisation.
+pub fn grad_stats(
+    grads: &[&Tensor],
+    amp_state: &Tensor,
+    inv_weight_sum: f32,
+    max_norm: Option<f32>,
+) -> Result<Tensor> {
+    let dev = cuda_device(amp_state)?;
+    let mut keep = Vec::new();
+    let mut groups: BTreeMap<&'static str, Vec<Row<1>>> = BTreeMap::new();
+    for (i, g) in grads.iter().enumerate() {
+        let g = if g.is_contiguous() {
+            (*g).clone()
+        } else {
+            g.contiguous()?
+        };
+        groups
+            .entry(dtype_suffix(g.dtype())?)
+            .or_default()
+            .push(Row {
+                addrs: [addr(&g)?],
+                numel: g.elem_count(),
+                group: 0,
+                index: i as i32,
+            });
+        keep.push(g);
+    }
+    let plans: Vec<(&str, Vec<_>)> = groups
+        .into_iter()
+        .map(|(k, rows)| (k, plan(&rows)))
+        .collect();
+    let blocks: u32 = plans.iter().map(|(_, p)| total_blocks(p)).sum();
+    let partials = Tensor::zeros(blocks.max(1) as usize, DType::F32, amp_state.device())?;
+    let stats = Tensor::zeros(3, DType::F32, amp_state.device())?;
+    let (partials_addr, amp_addr, stats_addr) = (addr(&partials)?, addr(amp_state)?, addr(&stats)?);
+    let mut offset = 0i32;
+    for (suffix, launches) in &plans {
+        let func = dev.get_or_load_custom_func(
+            &format!("mt_sumsq_{suffix}"),
+            "wick_grad_norm",
+            ptx::GRAD_NORM,
+        )?;
+        for l in launches {
+            let off = offset + l.block_offset as i32;
+            let mut b = func.builder();
+            b.arg(&l.meta)
+                .arg(&partials_addr)
+                .arg(&off)
+                .arg(&amp_addr)
+                .arg(&inv_weight_sum);
+            unsafe { b.launch(mt_config(l)) }.w()?;
+        }
+        offset += total_blocks(launches) as i32;
+    }
+    let func =
+        dev.get_or_load_custom_func("finalize_grad_stats", "wick_grad_norm", ptx::GRAD_NORM)?;
+    let n = blocks as i32;
+    let max_norm = max_norm.unwrap_or(0.0);
+    let mut b = func.builder();
+    b.arg(&partials_addr)
+        .arg(&n)
+        .arg(&amp_addr)
+        .arg(&inv_weight_sum)
+        .arg(&max_norm)
+        .arg(&stats_addr);
+    let cfg = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (1024, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    unsafe { b.launch(cfg) }.w()?;
+    drop((keep, partials));
+    Ok(stats)
+}
+
+/// In place, `g *= inv_scale` for every contiguous gradient in `grads`, and returns a `(1,)`
+/// f32 device tensor that is 1 when any element was inf/NaN (the analogue of
+/// `torch._amp_foreach_non_finite_check_and_unscale_`). No host synchronisation.
+///
+/// Errors: a non-contiguous or non-CUDA gradient.
+pub fn unscale_check(grads: &[&Tensor], inv_scale: f32) -> Result<Tensor> {
+    let first = grads
+        .first()
+        .ok_or_else(|| anyhow::anyhow!("unscale_check: empty gradient list"))?;
+    let dev = cuda_device(first)?;
+    let found_inf = Tensor::zeros(1, DType::F32, first.device())?;
+    let found_addr = addr(&found_inf)?;
+    let mut groups: BTreeMap<&'static str, Vec<Row<1>>> = BTreeMap::new();
+    for (i, g) in grads.iter().enumerate() {
+        groups
+            .entry(dtype_suffix(g.dtype())?)
+            .or_default()
+            .push(Row {
+                addrs: [addr(g)?],
+                numel: g.elem_count(),
+                group: 0,
+                index: i as i32,
+            });
+    }
+    for (suffix, rows) in groups {
+        let func = dev.get_or_load_custom_func(
+            &format!("mt_unscale_check_{suffix}"),
+            "wick_grad_norm",
+            ptx::GRAD_NORM,
+        )?;
+        for l in plan(&rows) {
+            let mut b = func.builder();
+            b.arg(&l.meta).arg(&found_addr).arg(&inv_scale);
+            unsafe { b.launch(mt_config(&l)) }.w()?;
+        }
+    }
+    Ok(found_inf)
+}
