@@ -181,7 +181,18 @@ impl ParamStore {
         }
         let values = sample_init(&init, &shape, &mut inner.rng)
             .with_context(|| format!("initialising parameter {name:?}"))?;
-        let master = Var::from_vec(values, shape.clone(), &self.device)?;
+        if shape.elem_count() == 0 && self.device.is_cuda() {
+            bail!(
+                "parameter {name:?} has shape {shape:?} with no elements: candle cannot allocate \
+                 zero-size CUDA tensors (cuMemAlloc rejects 0 bytes); drop it from the model"
+            );
+        }
+        let master = Var::from_vec(values, shape.clone(), &self.device).with_context(|| {
+            format!(
+                "creating parameter {name:?} of shape {shape:?} on {:?}",
+                self.device
+            )
+        })?;
         let working = match (role, self.precision.is_mixed()) {
             (Role::Matmul, true) => Some(Var::from_tensor(
                 &master

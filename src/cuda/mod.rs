@@ -8,6 +8,7 @@
 
 pub mod accumulate;
 pub mod adamw;
+pub mod debug;
 pub mod grad_norm;
 pub mod scaler;
 

@@ -105,8 +105,11 @@ impl AdamW {
                 v: vec![0.0; n],
             }
         } else {
-            let z = p.master.zeros_like()?;
-            Moments::Tensors { m: z.clone(), v: z }
+            // two allocations: the fused CUDA kernel writes both in place
+            Moments::Tensors {
+                m: p.master.zeros_like()?,
+                v: p.master.zeros_like()?,
+            }
         };
         Ok(State { step: 0, moments })
     }
