@@ -9,20 +9,25 @@
 #include "multi_tensor.cuh"
 
 struct AdamWArgs {
-    float lr, beta1, beta2, eps, weight_decay;
+    double lr, beta1, beta2, eps, weight_decay;
     uint32_t seed;          // stochastic rounding seed (per step; mixed with the tensor index)
     int32_t stochastic;     // 1: stochastic rounding of the working copy
 };
 
-template <typename G, typename W>
-__device__ __forceinline__ void adamw_element(float& p, float& m, float& v, float g, float mult,
-                                              float decay, float step_size, float inv_bc2_sqrt,
-                                              const AdamWArgs& a) {
-    g *= mult;                                                  // unscaled, clipped gradient
-    m = m * a.beta1 + g * (1.0f - a.beta1);                     // first moment (momentum)
-    v = v * a.beta2 + (g * g) * (1.0f - a.beta2);               // second moment
-    float denom = sqrtf(v) * inv_bc2_sqrt + a.eps;              // sqrt(v_hat) + eps
-    p = p * decay - (m / denom) * step_size;                    // decoupled decay, then m_hat / denom
+// Per-tensor scalars, computed in double and rounded to f32 once, exactly as the CPU paths do
+// (src/optim/adamw.rs, Coeffs), so that the fused kernel and the reference agree to rounding.
+struct AdamWCoeffs {
+    float beta1, one_minus_beta1, beta2, one_minus_beta2, eps, decay, step_size, inv_bc2_sqrt, mult;
+};
+
+// One element. Explicit _rn intrinsics keep nvcc from contracting into FMAs, so the rounding
+// sequence is the one of the CPU reference.
+__device__ __forceinline__ void adamw_element(float& p, float& m, float& v, float g, const AdamWCoeffs& k) {
+    g = __fmul_rn(g, k.mult);                                                       // unscaled, clipped gradient
+    m = __fadd_rn(__fmul_rn(m, k.beta1), __fmul_rn(g, k.one_minus_beta1));          // first moment (momentum)
+    v = __fadd_rn(__fmul_rn(v, k.beta2), __fmul_rn(__fmul_rn(g, g), k.one_minus_beta2)); // second moment
+    float denom = __fadd_rn(__fmul_rn(__fsqrt_rn(v), k.inv_bc2_sqrt), k.eps);        // sqrt(v_hat) + eps
+    p = __fsub_rn(__fmul_rn(p, k.decay), __fmul_rn(__fdiv_rn(m, denom), k.step_size)); // decay, then m_hat / denom
 }
 
 template <typename G, typename W>
@@ -38,13 +43,17 @@ __device__ void adamw_block(const TensorListMeta<5>& meta, const float* stats, c
     float* v = mt_ptr<float>(meta.addr[3][t]) + start;
     W* w = meta.addr[4][t] ? mt_ptr<W>(meta.addr[4][t]) + start : nullptr;
 
-    const float step = amp_state[3] + 1.0f;                     // this step's t (1-based)
-    const float bc1 = 1.0f - powf(a.beta1, step);               // bias corrections
-    const float bc2 = 1.0f - powf(a.beta2, step);
-    const float step_size = a.lr / bc1;
-    const float inv_bc2_sqrt = 1.0f / sqrtf(bc2);
-    const float decay = meta.tensor_group[t] ? 1.0f - a.lr * a.weight_decay : 1.0f;
-    const float mult = stats[2];
+    const double step = (double)amp_state[3] + 1.0;             // this step's t (1-based)
+    AdamWCoeffs k;
+    k.beta1 = (float)a.beta1;
+    k.one_minus_beta1 = (float)(1.0 - a.beta1);
+    k.beta2 = (float)a.beta2;
+    k.one_minus_beta2 = (float)(1.0 - a.beta2);
+    k.eps = (float)a.eps;
+    k.decay = meta.tensor_group[t] ? (float)(1.0 - a.lr * a.weight_decay) : 1.0f;
+    k.step_size = (float)(a.lr / (1.0 - pow(a.beta1, step)));   // lr / bias correction 1
+    k.inv_bc2_sqrt = (float)(1.0 / sqrt(1.0 - pow(a.beta2, step))); // 1 / sqrt(bias correction 2)
+    k.mult = stats[2];
     const uint32_t seed = a.seed ^ (uint32_t)(meta.tensor_index[t] * 0x9E3779B9u);
 
     // 16-byte vector loads when every list is aligned for them (candle allocations are);
@@ -61,10 +70,10 @@ __device__ void adamw_block(const TensorListMeta<5>& meta, const float* stats, c
             float4 vv = reinterpret_cast<float4*>(v)[i];
             float pa[4] = {pv.x, pv.y, pv.z, pv.w}, ma[4] = {mv.x, mv.y, mv.z, mv.w}, va[4] = {vv.x, vv.y, vv.z, vv.w};
 #pragma unroll
-            for (int k = 0; k < 4; k++) {
-                adamw_element<G, W>(pa[k], ma[k], va[k], to_f32(g[4 * i + k]), mult, decay, step_size, inv_bc2_sqrt, a);
-                if (w) w[4 * i + k] = a.stochastic ? round_stochastic<W>(pa[k], seed, (uint32_t)(start + 4 * i + k))
-                                                   : from_f32<W>(pa[k]);
+            for (int j = 0; j < 4; j++) {
+                adamw_element(pa[j], ma[j], va[j], to_f32(g[4 * i + j]), k);
+                if (w) w[4 * i + j] = a.stochastic ? round_stochastic<W>(pa[j], seed, (uint32_t)(start + 4 * i + j))
+                                                   : from_f32<W>(pa[j]);
             }
             reinterpret_cast<float4*>(p)[i] = make_float4(pa[0], pa[1], pa[2], pa[3]);
             reinterpret_cast<float4*>(m)[i] = make_float4(ma[0], ma[1], ma[2], ma[3]);
@@ -74,7 +83,7 @@ __device__ void adamw_block(const TensorListMeta<5>& meta, const float* stats, c
     }
     for (int64_t i = done + threadIdx.x; i < n; i += blockDim.x) {
         float pi = p[i], mi = m[i], vi = v[i];
-        adamw_element<G, W>(pi, mi, vi, to_f32(g[i]), mult, decay, step_size, inv_bc2_sqrt, a);
+        adamw_element(pi, mi, vi, to_f32(g[i]), k);
         p[i] = pi; m[i] = mi; v[i] = vi;
         if (w) w[i] = a.stochastic ? round_stochastic<W>(pi, seed, (uint32_t)(start + i)) : from_f32<W>(pi);
     }

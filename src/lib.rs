@@ -34,6 +34,7 @@ pub mod grads;
 pub mod loss;
 pub mod multi_tensor;
 pub mod nn;
+pub mod ops;
 pub mod optim;
 pub mod params;
 pub mod precision;

@@ -235,15 +235,15 @@ impl Module for LayerNorm {
                 self.weight.dim(0)?
             );
         }
-        let x = to_f32(x)?;
-        let mean = x.mean_keepdim(D::Minus1)?;
-        let centered = x.broadcast_sub(&mean)?;
-        let var = centered.sqr()?.mean_keepdim(D::Minus1)?;
-        let inv_std = (var + self.eps)?.sqrt()?.recip()?;
-        centered
-            .broadcast_mul(&inv_std)?
-            .broadcast_mul(&self.weight)?
-            .broadcast_add(&self.bias)
+        // The fused kernels take f32/bf16/f16; other float dtypes (f64) are cast to f32 first.
+        use candle_core::DType;
+        let x = match x.dtype() {
+            DType::F32 | DType::BF16 | DType::F16 => x.clone(),
+            _ => to_f32(x)?,
+        };
+        // One fused, differentiable op (crate::ops): statistics in f32, output in f32 whatever
+        // x's dtype, as the policy asks, without a separate cast kernel.
+        crate::ops::layer_norm_with_dtype(&x, &self.weight, &self.bias, self.eps, DType::F32)
     }
 }
 

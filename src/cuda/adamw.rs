@@ -14,11 +14,11 @@ use std::collections::BTreeMap;
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 struct AdamWArgs {
-    lr: f32,
-    beta1: f32,
-    beta2: f32,
-    eps: f32,
-    weight_decay: f32,
+    lr: f64,
+    beta1: f64,
+    beta2: f64,
+    eps: f64,
+    weight_decay: f64,
     seed: u32,
     stochastic: i32,
 }
@@ -53,11 +53,11 @@ pub fn step(
     let (stats_addr, amp_addr) = (addr(stats)?, addr(amp_state)?);
     let stochastic = std::env::var("WICK_STOCHASTIC_ROUNDING").is_ok_and(|v| v == "1");
     let args = AdamWArgs {
-        lr: lr as f32,
-        beta1: c.beta1 as f32,
-        beta2: c.beta2 as f32,
-        eps: c.eps as f32,
-        weight_decay: c.weight_decay as f32,
+        lr,
+        beta1: c.beta1,
+        beta2: c.beta2,
+        eps: c.eps,
+        weight_decay: c.weight_decay,
         seed: (seed as u32) ^ ((seed >> 32) as u32).wrapping_mul(0x9E37_79B9),
         stochastic: i32::from(stochastic),
     };

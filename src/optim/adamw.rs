@@ -252,10 +252,11 @@ impl Optimizer for AdamW {
             };
             out.push((format!("{}.exp_avg", p.name), m));
             out.push((format!("{}.exp_avg_sq", p.name), v));
-            out.push((
-                format!("{}.step", p.name),
-                Tensor::new(&[s.step as f32], p.master.device())?,
-            ));
+            if self.imp != Impl::FusedCuda {
+                // the fused CUDA path counts steps once, on the device (Engine::optimizer_steps)
+                let step = Tensor::new(&[s.step as f32], p.master.device())?;
+                out.push((format!("{}.step", p.name), step));
+            }
         }
         Ok(out)
     }

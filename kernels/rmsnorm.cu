@@ -1,0 +1,41 @@
+// RMSNorm over the last dimension (Zhang & Sennrich 2019, "Root Mean Square Layer
+// Normalization"), forward and backward: y = x * rstd * w, rstd = 1/sqrt(mean(x^2) + eps), with
+// f32 statistics, f32 gain w, and x/y stored as f32, bf16 or f16 (y either in x's dtype or f32).
+// The device code is in norm.cuh (shared with LayerNorm); this file instantiates it.
+// Launchers: src/ops/rms_norm.rs (through the shared norm launcher in src/ops/layer_norm.rs).
+//
+// Entry points (TN = x's dtype, UN = y's / dy's dtype; the _vec variants use 16-byte loads):
+//   rmsnorm_fwd_<TN>_<UN>[_vec](x, w, b (unused), y, rows, D, eps)
+//   rmsnorm_bwd_<TN>_<UN>[_vec](x, w, dy, dx, partials, rows, D, eps, acc_in_smem)
+//   rmsnorm_reduce_partials(partials, out, nparts, ncols)
+#include "norm.cuh"
+
+#define RMS_ENTRIES(TN, T, UN, U)                                                                   \
+extern "C" __global__ void __launch_bounds__(NORM_THREADS) rmsnorm_fwd_##TN##_##UN(                 \
+    const T* x, const float* w, const float* b, U* y, int rows, int D, float eps) {                 \
+    norm_fwd<false, 1>(x, w, b, y, rows, D, eps);                                                   \
+}                                                                                                   \
+extern "C" __global__ void __launch_bounds__(NORM_THREADS) rmsnorm_fwd_##TN##_##UN##_vec(           \
+    const T* x, const float* w, const float* b, U* y, int rows, int D, float eps) {                 \
+    norm_fwd<false, 16 / sizeof(T)>(x, w, b, y, rows, D, eps);                                      \
+}                                                                                                   \
+extern "C" __global__ void __launch_bounds__(NORM_THREADS) rmsnorm_bwd_##TN##_##UN(                 \
+    const T* x, const float* w, const U* dy, T* dx, float* partials, int rows, int D, float eps,    \
+    int acc_in_smem) {                                                                              \
+    norm_bwd<false, 1>(x, w, dy, dx, partials, rows, D, eps, acc_in_smem);                          \
+}                                                                                                   \
+extern "C" __global__ void __launch_bounds__(NORM_THREADS) rmsnorm_bwd_##TN##_##UN##_vec(           \
+    const T* x, const float* w, const U* dy, T* dx, float* partials, int rows, int D, float eps,    \
+    int acc_in_smem) {                                                                              \
+    norm_bwd<false, 16 / sizeof(T)>(x, w, dy, dx, partials, rows, D, eps, acc_in_smem);             \
+}
+
+RMS_ENTRIES(f32, float, f32, float)
+RMS_ENTRIES(bf16, __nv_bfloat16, bf16, __nv_bfloat16)
+RMS_ENTRIES(f16, __half, f16, __half)
+RMS_ENTRIES(bf16, __nv_bfloat16, f32, float)
+RMS_ENTRIES(f16, __half, f32, float)
+
+extern "C" __global__ void rmsnorm_reduce_partials(const float* partials, float* out, int nparts, int ncols) {
+    norm_reduce_partials(partials, out, nparts, ncols);
+}

@@ -1,0 +1,261 @@
+//! Differentiable fused ops: each is one candle `CustomOp` with a forward and a backward kernel,
+//! on the CPU (rayon, one pass per row) and on CUDA (kernels in `kernels/*.cu`).
+//!
+//! | op | computes (over the last dim) | x dtype | output dtype |
+//! |---|---|---|---|
+//! | [`layer_norm`] | `y = (x - mean) / sqrt(var + eps) * w + b` | f32, bf16, f16 | x's (or f32: [`layer_norm_with_dtype`]) |
+//! | [`rms_norm`] | `y = x / sqrt(mean(x^2) + eps) * w` | f32, bf16, f16 | x's (or f32: [`rms_norm_with_dtype`]) |
+//! | [`softmax_last_dim`] | `y = exp(x - max) / sum(exp(x - max))` | f32, bf16, f16 | x's |
+//!
+//! Statistics and arithmetic are f32 whatever the storage dtype, as wick's autocast policy asks
+//! for norms and softmax ([`crate::precision`]); storing the output in x's dtype halves the
+//! memory traffic of the next matmul, which runs in the compute dtype anyway. Gains and biases
+//! are used in f32 (wick keeps them as fp32 masters; other dtypes are cast, differentiably).
+//!
+//! Why: candle-nn 0.11.1's fused `layer_norm`, `rms_norm` and `softmax_last_dim` are
+//! forward-only (autograd silently stops there), and the differentiable compositions
+//! (`layer_norm_slow`, `softmax`) cost ten graph nodes and 5–60 ms per call at GPT-2 shapes on an
+//! H200. Each op here is one graph node with its own backward. The backward is itself a fused op
+//! (one kernel for dx and the parameter-gradient partials, one for the deterministic
+//! second-pass reduction); it is not differentiable again (no second-order gradients).
+//!
+//! ```
+//! use candle_core::{Device, Tensor, Var};
+//! # fn main() -> candle_core::Result<()> {
+//! let x = Var::new(&[[1f32, 2., 3., 4.]], &Device::Cpu)?;
+//! let w = Var::new(&[1f32, 1., 1., 1.], &Device::Cpu)?;
+//! let b = Var::new(&[0f32, 0., 0., 0.], &Device::Cpu)?;
+//! let y = wick::ops::layer_norm(x.as_tensor(), w.as_tensor(), b.as_tensor(), 1e-5)?;
+//! let got: Vec<f32> = y.flatten_all()?.to_vec1()?;
+//! assert!((got[0] + 1.3416).abs() < 1e-4); // (1 - 2.5) / sqrt(1.25)
+//! let grads = y.sum_all()?.backward()?;
+//! assert!(grads.get(&w).is_some() && grads.get(&b).is_some());
+//! # Ok(()) }
+//! ```
+
+mod layer_norm;
+mod rms_norm;
+mod softmax;
+
+pub use layer_norm::{layer_norm, layer_norm_with_dtype};
+pub use rms_norm::{rms_norm, rms_norm_with_dtype};
+pub use softmax::softmax_last_dim;
+
+use candle_core::{bail, CpuStorage, DType, Layout, Result, Storage, Tensor};
+use half::{bf16, f16};
+use std::sync::Mutex;
+
+/// Storage element types of the fused ops, with f32 conversions (round to nearest even, as the
+/// CUDA kernels' `from_f32`).
+pub(crate) trait Elem: candle_core::WithDType + Send + Sync {
+    fn to32(self) -> f32;
+    fn from32(v: f32) -> Self;
+}
+impl Elem for f32 {
+    fn to32(self) -> f32 {
+        self
+    }
+    fn from32(v: f32) -> Self {
+        v
+    }
+}
+impl Elem for bf16 {
+    fn to32(self) -> f32 {
+        self.to_f32()
+    }
+    fn from32(v: f32) -> Self {
+        bf16::from_f32(v)
+    }
+}
+impl Elem for f16 {
+    fn to32(self) -> f32 {
+        self.to_f32()
+    }
+    fn from32(v: f32) -> Self {
+        f16::from_f32(v)
+    }
+}
+
+/// Errors unless `dtype` is one of the storage dtypes the fused ops take (f32, bf16, f16).
+pub(crate) fn check_float(op: &str, what: &str, dtype: DType) -> Result<()> {
+    match dtype {
+        DType::F32 | DType::BF16 | DType::F16 => Ok(()),
+        d => bail!("{op}: {what} has dtype {d:?}; expected f32, bf16 or f16 (cast it with .to_dtype(DType::F32))"),
+    }
+}
+
+/// Errors unless `a` and `b` are on the same device.
+pub(crate) fn check_device(op: &str, what: &str, x: &Tensor, other: &Tensor) -> Result<()> {
+    if !x.device().same_device(other.device()) {
+        bail!(
+            "{op}: {what} is on {:?} but x is on {:?}; move both to the same device",
+            other.device(),
+            x.device()
+        )
+    }
+    Ok(())
+}
+
+/// The contiguous data of a CPU storage as `&[T]`.
+pub(crate) fn cpu_slice<'a, T: Elem>(
+    op: &str,
+    what: &str,
+    s: &'a CpuStorage,
+    l: &Layout,
+) -> Result<&'a [T]> {
+    let Some((o1, o2)) = l.contiguous_offsets() else {
+        bail!("{op}: {what} must be contiguous (internal error: the public function makes it so)")
+    };
+    Ok(&T::cpu_storage_as_slice(s)?[o1..o2])
+}
+
+/// A second output of a custom op: candle's `CustomOp` returns one storage, so the backward
+/// kernels that also produce parameter gradients leave them here, and the op's caller turns
+/// them into a tensor right after the call.
+#[derive(Default)]
+pub(crate) struct SideOutput(Mutex<Option<Storage>>);
+
+impl SideOutput {
+    pub(crate) fn put(&self, s: Storage) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(s);
+    }
+
+    /// The stored output as a tensor of `shape` (no gradient tracking).
+    pub(crate) fn take(&self, op: &str, shape: impl Into<candle_core::Shape>) -> Result<Tensor> {
+        let s = self.0.lock().unwrap_or_else(|e| e.into_inner()).take();
+        match s {
+            Some(s) => Ok(Tensor::from_storage(
+                s,
+                shape,
+                candle_core::op::BackpropOp::none(),
+                false,
+            )),
+            None => {
+                bail!("{op}: the backward kernel produced no parameter gradients (internal error)")
+            }
+        }
+    }
+}
+
+/// CUDA plumbing shared by the ops: device pointers of candle storages, output allocation,
+/// launch shapes. Kernels take raw pointers; every launch goes to candle's stream.
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda {
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda::cudarc::driver::{
+        CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, SyncOnDrop,
+    };
+    use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result};
+    use half::{bf16, f16};
+
+    /// Threads per block of the row kernels (8 warps, one row each); `NORM_THREADS` in norm.cuh.
+    pub(crate) const ROW_THREADS: u32 = 256;
+    /// Rows per block of the row kernels; `NORM_WARPS` in norm.cuh.
+    pub(crate) const ROW_WARPS: usize = 8;
+
+    /// `(rows, cols)` of a tensor normalised over its last dimension, checked for the kernels' i32
+    /// indices.
+    pub(crate) fn rows_cols(op: &str, l: &Layout) -> Result<(usize, usize)> {
+        let d = *l.dims().last().unwrap_or(&1);
+        let rows = if d == 0 {
+            0
+        } else {
+            l.shape().elem_count() / d
+        };
+        if rows > i32::MAX as usize || d > i32::MAX as usize {
+            bail!(
+                "{op}: {rows} rows of {d} elements exceed the kernels' i32 range; split the input"
+            )
+        }
+        Ok((rows, d))
+    }
+
+    /// Kernel-name part for a storage dtype.
+    pub(crate) fn dtype_name(op: &str, d: DType) -> Result<&'static str> {
+        Ok(match d {
+            DType::F32 => "f32",
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+            d => bail!("{op}: no CUDA kernel for dtype {d:?}; use f32, bf16 or f16"),
+        })
+    }
+
+    /// Device address of the first element of a contiguous input, with the guard that orders
+    /// the read after earlier writes (keep it alive until after the launch).
+    pub(crate) fn in_ptr<'a>(
+        op: &str,
+        what: &str,
+        s: &'a CudaStorage,
+        l: &Layout,
+        stream: &'a CudaStream,
+    ) -> Result<(u64, SyncOnDrop<'a>)> {
+        let Some((o1, _)) = l.contiguous_offsets() else {
+            bail!(
+                "{op}: {what} must be contiguous (internal error: the public function makes it so)"
+            )
+        };
+        macro_rules! p {
+            ($t:ty) => {{
+                let (p, g) = s.as_cuda_slice::<$t>()?.device_ptr(stream);
+                (p + (o1 * std::mem::size_of::<$t>()) as u64, g)
+            }};
+        }
+        Ok(match s.dtype() {
+            DType::F32 => p!(f32),
+            DType::BF16 => p!(bf16),
+            DType::F16 => p!(f16),
+            d => bail!("{op}: {what} has dtype {d:?}; expected f32, bf16 or f16"),
+        })
+    }
+
+    /// Device address of an output allocated by [`alloc`].
+    pub(crate) fn out_ptr<'a>(
+        s: &'a mut CudaStorage,
+        stream: &'a CudaStream,
+    ) -> Result<(u64, SyncOnDrop<'a>)> {
+        Ok(match s.dtype() {
+            DType::F32 => s.as_cuda_slice_mut::<f32>()?.device_ptr_mut(stream),
+            DType::BF16 => s.as_cuda_slice_mut::<bf16>()?.device_ptr_mut(stream),
+            DType::F16 => s.as_cuda_slice_mut::<f16>()?.device_ptr_mut(stream),
+            d => bail!("unsupported output dtype {d:?}"),
+        })
+    }
+
+    /// An uninitialised buffer of `n` elements (at least one, so that empty outputs are valid
+    /// allocations).
+    pub(crate) fn alloc(dev: &CudaDevice, dtype: DType, n: usize) -> Result<CudaStorage> {
+        let n = n.max(1);
+        // SAFETY: every element the output's shape covers is written by the kernel.
+        Ok(unsafe {
+            match dtype {
+                DType::F32 => CudaStorage::wrap_cuda_slice(dev.alloc::<f32>(n)?, dev.clone()),
+                DType::BF16 => CudaStorage::wrap_cuda_slice(dev.alloc::<bf16>(n)?, dev.clone()),
+                DType::F16 => CudaStorage::wrap_cuda_slice(dev.alloc::<f16>(n)?, dev.clone()),
+                d => bail!("unsupported output dtype {d:?}"),
+            }
+        })
+    }
+
+    /// A zeroed f32 buffer of `n` elements (at least one).
+    pub(crate) fn zeros_f32(dev: &CudaDevice, n: usize) -> Result<CudaStorage> {
+        Ok(CudaStorage::wrap_cuda_slice(
+            dev.alloc_zeros::<f32>(n.max(1))?,
+            dev.clone(),
+        ))
+    }
+
+    /// Launch shape of the one-warp-per-row kernels.
+    pub(crate) fn row_cfg(rows: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (rows.div_ceil(ROW_WARPS) as u32, 1, 1),
+            block_dim: (ROW_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    /// True when the 16-byte-vector kernels apply: rows of `d` elements of `elem_size` bytes
+    /// split into whole 16-byte vectors and every pointer is 16-byte aligned.
+    pub(crate) fn vec_ok(d: usize, elem_size: usize, ptrs: &[u64]) -> bool {
+        d % (16 / elem_size) == 0 && ptrs.iter().all(|p| p % 16 == 0)
+    }
+}

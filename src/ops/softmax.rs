@@ -1,0 +1,256 @@
+//! Softmax over the last dimension, fused and differentiable:
+//!
+//! ```text
+//! y  = exp(x - max(x)) / sum(exp(x - max(x)))
+//! dx = y * (dy - sum(dy * y))
+//! ```
+//! The forward finds the maximum and the normaliser in one pass (online softmax, Milakov &
+//! Gimelshein 2018, arXiv:1805.02867); the backward needs only y and dy. Arithmetic is f32
+//! whatever the storage dtype. Kernels: `kernels/softmax.cu`.
+
+use super::{check_float, cpu_slice, Elem};
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+/// Fused, differentiable softmax over the last dimension.
+///
+/// `x`: `(.., D)` in f32, bf16 or f16 (any layout; made contiguous first). Returns `y` with x's
+/// shape and dtype, computed in f32. Differentiable on the CPU and on CUDA (the backward uses
+/// `y`, so nothing else is kept); not twice differentiable. A row that is all `-inf` gives NaN,
+/// as `candle_nn::ops::softmax` does. Same math as `candle_nn::ops::softmax(x, D::Minus1)` in
+/// one graph node instead of five.
+///
+/// Errors (no panics) for a scalar x or a dtype other than f32/bf16/f16. An empty x is returned
+/// as is.
+pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    check_float("softmax_last_dim", "x", x.dtype())?;
+    if x.rank() == 0 {
+        bail!("softmax_last_dim: x is a scalar; expected a tensor (.., D)")
+    }
+    if x.elem_count() == 0 {
+        return Ok(x.clone());
+    }
+    x.contiguous()?.apply_op1(SoftmaxLastDim)
+}
+
+/// The forward op (x → y).
+struct SoftmaxLastDim;
+
+/// The backward op ((y, dy) → dx).
+struct SoftmaxBwd;
+
+/// Runs `$body!(T)` for the supported storage dtypes.
+macro_rules! with_type {
+    ($op:expr, $dt:expr, $body:ident) => {
+        match $dt {
+            DType::F32 => $body!(f32),
+            DType::BF16 => $body!(bf16),
+            DType::F16 => $body!(f16),
+            d => bail!(
+                "{}: dtype {d:?} is not supported; use f32, bf16 or f16",
+                $op
+            ),
+        }
+    };
+}
+
+fn fwd_cpu<T: Elem>(x: &[T], d: usize) -> Vec<T> {
+    let mut y = vec![T::from32(0.0); x.len()];
+    y.par_chunks_mut(d)
+        .zip(x.par_chunks(d))
+        .for_each(|(yr, xr)| {
+            let m = xr
+                .iter()
+                .map(|v| v.to32())
+                .fold(f32::NEG_INFINITY, f32::max);
+            let s: f32 = xr.iter().map(|v| (v.to32() - m).exp()).sum();
+            let inv = 1.0 / s;
+            for (yv, xv) in yr.iter_mut().zip(xr) {
+                *yv = T::from32((xv.to32() - m).exp() * inv);
+            }
+        });
+    y
+}
+
+fn bwd_cpu<T: Elem>(y: &[T], dy: &[T], d: usize) -> Vec<T> {
+    let mut dx = vec![T::from32(0.0); y.len()];
+    dx.par_chunks_mut(d)
+        .zip(y.par_chunks(d).zip(dy.par_chunks(d)))
+        .for_each(|(dxr, (yr, dyr))| {
+            let dot: f32 = yr.iter().zip(dyr).map(|(a, g)| a.to32() * g.to32()).sum();
+            for ((o, a), g) in dxr.iter_mut().zip(yr).zip(dyr) {
+                *o = T::from32(a.to32() * (g.to32() - dot));
+            }
+        });
+    dx
+}
+
+fn last_dim(op: &str, l: &Layout) -> Result<usize> {
+    match l.dims().last() {
+        Some(&d) if d > 0 => Ok(d),
+        _ => bail!(
+            "{op}: x has shape {:?}; expected a non-empty last dimension",
+            l.dims()
+        ),
+    }
+}
+
+impl CustomOp1 for SoftmaxLastDim {
+    fn name(&self) -> &'static str {
+        "softmax_last_dim"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let op = self.name();
+        let d = last_dim(op, l)?;
+        macro_rules! run {
+            ($t:ty) => {{
+                let x = cpu_slice::<$t>(op, "x", s, l)?;
+                <$t as candle_core::WithDType>::to_cpu_storage_owned(fwd_cpu(x, d))
+            }};
+        }
+        Ok((with_type!(op, s.dtype(), run), l.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        cuda::fwd(s, l)
+    }
+
+    fn bwd(&self, _x: &Tensor, y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
+        let dy = if dy.dtype() == y.dtype() {
+            dy.clone()
+        } else {
+            dy.to_dtype(y.dtype())?
+        };
+        Ok(Some(y.apply_op2_no_bwd(&dy.contiguous()?, &SoftmaxBwd)?))
+    }
+}
+
+impl CustomOp2 for SoftmaxBwd {
+    fn name(&self) -> &'static str {
+        "softmax_last_dim_backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        y: &CpuStorage,
+        ly: &Layout,
+        dy: &CpuStorage,
+        ldy: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let op = self.name();
+        let d = last_dim(op, ly)?;
+        if ly.dims() != ldy.dims() || y.dtype() != dy.dtype() {
+            bail!(
+                "{op}: y {:?} {:?} and dy {:?} {:?} differ",
+                ly.dims(),
+                y.dtype(),
+                ldy.dims(),
+                dy.dtype()
+            )
+        }
+        macro_rules! run {
+            ($t:ty) => {{
+                let yv = cpu_slice::<$t>(op, "y", y, ly)?;
+                let dyv = cpu_slice::<$t>(op, "dy", dy, ldy)?;
+                <$t as candle_core::WithDType>::to_cpu_storage_owned(bwd_cpu(yv, dyv, d))
+            }};
+        }
+        Ok((with_type!(op, y.dtype(), run), ly.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        y: &candle_core::CudaStorage,
+        ly: &Layout,
+        dy: &candle_core::CudaStorage,
+        ldy: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        cuda::bwd(y, ly, dy, ldy)
+    }
+}
+
+/// CUDA launchers for `kernels/softmax.cu`.
+#[cfg(feature = "cuda")]
+mod cuda {
+    use crate::ops::cuda::{alloc, dtype_name, in_ptr, out_ptr, row_cfg, rows_cols, vec_ok};
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda::cudarc::driver::PushKernelArg;
+    use candle_core::cuda::WrapErr;
+    use candle_core::{bail, CudaStorage, Layout, Result, Shape};
+
+    const MODULE: &str = "wick_ops_softmax";
+
+    pub(super) fn fwd(x: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        let op = "softmax_last_dim";
+        let dev = &x.device;
+        let (rows, d) = rows_cols(op, l)?;
+        let mut y = alloc(dev, x.dtype(), rows * d)?;
+        if rows > 0 {
+            let stream = dev.cuda_stream();
+            let (xp, _gx) = in_ptr(op, "x", x, l, &stream)?;
+            let (yp, _gy) = out_ptr(&mut y, &stream)?;
+            let vec = vec_ok(d, x.dtype().size_in_bytes(), &[xp, yp]);
+            let kernel = format!(
+                "softmax_fwd_{}{}",
+                dtype_name(op, x.dtype())?,
+                if vec { "_vec" } else { "" }
+            );
+            let func = dev.get_or_load_custom_func(&kernel, MODULE, crate::cuda::ptx::SOFTMAX)?;
+            let (rows_i, d_i) = (rows as i32, d as i32);
+            let mut lb = func.builder();
+            lb.arg(&xp).arg(&yp).arg(&rows_i).arg(&d_i);
+            // SAFETY: x and y hold rows * d elements of the kernel's dtype.
+            unsafe { lb.launch(row_cfg(rows)) }.w()?;
+        }
+        Ok((y, l.shape().clone()))
+    }
+
+    pub(super) fn bwd(
+        y: &CudaStorage,
+        ly: &Layout,
+        dy: &CudaStorage,
+        ldy: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let op = "softmax_last_dim_backward";
+        if ly.dims() != ldy.dims() || y.dtype() != dy.dtype() {
+            bail!(
+                "{op}: y {:?} {:?} and dy {:?} {:?} differ",
+                ly.dims(),
+                y.dtype(),
+                ldy.dims(),
+                dy.dtype()
+            )
+        }
+        let dev = &y.device;
+        let (rows, d) = rows_cols(op, ly)?;
+        let mut dx = alloc(dev, y.dtype(), rows * d)?;
+        if rows > 0 {
+            let stream = dev.cuda_stream();
+            let (yp, _gy) = in_ptr(op, "y", y, ly, &stream)?;
+            let (dyp, _gdy) = in_ptr(op, "dy", dy, ldy, &stream)?;
+            let (dxp, _gdx) = out_ptr(&mut dx, &stream)?;
+            let vec = vec_ok(d, y.dtype().size_in_bytes(), &[yp, dyp, dxp]);
+            let kernel = format!(
+                "softmax_bwd_{}{}",
+                dtype_name(op, y.dtype())?,
+                if vec { "_vec" } else { "" }
+            );
+            let func = dev.get_or_load_custom_func(&kernel, MODULE, crate::cuda::ptx::SOFTMAX)?;
+            let (rows_i, d_i) = (rows as i32, d as i32);
+            let mut lb = func.builder();
+            lb.arg(&yp).arg(&dyp).arg(&dxp).arg(&rows_i).arg(&d_i);
+            // SAFETY: y, dy and dx hold rows * d elements of the kernel's dtype.
+            unsafe { lb.launch(row_cfg(rows)) }.w()?;
+        }
+        Ok((dx, ly.shape().clone()))
+    }
+}

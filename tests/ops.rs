@@ -1,0 +1,654 @@
+//! The fused ops of `wick::ops` against their composed candle-op versions
+//! (`candle_nn::ops::layer_norm_slow`, `rms_norm_slow`, `softmax`): forward values and the
+//! gradients of every argument, in f32, bf16 and f16, on the CPU. With `--features cuda` (on a
+//! machine with a GPU) the CUDA kernels are also compared against the CPU, on shapes that take
+//! every kernel path. Every comparison prints its max error (`cargo test --test ops --
+//! --nocapture`); errors are relative to the reference's largest magnitude (at least 1).
+
+use candle_core::{DType, Device, Result, Tensor, Var, D};
+use rand::{Rng, SeedableRng};
+use wick::ops;
+
+const EPS: f64 = 1e-5;
+
+/// Uniform values in `[lo, hi)` from a seeded generator, as `dtype` on `dev`.
+fn rand_t(shape: &[usize], lo: f32, hi: f32, seed: u64, dtype: DType, dev: &Device) -> Tensor {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n).map(|_| rng.random_range(lo..hi)).collect();
+    Tensor::from_vec(v, shape, &Device::Cpu)
+        .and_then(|t| t.to_dtype(dtype))
+        .and_then(|t| t.to_device(dev))
+        .unwrap()
+}
+
+/// Max |a - b| over max(1, max |b|), both read back as f32 on the CPU.
+fn err(a: &Tensor, b: &Tensor) -> f32 {
+    assert_eq!(a.dims(), b.dims(), "shapes differ");
+    let a = a
+        .to_device(&Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap();
+    let b = b
+        .to_device(&Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap();
+    let diff: f32 = (&a - &b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar()
+        .unwrap();
+    let scale: f32 = b
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar()
+        .unwrap();
+    if diff.is_nan() {
+        return f32::INFINITY;
+    }
+    diff / scale.max(1.0)
+}
+
+/// Errors as `[1.2e-6, ...]`.
+fn fmt_errs(e: &[f32]) -> String {
+    let v: Vec<String> = e.iter().map(|x| format!("{x:.2e}")).collect();
+    format!("[{}]", v.join(", "))
+}
+
+/// `y = f(args)` and the gradients of `sum(y * r)` with respect to every argument.
+fn value_and_grads(
+    f: &dyn Fn(&[Tensor]) -> Result<Tensor>,
+    args: &[Tensor],
+    r: &Tensor,
+) -> Result<(Tensor, Vec<Tensor>)> {
+    let vars = args
+        .iter()
+        .map(Var::from_tensor)
+        .collect::<Result<Vec<_>>>()?;
+    let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    let y = f(&ts)?;
+    let loss = y.to_dtype(DType::F32)?.mul(r)?.sum_all()?;
+    let g = loss.backward()?;
+    let grads = vars
+        .iter()
+        .enumerate()
+        .map(|(i, v)| {
+            g.get(v)
+                .cloned()
+                .ok_or_else(|| candle_core::Error::Msg(format!("argument {i} got no gradient")))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok((y, grads))
+}
+
+fn ln_fused(a: &[Tensor]) -> Result<Tensor> {
+    ops::layer_norm(&a[0], &a[1], &a[2], EPS)
+}
+fn ln_ref(a: &[Tensor]) -> Result<Tensor> {
+    candle_nn::ops::layer_norm_slow(&a[0].to_dtype(DType::F32)?, &a[1], &a[2], EPS as f32)
+}
+fn rms_fused(a: &[Tensor]) -> Result<Tensor> {
+    ops::rms_norm(&a[0], &a[1], EPS)
+}
+fn rms_ref(a: &[Tensor]) -> Result<Tensor> {
+    candle_nn::ops::rms_norm_slow(&a[0].to_dtype(DType::F32)?, &a[1], EPS as f32)
+}
+fn sm_fused(a: &[Tensor]) -> Result<Tensor> {
+    ops::softmax_last_dim(&a[0])
+}
+fn sm_ref(a: &[Tensor]) -> Result<Tensor> {
+    candle_nn::ops::softmax(&a[0].to_dtype(DType::F32)?, D::Minus1)
+}
+
+/// Error bound relative to the reference's scale: the rounding of the storage dtype plus
+/// margin for f32 summation order.
+fn tol(dtype: DType) -> f32 {
+    match dtype {
+        DType::F32 => 2e-5,
+        DType::F16 => 3e-3,
+        _ => 2e-2, // bf16: 8 mantissa bits
+    }
+}
+
+/// Arguments of a norm test: x (offset so that the mean matters), gains, biases, and r.
+fn norm_args(shape: &[usize], dtype: DType, seed: u64, dev: &Device) -> (Vec<Tensor>, Tensor) {
+    let d = *shape.last().unwrap();
+    let x = rand_t(shape, 1.0, 5.0, seed, dtype, dev);
+    let w = rand_t(&[d], 0.5, 1.5, seed + 1, DType::F32, dev);
+    let b = rand_t(&[d], -0.5, 0.5, seed + 2, DType::F32, dev);
+    let r = rand_t(shape, -1.0, 1.0, seed + 3, DType::F32, dev);
+    (vec![x, w, b], r)
+}
+
+/// Compares fused and composed on one input; returns the errors (y, then each gradient).
+fn compare(
+    name: &str,
+    fused: &dyn Fn(&[Tensor]) -> Result<Tensor>,
+    reference: &dyn Fn(&[Tensor]) -> Result<Tensor>,
+    args: &[Tensor],
+    r: &Tensor,
+) -> Result<Vec<f32>> {
+    let (y, g) = value_and_grads(fused, args, r)?;
+    let (y_ref, g_ref) = value_and_grads(reference, args, r)?;
+    assert_eq!(y.dtype(), args[0].dtype(), "{name}: output dtype");
+    for (gi, ai) in g.iter().zip(args) {
+        assert_eq!(
+            (gi.dims(), gi.dtype()),
+            (ai.dims(), ai.dtype()),
+            "{name}: gradient shape/dtype"
+        );
+    }
+    let mut errs = vec![err(&y, &y_ref)];
+    errs.extend(g.iter().zip(&g_ref).map(|(a, b)| err(a, b)));
+    println!("{name}: max error y, grads = {}", fmt_errs(&errs));
+    Ok(errs)
+}
+
+/// [`compare`] without the dtype checks (for arguments that are views or casts).
+fn compare_any(
+    name: &str,
+    fused: &dyn Fn(&[Tensor]) -> Result<Tensor>,
+    reference: &dyn Fn(&[Tensor]) -> Result<Tensor>,
+    args: &[Tensor],
+    r: &Tensor,
+) -> Result<Vec<f32>> {
+    let (y, g) = value_and_grads(fused, args, r)?;
+    let (y_ref, g_ref) = value_and_grads(reference, args, r)?;
+    let mut errs = vec![err(&y, &y_ref)];
+    errs.extend(g.iter().zip(&g_ref).map(|(a, b)| err(a, b)));
+    println!("{name}: max error y, grads = {}", fmt_errs(&errs));
+    Ok(errs)
+}
+
+const DTYPES: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
+
+#[test]
+fn layer_norm_matches_composed_on_cpu() -> Result<()> {
+    for dtype in DTYPES {
+        for (i, shape) in [&[4usize, 96][..], &[2, 3, 37], &[70, 768], &[5, 1]]
+            .iter()
+            .enumerate()
+        {
+            let (args, r) = norm_args(shape, dtype, 10 * i as u64, &Device::Cpu);
+            let name = format!("layer_norm {dtype:?} {shape:?}");
+            let errs = compare(&name, &ln_fused, &ln_ref, &args, &r)?;
+            assert!(errs.iter().all(|e| *e <= tol(dtype)), "{name}: {errs:?}");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn rms_norm_matches_composed_on_cpu() -> Result<()> {
+    for dtype in DTYPES {
+        for (i, shape) in [&[4usize, 96][..], &[2, 3, 37], &[70, 768]]
+            .iter()
+            .enumerate()
+        {
+            let (args, r) = norm_args(shape, dtype, 100 + 10 * i as u64, &Device::Cpu);
+            let args = &args[..2];
+            let name = format!("rms_norm {dtype:?} {shape:?}");
+            let errs = compare(&name, &rms_fused, &rms_ref, args, &r)?;
+            assert!(errs.iter().all(|e| *e <= tol(dtype)), "{name}: {errs:?}");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn softmax_matches_composed_on_cpu() -> Result<()> {
+    for dtype in DTYPES {
+        for (i, shape) in [&[4usize, 96][..], &[2, 3, 37], &[64, 1024], &[3, 1]]
+            .iter()
+            .enumerate()
+        {
+            let x = rand_t(shape, -8.0, 8.0, 200 + i as u64, dtype, &Device::Cpu);
+            let r = rand_t(shape, -1.0, 1.0, 300 + i as u64, DType::F32, &Device::Cpu);
+            let name = format!("softmax {dtype:?} {shape:?}");
+            let errs = compare(&name, &sm_fused, &sm_ref, &[x], &r)?;
+            assert!(errs.iter().all(|e| *e <= tol(dtype)), "{name}: {errs:?}");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn softmax_handles_masked_entries() -> Result<()> {
+    // An attention-style mask: -inf in part of each row (never a whole row).
+    let x = rand_t(&[6, 40], -3.0, 3.0, 7, DType::F32, &Device::Cpu);
+    let mask: Vec<f32> = (0..6 * 40)
+        .map(|i| {
+            if i % 40 > 5 + i / 40 {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let x = (x + Tensor::from_vec(mask, (6, 40), &Device::Cpu)?)?;
+    let r = rand_t(&[6, 40], -1.0, 1.0, 8, DType::F32, &Device::Cpu);
+    let errs = compare("softmax masked", &sm_fused, &sm_ref, &[x], &r)?;
+    assert!(errs.iter().all(|e| *e <= 1e-5), "{errs:?}");
+    Ok(())
+}
+
+#[test]
+fn norms_can_return_f32_for_half_inputs() -> Result<()> {
+    let (args, r) = norm_args(&[8, 64], DType::BF16, 400, &Device::Cpu);
+    let f = |a: &[Tensor]| ops::layer_norm_with_dtype(&a[0], &a[1], &a[2], EPS, DType::F32);
+    let (y, g) = value_and_grads(&f, &args, &r)?;
+    let (y_ref, g_ref) = value_and_grads(&ln_ref, &args, &r)?;
+    assert_eq!((y.dtype(), g[0].dtype()), (DType::F32, DType::BF16));
+    let e = [
+        err(&y, &y_ref),
+        err(&g[0], &g_ref[0]),
+        err(&g[1], &g_ref[1]),
+        err(&g[2], &g_ref[2]),
+    ];
+    println!("layer_norm bf16 -> f32: {}", fmt_errs(&e));
+    // y is not rounded to bf16 here: only the f32 arithmetic differs.
+    assert!(
+        e[0] <= 1e-5 && e.iter().all(|v| *v <= tol(DType::BF16)),
+        "{e:?}"
+    );
+
+    let f = |a: &[Tensor]| ops::rms_norm_with_dtype(&a[0], &a[1], EPS, DType::F32);
+    let (y, _) = value_and_grads(&f, &args[..2], &r)?;
+    let (y_ref, _) = value_and_grads(&rms_ref, &args[..2], &r)?;
+    assert_eq!(y.dtype(), DType::F32);
+    assert!(err(&y, &y_ref) <= 1e-5);
+    Ok(())
+}
+
+/// Views taken inside the differentiated function (a `Var` is always a contiguous copy):
+/// `x.t()` (strided) and `flat.narrow(0, 1, n).reshape(..)` (contiguous, one element into its
+/// buffer, so not 16-byte aligned on CUDA).
+fn strided(x: &Tensor) -> Result<Tensor> {
+    x.t()
+}
+fn offset(flat: &Tensor, rows: usize, cols: usize) -> Result<Tensor> {
+    flat.narrow(0, 1, rows * cols)?.reshape((rows, cols))
+}
+
+#[test]
+fn non_contiguous_inputs_and_half_gains() -> Result<()> {
+    // x transposed (strided) or offset; gains in bf16 (cast to f32 inside, gradient in bf16).
+    let cpu = &Device::Cpu;
+    let x = rand_t(&[48, 6], 0.0, 2.0, 500, DType::F32, cpu);
+    let w = rand_t(&[48], 0.5, 1.5, 501, DType::BF16, cpu);
+    let b = rand_t(&[48], -0.5, 0.5, 502, DType::BF16, cpu);
+    let r = rand_t(&[6, 48], -1.0, 1.0, 503, DType::F32, cpu);
+    let fused = |a: &[Tensor]| ops::layer_norm(&strided(&a[0])?, &a[1], &a[2], EPS);
+    let reference = |a: &[Tensor]| {
+        let (w, b) = (a[1].to_dtype(DType::F32)?, a[2].to_dtype(DType::F32)?);
+        candle_nn::ops::layer_norm_slow(&strided(&a[0])?, &w, &b, EPS as f32)
+    };
+    let args = [x, w, b];
+    let errs = compare_any(
+        "layer_norm strided x, bf16 gains",
+        &fused,
+        &reference,
+        &args,
+        &r,
+    )?;
+    assert!(errs.iter().all(|v| *v <= 1e-2), "{errs:?}");
+
+    let flat = rand_t(&[1 + 6 * 48], 0.0, 2.0, 504, DType::F32, cpu);
+    let fused = |a: &[Tensor]| ops::rms_norm(&offset(&a[0], 6, 48)?, &a[1], EPS);
+    let reference = |a: &[Tensor]| {
+        candle_nn::ops::rms_norm_slow(
+            &offset(&a[0], 6, 48)?,
+            &a[1].to_dtype(DType::F32)?,
+            EPS as f32,
+        )
+    };
+    let errs = compare_any(
+        "rms_norm offset x",
+        &fused,
+        &reference,
+        &[flat, args[1].clone()],
+        &r,
+    )?;
+    assert!(errs.iter().all(|v| *v <= 1e-2), "{errs:?}");
+
+    let x = rand_t(&[48, 6], -3.0, 3.0, 505, DType::F32, cpu);
+    let fused = |a: &[Tensor]| ops::softmax_last_dim(&strided(&a[0])?);
+    let reference = |a: &[Tensor]| candle_nn::ops::softmax(&strided(&a[0])?, D::Minus1);
+    let errs = compare_any("softmax strided x", &fused, &reference, &[x], &r)?;
+    assert!(errs.iter().all(|v| *v <= 1e-5), "{errs:?}");
+    Ok(())
+}
+
+#[test]
+fn parameter_gradients_are_deterministic() -> Result<()> {
+    let (args, r) = norm_args(&[301, 33], DType::F32, 600, &Device::Cpu);
+    let (_, g1) = value_and_grads(&ln_fused, &args, &r)?;
+    let (_, g2) = value_and_grads(&ln_fused, &args, &r)?;
+    for (a, b) in g1.iter().zip(&g2) {
+        let (a, b): (Vec<f32>, Vec<f32>) =
+            (a.flatten_all()?.to_vec1()?, b.flatten_all()?.to_vec1()?);
+        assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()));
+    }
+    Ok(())
+}
+
+#[test]
+fn empty_rows_give_empty_outputs_and_zero_parameter_gradients() -> Result<()> {
+    let (args, r) = norm_args(&[0, 16], DType::F32, 700, &Device::Cpu);
+    let (y, g) = value_and_grads(&ln_fused, &args, &r)?;
+    assert_eq!(y.dims(), &[0, 16]);
+    assert_eq!(g[1].to_vec1::<f32>()?, vec![0f32; 16]);
+    let s = ops::softmax_last_dim(&Tensor::zeros((3, 0), DType::F32, &Device::Cpu)?)?;
+    assert_eq!(s.dims(), &[3, 0]);
+    Ok(())
+}
+
+#[test]
+fn bad_inputs_give_clear_errors() -> Result<()> {
+    let cpu = &Device::Cpu;
+    let x = Tensor::zeros((4, 8), DType::F32, cpu)?;
+    let w = Tensor::ones(8, DType::F32, cpu)?;
+    let b = Tensor::zeros(8, DType::F32, cpu)?;
+    let msg = |r: Result<Tensor>| r.expect_err("expected an error").to_string();
+
+    let m = msg(ops::layer_norm(
+        &x,
+        &Tensor::ones(7, DType::F32, cpu)?,
+        &b,
+        EPS,
+    ));
+    assert!(m.contains("w has shape [7]") && m.contains("(8,)"), "{m}");
+    let m = msg(ops::layer_norm(
+        &x,
+        &w,
+        &Tensor::ones((1, 8), DType::F32, cpu)?,
+        EPS,
+    ));
+    assert!(m.contains("b has shape [1, 8]"), "{m}");
+    let m = msg(ops::layer_norm(&x.to_dtype(DType::U32)?, &w, &b, EPS));
+    assert!(m.contains("U32") && m.contains("f32, bf16 or f16"), "{m}");
+    let m = msg(ops::layer_norm(&Tensor::new(1f32, cpu)?, &w, &b, EPS));
+    assert!(m.contains("scalar"), "{m}");
+    let m = msg(ops::layer_norm(
+        &Tensor::zeros((4, 0), DType::F32, cpu)?,
+        &w,
+        &b,
+        EPS,
+    ));
+    assert!(m.contains("empty"), "{m}");
+    let m = msg(ops::layer_norm(&x, &w, &b, -1.0));
+    assert!(m.contains("eps"), "{m}");
+    let m = msg(ops::layer_norm_with_dtype(
+        &x.to_dtype(DType::BF16)?,
+        &w,
+        &b,
+        EPS,
+        DType::F16,
+    ));
+    assert!(m.contains("output dtype F16"), "{m}");
+    let m = msg(ops::rms_norm(&x, &Tensor::ones(9, DType::F32, cpu)?, EPS));
+    assert!(
+        m.contains("rms_norm") && m.contains("w has shape [9]"),
+        "{m}"
+    );
+    let m = msg(ops::rms_norm(&x.to_dtype(DType::F64)?, &w, EPS));
+    assert!(m.contains("F64"), "{m}");
+    let m = msg(ops::softmax_last_dim(&x.to_dtype(DType::U8)?));
+    assert!(m.contains("softmax_last_dim") && m.contains("U8"), "{m}");
+    let m = msg(ops::softmax_last_dim(&Tensor::new(1f32, cpu)?));
+    assert!(m.contains("scalar"), "{m}");
+    Ok(())
+}
+
+#[test]
+fn nn_layer_norm_uses_the_fused_op_and_trains_every_parameter() -> anyhow::Result<()> {
+    use candle_core::Module;
+    let store = wick::ParamStore::new(wick::Precision::Bf16Mixed, Device::Cpu, 0);
+    let ln = wick::nn::LayerNorm::new(&store, "ln", 37, 1e-5)?;
+    let x = rand_t(&[3, 37], 0.0, 4.0, 800, DType::BF16, &Device::Cpu);
+    let y = ln.forward(&x)?;
+    assert_eq!(y.dtype(), DType::F32);
+    let y_ref = candle_nn::ops::layer_norm_slow(
+        &x.to_dtype(DType::F32)?,
+        &Tensor::ones(37, DType::F32, &Device::Cpu)?,
+        &Tensor::zeros(37, DType::F32, &Device::Cpu)?,
+        1e-5,
+    )?;
+    assert!(err(&y, &y_ref) <= 1e-5);
+    let grads = (y * rand_t(&[3, 37], -1.0, 1.0, 801, DType::F32, &Device::Cpu))?
+        .sum_all()?
+        .backward()?;
+    for p in store.params() {
+        assert!(
+            grads.get(p.differentiated()).is_some(),
+            "{} got no gradient",
+            p.name
+        );
+    }
+    Ok(())
+}
+
+/// The CUDA kernels against the CPU implementation and the composed reference. Needs a GPU:
+/// `cargo test --release --features cuda --test ops -- --nocapture`.
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+
+    fn gpu() -> Device {
+        Device::new_cuda(0).expect("these tests need a CUDA device (Device::new_cuda(0))")
+    }
+
+    fn to(args: &[Tensor], dev: &Device) -> Vec<Tensor> {
+        args.iter().map(|t| t.to_device(dev).unwrap()).collect()
+    }
+
+    /// Fused op on the GPU against the fused op on the CPU (same algorithm) and against the
+    /// composed reference on the CPU; returns the larger error of each output.
+    fn check(
+        name: &str,
+        fused: &dyn Fn(&[Tensor]) -> Result<Tensor>,
+        reference: &dyn Fn(&[Tensor]) -> Result<Tensor>,
+        args: &[Tensor],
+        r: &Tensor,
+        bound: f32,
+    ) -> Result<()> {
+        let dev = gpu();
+        let (y_g, g_g) = value_and_grads(fused, &to(args, &dev), &r.to_device(&dev)?)?;
+        let (y_c, g_c) = value_and_grads(fused, args, r)?;
+        let (y_r, g_r) = value_and_grads(reference, args, r)?;
+        assert!(y_g.device().is_cuda() && g_g.iter().all(|g| g.device().is_cuda()));
+        let mut vs_cpu = vec![err(&y_g, &y_c)];
+        vs_cpu.extend(g_g.iter().zip(&g_c).map(|(a, b)| err(a, b)));
+        let mut vs_ref = vec![err(&y_g, &y_r)];
+        vs_ref.extend(g_g.iter().zip(&g_r).map(|(a, b)| err(a, b)));
+        println!(
+            "{name}: cuda vs cpu fused {}; cuda vs composed {}",
+            fmt_errs(&vs_cpu),
+            fmt_errs(&vs_ref)
+        );
+        assert!(
+            vs_cpu.iter().chain(&vs_ref).all(|e| *e <= bound),
+            "{name}: errors above {bound:e}: vs cpu {vs_cpu:?}, vs composed {vs_ref:?}"
+        );
+        Ok(())
+    }
+
+    /// Shapes that take every kernel path: 16-byte vectors (D % 8 == 0), the scalar path
+    /// (D = 37), more rows than 8 * 1024 (several rows per backward block), one row, D = 1,
+    /// and D large enough that the backward accumulates dw/db in global memory.
+    const NORM_SHAPES: &[&[usize]] = &[
+        &[2, 3, 768],
+        &[7, 37],
+        &[9000, 64],
+        &[1, 1024],
+        &[5, 1],
+        &[20, 5000],
+        &[3, 12288],
+    ];
+
+    #[test]
+    fn layer_norm_cuda_matches_cpu() -> Result<()> {
+        for dtype in DTYPES {
+            for (i, shape) in NORM_SHAPES.iter().enumerate() {
+                let (args, r) = norm_args(shape, dtype, 1000 + 10 * i as u64, &Device::Cpu);
+                let name = format!("cuda layer_norm {dtype:?} {shape:?}");
+                check(&name, &ln_fused, &ln_ref, &args, &r, tol(dtype))?;
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn rms_norm_cuda_matches_cpu() -> Result<()> {
+        for dtype in DTYPES {
+            for (i, shape) in NORM_SHAPES.iter().enumerate() {
+                let (args, r) = norm_args(shape, dtype, 2000 + 10 * i as u64, &Device::Cpu);
+                let name = format!("cuda rms_norm {dtype:?} {shape:?}");
+                check(&name, &rms_fused, &rms_ref, &args[..2], &r, tol(dtype))?;
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn softmax_cuda_matches_cpu() -> Result<()> {
+        for dtype in DTYPES {
+            for (i, shape) in [
+                &[4usize, 1024][..],
+                &[3, 5, 37],
+                &[300, 2048],
+                &[2, 1],
+                &[2, 40000],
+            ]
+            .iter()
+            .enumerate()
+            {
+                let x = rand_t(shape, -8.0, 8.0, 3000 + i as u64, dtype, &Device::Cpu);
+                let r = rand_t(shape, -1.0, 1.0, 3100 + i as u64, DType::F32, &Device::Cpu);
+                let name = format!("cuda softmax {dtype:?} {shape:?}");
+                check(&name, &sm_fused, &sm_ref, &[x], &r, tol(dtype))?;
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn cuda_masked_softmax_and_f32_output_norms() -> Result<()> {
+        let x = rand_t(&[6, 40], -3.0, 3.0, 7, DType::F32, &Device::Cpu);
+        let mask: Vec<f32> = (0..6 * 40)
+            .map(|i| {
+                if i % 40 > 5 + i / 40 {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let x = (x + Tensor::from_vec(mask, (6, 40), &Device::Cpu)?)?;
+        let r = rand_t(&[6, 40], -1.0, 1.0, 8, DType::F32, &Device::Cpu);
+        check("cuda softmax masked", &sm_fused, &sm_ref, &[x], &r, 1e-5)?;
+
+        for dtype in [DType::BF16, DType::F16] {
+            let (args, r) = norm_args(&[33, 256], dtype, 4000, &Device::Cpu);
+            let f = |a: &[Tensor]| ops::layer_norm_with_dtype(&a[0], &a[1], &a[2], EPS, DType::F32);
+            let dev = gpu();
+            let (y, g) = value_and_grads(&f, &to(&args, &dev), &r.to_device(&dev)?)?;
+            let (y_c, g_c) = value_and_grads(&f, &args, &r)?;
+            assert_eq!((y.dtype(), g[0].dtype()), (DType::F32, dtype));
+            let e: Vec<f32> = std::iter::once(err(&y, &y_c))
+                .chain(g.iter().zip(&g_c).map(|(a, b)| err(a, b)))
+                .collect();
+            println!("cuda layer_norm {dtype:?} -> f32: vs cpu {}", fmt_errs(&e));
+            assert!(e[0] <= 1e-5 && e.iter().all(|v| *v <= tol(dtype)), "{e:?}");
+            let f = |a: &[Tensor]| ops::rms_norm_with_dtype(&a[0], &a[1], EPS, DType::F32);
+            let (y, _) = value_and_grads(&f, &to(&args[..2], &dev), &r.to_device(&dev)?)?;
+            let (y_c, _) = value_and_grads(&f, &args[..2], &r)?;
+            assert!(err(&y, &y_c) <= 1e-5);
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn cuda_misaligned_and_strided_inputs() -> Result<()> {
+        // x one element into its buffer: not 16-byte aligned, so the scalar kernels must run
+        // (forward and backward); x transposed: made contiguous first.
+        let cpu = &Device::Cpu;
+        for dtype in DTYPES {
+            let flat = rand_t(&[1 + 16 * 64], 0.0, 3.0, 5000, dtype, cpu);
+            let (args, r) = norm_args(&[16, 64], dtype, 5001, cpu);
+            let fused = |a: &[Tensor]| ops::layer_norm(&offset(&a[0], 16, 64)?, &a[1], &a[2], EPS);
+            let reference =
+                |a: &[Tensor]| ln_ref(&[offset(&a[0], 16, 64)?, a[1].clone(), a[2].clone()]);
+            let name = format!("cuda layer_norm offset x {dtype:?}");
+            let args = [flat, args[1].clone(), args[2].clone()];
+            check(&name, &fused, &reference, &args, &r, tol(dtype))?;
+
+            let xs = rand_t(&[64, 16], -2.0, 2.0, 5002, dtype, cpu);
+            let fused = |a: &[Tensor]| ops::softmax_last_dim(&strided(&a[0])?);
+            let reference = |a: &[Tensor]| sm_ref(&[strided(&a[0])?]);
+            check(
+                &format!("cuda softmax strided x {dtype:?}"),
+                &fused,
+                &reference,
+                &[xs],
+                &r,
+                tol(dtype),
+            )?;
+
+            let flat = rand_t(&[1 + 16 * 64], -2.0, 2.0, 5003, dtype, cpu);
+            let fused = |a: &[Tensor]| ops::softmax_last_dim(&offset(&a[0], 16, 64)?);
+            let reference = |a: &[Tensor]| sm_ref(&[offset(&a[0], 16, 64)?]);
+            check(
+                &format!("cuda softmax offset x {dtype:?}"),
+                &fused,
+                &reference,
+                &[flat],
+                &r,
+                tol(dtype),
+            )?;
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn cuda_parameter_gradients_are_deterministic() -> Result<()> {
+        let dev = gpu();
+        let (args, r) = norm_args(&[20000, 96], DType::BF16, 6000, &Device::Cpu);
+        let (args, r) = (to(&args, &dev), r.to_device(&dev)?);
+        let (_, g1) = value_and_grads(&ln_fused, &args, &r)?;
+        let (_, g2) = value_and_grads(&ln_fused, &args, &r)?;
+        for (a, b) in g1.iter().zip(&g2) {
+            let a: Vec<f32> = a.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+            let b: Vec<f32> = b.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+            assert!(
+                a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "not bitwise equal"
+            );
+        }
+        println!("cuda layer_norm backward: bitwise reproducible over 2 runs (20000 x 96 bf16)");
+        Ok(())
+    }
+
+    #[test]
+    fn cuda_device_mismatch_is_an_error() -> Result<()> {
+        let dev = gpu();
+        let x = Tensor::zeros((4, 8), DType::F32, &dev)?;
+        let w = Tensor::ones(8, DType::F32, &Device::Cpu)?;
+        let m = ops::rms_norm(&x, &w, EPS)
+            .expect_err("device mismatch")
+            .to_string();
+        assert!(m.contains("w is on") && m.contains("same device"), "{m}");
+        Ok(())
+    }
+}
