@@ -8,47 +8,49 @@
 //   mt_unscale_check_<g> in-place g *= inv_scale with found_inf detection, the analogue of
 //                        torch._amp_foreach_non_finite_check_and_unscale_ (for users who want
 //                        unscaled gradients before the step).
-// inv_scale = 1 / (loss_scale * weight_sum); the loss scale is read from the device state
+// inv_scale = 1 / (loss_scale * weight_sum), weight_sum = the accumulation normaliser sum_i w_i; the loss scale is read from the device state
 // amp_state = [scale, growth_tracker, hysteresis_left, applied_steps].
 #include "multi_tensor.cuh"
 
 template <typename G>
-__device__ void sumsq_block(const TensorListMeta<1>& meta, float* partials, int block_offset,
-                            const float* amp_state, float inv_weight_sum) {
-    __shared__ float smem[32];
+__device__ void sumsq_block(const TensorListMeta<1>& meta, double* partials, int block_offset,
+                            const float* amp_state, float weight_sum) {
+    __shared__ double smem[32];
     const int t = meta.block_tensor[blockIdx.x];
     const int64_t start = (int64_t)meta.block_chunk[blockIdx.x] * MT_CHUNK;
     const int64_t n = min((int64_t)MT_CHUNK, meta.numel[t] - start);
     const G* g = mt_ptr<const G>(meta.addr[0][t]) + start;
-    const float inv = inv_weight_sum / amp_state[0];   // unscale before squaring: no overflow
-    float acc = 0.0f;
+    const double inv = 1.0 / ((double)amp_state[0] * (double)weight_sum);   // unscale before squaring
+    double acc = 0.0;
     bool bad = false;
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
         float v = to_f32(g[i]);
         bad |= !isfinite(v);
-        v *= inv;
-        acc += v * v;
+        double d = (double)v * inv;
+        acc += d * d;                                            // squares summed in f64
     }
     bad = __syncthreads_or(bad);
-    float total = block_sum(acc, smem);
+    double total = block_sum_d(acc, smem);
     if (threadIdx.x == 0) partials[block_offset + blockIdx.x] = bad ? NAN : total;
 }
 
 // stats[0] = found_inf (0/1), stats[1] = global L2 norm of the unscaled gradients,
 // stats[2] = multiplier for the optimizer (unscale x clip). One block.
-extern "C" __global__ void finalize_grad_stats(const float* partials, int n, const float* amp_state,
-                                               float inv_weight_sum, float max_norm, float* stats) {
-    __shared__ float smem[32];
-    float acc = 0.0f;
+extern "C" __global__ void finalize_grad_stats(const double* partials, int n, const float* amp_state,
+                                               float weight_sum, float max_norm, float* stats) {
+    __shared__ double smem[32];
+    double acc = 0.0;
     for (int i = threadIdx.x; i < n; i += blockDim.x) acc += partials[i];   // fixed order per thread
-    float total = block_sum(acc, smem);                                     // fixed tree order
+    double total = block_sum_d(acc, smem);                                  // fixed tree order
     if (threadIdx.x == 0) {
-        float norm = sqrtf(total);
+        double norm = sqrt(total);
         bool found_inf = !isfinite(total);
-        float clip = (max_norm > 0.0f && !found_inf) ? fminf(1.0f, max_norm / (norm + 1e-6f)) : 1.0f;
+        // clip_grad_norm_'s factor, and the multiplier 1 / (scale * sum_w) * clip, in f64 as on the CPU
+        double clip = (max_norm > 0.0f && !found_inf) ? fmin(1.0, (double)max_norm / (norm + 1e-6)) : 1.0;
+        double unscale = 1.0 / ((double)amp_state[0] * (double)weight_sum);
         stats[0] = found_inf ? 1.0f : 0.0f;
-        stats[1] = norm;
-        stats[2] = inv_weight_sum / amp_state[0] * clip;
+        stats[1] = (float)norm;
+        stats[2] = (float)(unscale * clip);
     }
 }
 
@@ -70,10 +72,10 @@ __device__ void unscale_check_block(const TensorListMeta<1>& meta, float* found_
 
 // ---------------------------------------------------------------------------------------------
 #define SUMSQ(SUFFIX, G)                                                                           \
-    extern "C" __global__ void mt_sumsq_##SUFFIX(TensorListMeta<1> meta, float* partials,         \
+    extern "C" __global__ void mt_sumsq_##SUFFIX(TensorListMeta<1> meta, double* partials,        \
                                                  int block_offset, const float* amp_state,        \
-                                                 float inv_weight_sum) {                          \
-        sumsq_block<G>(meta, partials, block_offset, amp_state, inv_weight_sum);                  \
+                                                 float weight_sum) {                              \
+        sumsq_block<G>(meta, partials, block_offset, amp_state, weight_sum);                      \
     }                                                                                              \
     extern "C" __global__ void mt_unscale_check_##SUFFIX(TensorListMeta<1> meta, float* found_inf, \
                                                          float inv_scale) {                       \

@@ -77,3 +77,19 @@ __device__ __forceinline__ float block_sum(float v, float* smem) {
     __syncthreads();
     return v; // valid in thread 0
 }
+
+// The same in double (gradient norms accumulate squares in f64 so that the clip factor matches
+// the CPU reference to rounding). `smem` holds 32 doubles.
+__device__ __forceinline__ double block_sum_d(double v, double* smem) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) smem[warp] = v;
+    __syncthreads();
+    int nwarps = (blockDim.x + 31) >> 5;
+    v = (threadIdx.x < nwarps) ? smem[threadIdx.x] : 0.0;
+    if (warp == 0) {
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+    }
+    __syncthreads();
+    return v; // valid in thread 0
+}

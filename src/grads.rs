@@ -234,7 +234,7 @@ impl GradBuffers {
         let t = crate::cuda::grad_norm::grad_stats(
             &bufs,
             amp_state,
-            (1.0 / self.weight_sum) as f32,
+            self.weight_sum as f32,
             max_norm.map(|m| m as f32),
         )?;
         Ok(GradStats::device(t))
@@ -261,10 +261,11 @@ fn reference_sumsq(bufs: &[&Tensor]) -> Result<(f64, bool)> {
         let g = g.to_dtype(DType::F32)?;
         let nan_probe = (&g - &g)?.sum_all()?.to_scalar::<f32>()?;
         found_inf |= !nan_probe.is_finite();
+        // squares summed in f64, as the fused paths do
         sumsq += g
+            .to_dtype(DType::F64)?
             .sqr()?
             .sum_all()?
-            .to_dtype(DType::F64)?
             .to_scalar::<f64>()?;
     }
     Ok((sumsq, found_inf))

@@ -332,7 +332,7 @@ fn device_scaler_matches_the_host_state_machine() -> anyhow::Result<()> {
 fn matmul_loss(
     store: &ParamStore,
     coeffs: &[Tensor],
-    ones: &Tensor,
+    _ones: &Tensor,
 ) -> candle_core::Result<Tensor> {
     let mut terms = Vec::new();
     for (p, c) in store.params().iter().zip(coeffs) {
@@ -354,7 +354,9 @@ fn matmul_loss(
 #[test]
 fn the_fused_step_never_waits_for_the_device() -> anyhow::Result<()> {
     let dev = gpu();
-    let sh = shapes(50);
+    // few tensors: the launch queue behind the busy stream is finite (about a thousand
+    // launches), so the test keeps what it enqueues well below that
+    let sh = shapes(0);
     let store = build(Precision::Bf16Mixed, &dev, &sh);
     let mut engine = Engine::new(
         store.clone(),
@@ -377,13 +379,13 @@ fn the_fused_step_never_waits_for_the_device() -> anyhow::Result<()> {
     wick::cuda::debug::spin(&cuda, 4_000_000_000)?;
     let t = Instant::now();
     let mut reports = Vec::new();
-    for _ in 0..4 {
+    for _ in 0..2 {
         reports.push(engine.step(|_| matmul_loss(&store, &c, &ones))?);
     }
     let host = t.elapsed();
     dev.synchronize()?;
     let total = t.elapsed();
-    eprintln!("4 micro-steps queued in {host:?} while the device was busy for {total:?}");
+    eprintln!("2 micro-steps (one optimizer step) queued in {host:?} while the device was busy for {total:?}");
     for r in &reports {
         eprintln!(
             "  host times: forward {:?} backward {:?} optimizer {:?}",
@@ -398,6 +400,75 @@ fn the_fused_step_never_waits_for_the_device() -> anyhow::Result<()> {
         host * 4 < total,
         "Engine::step waited for the device: {host:?} of {total:?}"
     );
-    assert!(reports[3].boundary && !reports[3].skipped()?);
+    assert!(reports[1].boundary && !reports[1].skipped()?);
+    Ok(())
+}
+
+/// Diagnostic: which candle operations make the host wait for the device. Each candidate runs
+/// right after a 0.3 s spin kernel; a host time near 300 ms means it synchronised. (None of
+/// these does. Hundreds of launches queued behind a busy stream do block the host: the launch
+/// queue is finite, which is back-pressure, not a synchronisation.)
+#[test]
+#[ignore]
+fn sync_probe() -> anyhow::Result<()> {
+    let dev = gpu();
+    let cuda = match &dev {
+        Device::Cuda(d) => d.clone(),
+        _ => unreachable!(),
+    };
+    let v = candle_core::Var::randn(0f32, 1.0, (1, 64), &dev)?;
+    let c = Tensor::randn(0f32, 1.0, (64, 1), &dev)?;
+    let probe = |name: &str, f: &dyn Fn() -> anyhow::Result<()>| -> anyhow::Result<()> {
+        f()?;
+        dev.synchronize()?;
+        wick::cuda::debug::spin(&cuda, 600_000_000)?;
+        let t = Instant::now();
+        f()?;
+        let host = t.elapsed();
+        dev.synchronize()?;
+        eprintln!("{name:<32} host {:>10.3} ms", host.as_secs_f64() * 1e3);
+        Ok(())
+    };
+    probe("zeros_like", &|| {
+        v.zeros_like()?;
+        Ok(())
+    })?;
+    probe("ones_like.contiguous", &|| {
+        v.ones_like()?.contiguous()?;
+        Ok(())
+    })?;
+    probe("matmul (1,64)@(64,1)", &|| {
+        v.matmul(&c)?;
+        Ok(())
+    })?;
+    probe("matmul backward", &|| {
+        v.matmul(&c)?.reshape(())?.backward()?;
+        Ok(())
+    })?;
+    probe("mul+sum_all backward", &|| {
+        v.as_tensor().mul(&c.t()?)?.sum_all()?.backward()?;
+        Ok(())
+    })?;
+    probe("broadcast_add", &|| {
+        v.broadcast_add(&c)?;
+        Ok(())
+    })?;
+    probe("to_dtype bf16", &|| {
+        v.to_dtype(DType::BF16)?;
+        Ok(())
+    })?;
+    probe("Tensor::new 4 floats", &|| {
+        Tensor::new(&[1f32, 2., 3., 4.], &dev)?;
+        Ok(())
+    })?;
+    probe("Tensor::zeros 1M", &|| {
+        Tensor::zeros(1 << 20, DType::F32, &dev)?;
+        Ok(())
+    })?;
+    probe("drop a fresh 1M tensor", &|| {
+        let t = Tensor::zeros(1 << 20, DType::F32, &dev)?;
+        drop(t);
+        Ok(())
+    })?;
     Ok(())
 }

@@ -11,12 +11,12 @@ use std::collections::BTreeMap;
 
 /// `[found_inf, norm, multiplier]` (f32, on the device) for gradient buffers `grads` (any mix of
 /// f32/bf16/f16), a loss scale in `amp_state[0]`, the accumulation normaliser
-/// `inv_weight_sum = 1 / sum_w` and an optional clip threshold. Deterministic: per-block
-/// partial sums in a fixed order, no float atomics. No host synchronisation.
+/// `weight_sum = sum_w` and an optional clip threshold. Deterministic: per-block
+/// partial sums of squares in f64 in a fixed order, no float atomics. No host synchronisation.
 pub fn grad_stats(
     grads: &[&Tensor],
     amp_state: &Tensor,
-    inv_weight_sum: f32,
+    weight_sum: f32,
     max_norm: Option<f32>,
 ) -> Result<Tensor> {
     let dev = cuda_device(amp_state)?;
@@ -44,7 +44,7 @@ pub fn grad_stats(
         .map(|(k, rows)| (k, plan(&rows)))
         .collect();
     let blocks: u32 = plans.iter().map(|(_, p)| total_blocks(p)).sum();
-    let partials = Tensor::zeros(blocks.max(1) as usize, DType::F32, amp_state.device())?;
+    let partials = Tensor::zeros(blocks.max(1) as usize, DType::F64, amp_state.device())?;
     let stats = Tensor::zeros(3, DType::F32, amp_state.device())?;
     let (partials_addr, amp_addr, stats_addr) = (addr(&partials)?, addr(amp_state)?, addr(&stats)?);
     let mut offset = 0i32;
@@ -61,7 +61,7 @@ pub fn grad_stats(
                 .arg(&partials_addr)
                 .arg(&off)
                 .arg(&amp_addr)
-                .arg(&inv_weight_sum);
+                .arg(&weight_sum);
             unsafe { b.launch(mt_config(l)) }.w()?;
         }
         offset += total_blocks(launches) as i32;
@@ -74,7 +74,7 @@ pub fn grad_stats(
     b.arg(&partials_addr)
         .arg(&n)
         .arg(&amp_addr)
-        .arg(&inv_weight_sum)
+        .arg(&weight_sum)
         .arg(&max_norm)
         .arg(&stats_addr);
     let cfg = LaunchConfig {

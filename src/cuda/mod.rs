@@ -30,7 +30,7 @@ pub fn cuda_device(t: &Tensor) -> Result<CudaDevice> {
     }
 }
 
-/// Device address of the first element of a contiguous CUDA tensor (f32, bf16, f16, u32).
+/// Device address of the first element of a contiguous CUDA tensor (f32, bf16, f16, u32, f64).
 ///
 /// The address stays valid while `t` (or a clone sharing its storage) is alive; candle never
 /// moves a storage. Every launch goes to candle's single stream, so ordering with candle's
@@ -52,6 +52,7 @@ pub fn addr(t: &Tensor) -> Result<u64> {
         DType::BF16 => (c.as_cuda_slice::<half::bf16>()?.device_ptr(&stream).0, 2),
         DType::F16 => (c.as_cuda_slice::<half::f16>()?.device_ptr(&stream).0, 2),
         DType::U32 => (c.as_cuda_slice::<u32>()?.device_ptr(&stream).0, 4),
+        DType::F64 => (c.as_cuda_slice::<f64>()?.device_ptr(&stream).0, 8),
         d => bail!("unsupported dtype {d:?} for a wick kernel"),
     };
     Ok(base + (layout.start_offset() * elem) as u64)

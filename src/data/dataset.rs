@@ -190,9 +190,6 @@ impl Dataset for TensorDataset {
             "index {index} out of range for a TensorDataset of {} samples",
             self.len
         );
-        self.tensors
-            .iter()
-            .map(|t| Ok(t.get(index)?))
-            .collect()
+        self.tensors.iter().map(|t| Ok(t.get(index)?)).collect()
     }
 }

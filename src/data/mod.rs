@@ -1,3 +1,22 @@
-//! Datasets and data loading: readers for the real datasets fetched by `scripts/`.
+//! Datasets and data loading.
+//!
+//! - [`dataset`]: the [`Dataset`] and [`Collate`] seams, [`TensorDataset`] (in-memory tensors).
+//! - [`text`]: [`TextWindows`], byte-level language-modelling windows over a text file.
+//! - [`mnist`]: the MNIST idx reader (raw or gzipped) for the data fetched by `scripts/`.
+//! - [`sampler`]: per-epoch seeded order, batching, [`DistributedSampler`].
+//! - [`loader`]: [`DataLoader`]: worker threads, bounded prefetch, in-order delivery,
+//!   save/restore of the position, asynchronous copies to the GPU.
+//! - `staging` (feature `cuda`): pinned host staging and the copy stream behind the loader.
 
+pub mod dataset;
+pub mod loader;
 pub mod mnist;
+pub mod sampler;
+#[cfg(feature = "cuda")]
+mod staging;
+pub mod text;
+
+pub use dataset::{Collate, Dataset, Stack, TensorDataset};
+pub use loader::{Batch, DataLoader, EpochIter, LoaderConfig, LoaderState};
+pub use sampler::{DistributedSampler, Sampler};
+pub use text::TextWindows;
