@@ -68,6 +68,18 @@ impl EngineConfig {
     }
 }
 
+/// The engine's counters and loss-scaler state: with the parameters and the optimizer state,
+/// what a checkpoint needs to resume a run exactly.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct EngineState {
+    /// Accumulation boundaries so far (the LR schedule's step).
+    pub boundaries: u64,
+    /// Applied (not skipped) optimizer steps.
+    pub applied_steps: u64,
+    /// Loss-scaler state.
+    pub scaler: ScalerState,
+}
+
 /// What the forward closure sees.
 pub struct StepCtx<'a> {
     store: &'a ParamStore,
@@ -374,6 +386,47 @@ impl Engine {
                 Ok(())
             }
         }
+    }
+
+    /// The counters and scaler state (device reads on the fused CUDA path). Only meaningful at
+    /// an accumulation boundary; errors in the middle of an accumulation window.
+    pub fn state(&self) -> Result<EngineState> {
+        if self.grads.micro_steps() != 0 {
+            bail!("Engine::state: {} micro-batches are accumulated; checkpoint at an accumulation boundary", self.grads.micro_steps());
+        }
+        Ok(EngineState {
+            boundaries: self.boundaries,
+            applied_steps: self.optimizer_steps()?,
+            scaler: self.scaler_state()?,
+        })
+    }
+
+    /// Restores counters, scaler state and optimizer state (see [`Optimizer::load_state_tensors`]).
+    /// Parameters are restored separately, into the store (then call
+    /// [`ParamStore::refresh_working_copies`]). Nothing changes when an error is returned.
+    pub fn load_state(
+        &mut self,
+        state: &EngineState,
+        optimizer: &std::collections::HashMap<String, Tensor>,
+    ) -> Result<()> {
+        let params = self.store.params();
+        self.optimizer
+            .load_state_tensors(&params, optimizer, state.applied_steps)?;
+        self.boundaries = state.boundaries;
+        self.applied_steps = state.applied_steps;
+        self.scaler.load_state(state.scaler);
+        if let Some(a) = &self.amp_state {
+            let s = state.scaler;
+            let v = [
+                s.scale,
+                s.growth_tracker as f32,
+                s.hysteresis_left as f32,
+                state.applied_steps as f32,
+            ];
+            self.amp_state = Some(Tensor::new(&v, a.device())?);
+        }
+        self.grads.clear();
+        Ok(())
     }
 
     /// Runs the gradient-coverage check again on the next backward.

@@ -261,6 +261,43 @@ impl ParamStore {
         Ok(())
     }
 
+    /// The fp32 masters by the model's names (what `model.safetensors` holds).
+    pub fn masters(&self) -> Vec<(String, Tensor)> {
+        self.read()
+            .params
+            .iter()
+            .map(|p| (p.name.clone(), p.master.as_detached_tensor()))
+            .collect()
+    }
+
+    /// Overwrites every master with the tensor of the same name from `tensors` (any float dtype,
+    /// any device) and refreshes the working copies. All names and shapes are checked before
+    /// anything is written: on error the store is unchanged and the message names the tensor.
+    /// Extra tensors in `tensors` are ignored.
+    pub fn load_masters(&self, tensors: &HashMap<String, Tensor>) -> anyhow::Result<()> {
+        let params = self.params();
+        let mut staged = Vec::with_capacity(params.len());
+        for p in &params {
+            let t = tensors
+                .get(&p.name)
+                .ok_or_else(|| anyhow::anyhow!("tensor {:?} is missing", p.name))?;
+            if t.shape() != p.master.shape() {
+                bail!(
+                    "tensor {:?} has shape {:?}, the model expects {:?}",
+                    p.name,
+                    t.dims(),
+                    p.master.dims()
+                );
+            }
+            staged.push(t.to_dtype(DType::F32)?.to_device(&self.device)?);
+        }
+        for (p, t) in params.iter().zip(staged) {
+            p.master.set(&t)?;
+        }
+        self.refresh_working_copies()?;
+        Ok(())
+    }
+
     /// A candle-nn `VarBuilder` over this store, so candle-nn models train unchanged. Tensors
     /// it hands out are working copies in the compute dtype (masters in fp32 mode).
     pub fn var_builder(&self) -> candle_nn::VarBuilder<'static> {

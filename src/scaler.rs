@@ -114,7 +114,7 @@ impl ScalerConfig {
 }
 
 /// The scaler's mutable state (what a checkpoint records), named as in GradScaler.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ScalerState {
     /// Current loss scale.
     pub scale: f32,

@@ -260,6 +260,55 @@ impl Optimizer for AdamW {
         }
         Ok(out)
     }
+
+    fn load_state_tensors(
+        &mut self,
+        params: &[Param],
+        tensors: &std::collections::HashMap<String, Tensor>,
+        applied_steps: u64,
+    ) -> Result<()> {
+        let mut states = Vec::with_capacity(params.len());
+        for p in params {
+            let key = format!("{}.exp_avg", p.name);
+            if !tensors.contains_key(&key) {
+                states.push(None); // never stepped (no gradient yet, or frozen)
+                continue;
+            }
+            let dev = p.master.device();
+            let m = super::state_tensor(tensors, &key, p.master.shape(), dev)?;
+            let v = super::state_tensor(
+                tensors,
+                &format!("{}.exp_avg_sq", p.name),
+                p.master.shape(),
+                dev,
+            )?;
+            let step = match tensors.get(&format!("{}.step", p.name)) {
+                Some(t) => t
+                    .flatten_all()?
+                    .to_dtype(DType::F64)?
+                    .to_vec1::<f64>()?
+                    .first()
+                    .copied()
+                    .unwrap_or(0.0) as u64,
+                None => applied_steps,
+            };
+            let moments = if self.imp == Impl::FusedCpu {
+                Moments::Host {
+                    m: m.flatten_all()?.to_vec1()?,
+                    v: v.flatten_all()?.to_vec1()?,
+                }
+            } else {
+                // fresh allocations: the fused CUDA kernel writes them in place
+                Moments::Tensors {
+                    m: m.copy()?,
+                    v: v.copy()?,
+                }
+            };
+            states.push(Some(State { step, moments }));
+        }
+        self.states = states;
+        Ok(())
+    }
 }
 
 /// Reference update in candle tensor ops (f32).

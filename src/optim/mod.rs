@@ -116,4 +116,34 @@ pub trait Optimizer: Send {
 
     /// Optimizer state by name (`"{param}.exp_avg"`, ...), for checkpoints and tests.
     fn state_tensors(&self, params: &[Param]) -> Result<Vec<(String, Tensor)>>;
+
+    /// Restores state saved by [`Self::state_tensors`] (tensors on any device; copied to the
+    /// parameters' device). `applied_steps` is the engine's count of applied steps, used where a
+    /// per-parameter step is absent. Errors name the missing tensor or the shape mismatch.
+    fn load_state_tensors(
+        &mut self,
+        params: &[Param],
+        tensors: &std::collections::HashMap<String, Tensor>,
+        applied_steps: u64,
+    ) -> Result<()>;
+}
+
+/// Fetches `name` from a state map, checks its shape against `shape`, and moves it to `device`.
+pub(crate) fn state_tensor(
+    tensors: &std::collections::HashMap<String, Tensor>,
+    name: &str,
+    shape: &candle_core::Shape,
+    device: &Device,
+) -> Result<Tensor> {
+    let t = tensors.get(name).ok_or_else(|| {
+        anyhow::anyhow!("optimizer state {name:?} is missing from the checkpoint")
+    })?;
+    if t.shape() != shape {
+        anyhow::bail!(
+            "optimizer state {name:?} has shape {:?}, the parameter has {:?}",
+            t.dims(),
+            shape.dims()
+        );
+    }
+    Ok(t.to_dtype(candle_core::DType::F32)?.to_device(device)?)
 }
