@@ -16,7 +16,7 @@
 //! ```
 
 use crate::coverage::Coverage;
-use crate::grads::{GradBuffers, GradStats};
+use crate::grads::{GradBuffers, GradStats, Limit};
 use crate::optim::{AdamW, AdamWConfig, Impl, LrSchedule, OptimPath, Optimizer, StepInputs};
 use crate::params::{Param, ParamStore};
 use crate::precision::Precision;
@@ -48,6 +48,9 @@ pub struct EngineConfig {
     pub accumulation_steps: usize,
     /// Global L2-norm clipping threshold (`clip_grad_norm_`'s `max_norm`).
     pub max_grad_norm: Option<f64>,
+    /// Element-wise clipping of the unscaled gradients to `[-v, v]` (`clip_grad_value_`),
+    /// applied once per optimizer step before the norm is measured.
+    pub clip_value: Option<f64>,
 }
 
 impl EngineConfig {
@@ -64,6 +67,7 @@ impl EngineConfig {
             scaler: None,
             accumulation_steps: 1,
             max_grad_norm: None,
+            clip_value: None,
         }
     }
 }
@@ -293,6 +297,9 @@ impl Engine {
         let lr = self.config.schedule.lr(self.boundaries);
         let mut stats = None;
         if self.grads.micro_steps() >= self.config.accumulation_steps {
+            if let Some(v) = self.config.clip_value {
+                self.clip_values(v, &loss_scale)?;
+            }
             let s = self.unscale_and_check(&loss_scale)?;
             let applied = self.apply_update(&params, &s, lr)?;
             if applied == Some(true) && !self.optimizer.writes_working_copies() {
@@ -340,6 +347,16 @@ impl Engine {
             tracing::warn!("gradient coverage: {coverage}");
         }
         Ok(())
+    }
+
+    /// `clip_grad_value_` on the unscaled gradients, done in the scaled space: the buffers hold
+    /// `scale * sum_w * g`, so they are clamped to `±v * scale * sum_w` (no device read).
+    fn clip_values(&mut self, v: f64, loss_scale: &ScaleValue) -> Result<()> {
+        let limit = match loss_scale {
+            ScaleValue::Host(s) => Limit::Host(v * *s as f64),
+            ScaleValue::Device(t) => Limit::Device((t * v)?),
+        };
+        self.grads.clamp(&limit)
     }
 
     fn unscale_and_check(&self, loss_scale: &ScaleValue) -> Result<GradStats> {

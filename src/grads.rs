@@ -96,7 +96,32 @@ impl GradStats {
     }
 }
 
+/// A clamp bound per loss-scale unit: a host value or a `(1,)` f32 device tensor.
+#[derive(Debug, Clone)]
+pub enum Limit {
+    /// Known on the host.
+    Host(f64),
+    /// On the device (fused CUDA path, where the loss scale lives there).
+    Device(Tensor),
+}
+
 impl GradBuffers {
+    /// Clamps every buffer element to `±limit * sum_w` (with `limit = v * loss_scale`, this is
+    /// `clip_grad_value_(v)` on the true gradients). Candle ops, any device, no device read.
+    pub fn clamp(&mut self, limit: &Limit) -> Result<()> {
+        let w = self.weight_sum;
+        for buf in self.bufs.iter_mut().flatten() {
+            *buf = match limit {
+                Limit::Host(l) => buf.clamp(-l * w, l * w)?,
+                Limit::Device(t) => {
+                    let hi = (t * w)?.to_dtype(buf.dtype())?;
+                    buf.broadcast_minimum(&hi)?.broadcast_maximum(&hi.neg()?)?
+                }
+            };
+        }
+        Ok(())
+    }
+
     /// Empty buffers for `n` parameters.
     pub fn new(n: usize) -> Self {
         Self {

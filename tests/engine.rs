@@ -354,3 +354,44 @@ fn clipping_bounds_the_applied_gradient() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+#[test]
+fn value_clipping_clamps_the_unscaled_gradient_once_per_step() -> anyhow::Result<()> {
+    use wick::params::Role;
+    // loss = sum(p * c): the gradient is c; with f16 and a dynamic scale the buffers hold
+    // 65536 * c, and clipping must act on the unscaled values
+    for precision in [Precision::Fp32, Precision::F16Mixed] {
+        let store = ParamStore::new(precision, Device::Cpu, 0);
+        let p = store.get_or_init("p", 4, candle_nn::Init::Const(0.5), Role::Matmul)?;
+        let c = Tensor::new(&[3f32, -0.5, 0.05, -2.0], &Device::Cpu)?;
+        let cfg = EngineConfig {
+            clip_value: Some(1.0),
+            accumulation_steps: 2,
+            ..EngineConfig::adamw(1e-3)
+        };
+        let mut engine = Engine::new(store.clone(), cfg)?;
+        for _ in 0..2 {
+            engine.step(|_| p.to_dtype(DType::F32)?.mul(&c)?.sum_all())?;
+        }
+        let state = engine.optimizer().state_tensors(&store.params())?;
+        let m: Vec<f32> = state
+            .iter()
+            .find(|(n, _)| n == "p.exp_avg")
+            .unwrap()
+            .1
+            .to_vec1()?;
+        // exp_avg after one step = (1 - beta1) * clamp(c, -1, 1), c as the f16 backward sees it
+        let c16 = |v: f32| {
+            if precision == Precision::F16Mixed {
+                half::f16::from_f32(v).to_f32()
+            } else {
+                v
+            }
+        };
+        let want = [0.1f32, -0.05, 0.1 * c16(0.05), -0.1];
+        for (a, b) in m.iter().zip(want) {
+            assert!((a - b).abs() < 1e-6, "{precision}: {m:?} vs {want:?}");
+        }
+    }
+    Ok(())
+}
