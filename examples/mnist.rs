@@ -1,169 +1,241 @@
-//! MNIST with wick: an MLP 784-1024-1024-10 trained through `Engine::step`.
+//! MNIST with wick: an MLP 784-1024-1024-10 (or a small CNN) trained through the DataLoader,
+//! the Trainer and Engine::step, with checkpoints that resume exactly.
 //!
 //! ```text
 //! scripts/fetch_mnist.sh            # once: fetches and verifies the data into data/mnist
 //! cargo run --release --example mnist -- --precision bf16-mixed --epochs 3
+//! cargo run --release --example mnist -- --model cnn --workers 2 --save-dir ckpt --clip 1.0 \
+//!     --schedule cosine:warmup=100,total=1400,min_lr=1e-4
+//! cargo run --release --example mnist -- --save-dir ckpt --resume    # continue from the latest
 //! ```
 //! Prints per-epoch train loss, test accuracy, samples/s and where the time went.
 
 use anyhow::{Context, Result};
-use candle_core::{DType, Device, IndexOp, Module, Tensor};
-use clap::Parser;
-use rand::{seq::SliceRandom, SeedableRng};
-use std::time::Instant;
-use wick::profile::PhaseTimes;
+use candle_core::{DType, Device, Module, Tensor, D};
+use clap::{Parser, ValueEnum};
+use std::path::PathBuf;
+use wick::checkpoint::{self, Checkpointer};
+use wick::data::{DataLoader, LoaderConfig, LoaderState, TensorDataset};
+use wick::optim::LrSchedule;
+use wick::trainer::{Hooks, Metrics, Trainer, TrainerConfig};
 use wick::{loss, nn, Engine, EngineConfig, ParamStore, Precision};
 
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Model {
+    /// 784-1024-1024-10, ReLU.
+    Mlp,
+    /// conv5x5(32) - pool - conv5x5(64) - pool - linear(1024, 10).
+    Cnn,
+}
+
 #[derive(Parser, Debug)]
-#[command(about = "Train an MLP on MNIST with wick")]
+#[command(about = "Train an MLP or a CNN on MNIST with wick")]
 struct Args {
     /// Precision: "32", "bf16-mixed" or "16-mixed".
     #[arg(long, default_value = "bf16-mixed")]
     precision: Precision,
+    /// Model.
+    #[arg(long, value_enum, default_value = "mlp")]
+    model: Model,
     /// Passes over the 60,000 training images.
     #[arg(long, default_value_t = 3)]
-    epochs: usize,
+    epochs: u64,
     /// Samples per optimizer step (split into --accum micro-batches).
     #[arg(long, default_value_t = 128)]
     batch_size: usize,
-    /// AdamW learning rate.
+    /// AdamW base learning rate.
     #[arg(long, default_value_t = 1e-3)]
     lr: f64,
     /// Micro-batches per optimizer step (gradient accumulation).
     #[arg(long, default_value_t = 1)]
     accum: usize,
+    /// Learning-rate schedule: "constant", "cosine:warmup=N,total=N,min_lr=X",
+    /// "step:size=N,gamma=X" or "linear:warmup=N,total=N,end_lr=X".
+    #[arg(long, default_value = "constant")]
+    schedule: String,
+    /// Clip the global gradient L2 norm to this value.
+    #[arg(long)]
+    clip: Option<f64>,
+    /// DataLoader worker threads (0: load in the training thread).
+    #[arg(long, default_value_t = 0)]
+    workers: usize,
     /// cpu or cuda (cuda needs a build with --features cuda).
     #[arg(long, default_value = "cpu")]
     device: String,
     /// Folder with the four MNIST idx files (scripts/fetch_mnist.sh fills data/mnist).
     #[arg(long, default_value = "data/mnist")]
-    data_dir: String,
+    data_dir: PathBuf,
+    /// Save a checkpoint here at the end of every epoch and on Ctrl-C.
+    #[arg(long)]
+    save_dir: Option<PathBuf>,
+    /// Resume from the latest checkpoint in --save-dir.
+    #[arg(long, requires = "save_dir")]
+    resume: bool,
+    /// Keep the last N checkpoints.
+    #[arg(long, default_value_t = 3)]
+    keep_last: usize,
+    /// Write metrics.csv / metrics.jsonl here.
+    #[arg(long)]
+    metrics_dir: Option<PathBuf>,
+    /// A TOML file with Trainer settings; the flags above override it.
+    #[arg(long)]
+    config: Option<PathBuf>,
     /// Seed for initialisation and shuffling.
     #[arg(long, default_value_t = 0)]
     seed: u64,
 }
 
-struct Mlp {
-    l1: nn::Linear,
-    l2: nn::Linear,
-    l3: nn::Linear,
+enum Net {
+    Mlp(nn::Linear, nn::Linear, nn::Linear),
+    Cnn(nn::Conv2d, nn::Conv2d, nn::Linear),
 }
 
-impl Mlp {
-    fn new(store: &ParamStore) -> Result<Self> {
-        Ok(Self {
-            l1: nn::Linear::new(store, "l1", 784, 1024, true)?,
-            l2: nn::Linear::new(store, "l2", 1024, 1024, true)?,
-            l3: nn::Linear::new(store, "l3", 1024, 10, true)?,
+impl Net {
+    fn new(kind: Model, store: &ParamStore) -> Result<Self> {
+        Ok(match kind {
+            Model::Mlp => Net::Mlp(
+                nn::Linear::new(store, "l1", 784, 1024, true)?,
+                nn::Linear::new(store, "l2", 1024, 1024, true)?,
+                nn::Linear::new(store, "l3", 1024, 10, true)?,
+            ),
+            Model::Cnn => {
+                let cfg = candle_nn::Conv2dConfig::default();
+                Net::Cnn(
+                    nn::Conv2d::new(store, "c1", 1, 32, 5, cfg, true)?,
+                    nn::Conv2d::new(store, "c2", 32, 64, 5, cfg, true)?,
+                    nn::Linear::new(store, "fc", 64 * 4 * 4, 10, true)?,
+                )
+            }
         })
     }
 
+    /// `x: (B, 784)` f32 → logits `(B, 10)`.
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let h = self.l1.forward(x)?.relu()?;
-        let h = self.l2.forward(&h)?.relu()?;
-        self.l3.forward(&h)
+        match self {
+            Net::Mlp(l1, l2, l3) => l3.forward(&l2.forward(&l1.forward(x)?.relu()?)?.relu()?),
+            Net::Cnn(c1, c2, fc) => {
+                let b = x.dim(0)?;
+                let h = c1.forward(&x.reshape((b, 1, 28, 28))?)?.relu()?.max_pool2d(2)?;
+                let h = c2.forward(&h)?.relu()?.max_pool2d(2)?;
+                fc.forward(&h.flatten_from(1)?)
+            }
+        }
     }
 }
 
 fn device(name: &str) -> Result<Device> {
     match name {
         "cpu" => Ok(Device::Cpu),
-        "cuda" => Device::new_cuda(0)
-            .context("--device cuda: no CUDA device (build with --features cuda on a GPU machine)"),
+        "cuda" => Device::new_cuda(0).context("--device cuda: no CUDA device (build with --features cuda on a GPU machine)"),
         other => anyhow::bail!("--device must be cpu or cuda, got {other:?}"),
     }
 }
 
-fn accuracy(model: &Mlp, images: &Tensor, labels: &Tensor, dev: &Device) -> Result<f64> {
+/// Test-set loss and accuracy, in batches of 1000.
+fn evaluate(net: &Net, images: &Tensor, labels: &Tensor, dev: &Device) -> Result<Metrics> {
     let n = images.dim(0)?;
-    let mut correct = 0u64;
+    let (mut correct, mut loss_sum) = (0u64, 0f64);
     for start in (0..n).step_by(1000) {
         let len = 1000.min(n - start);
         let x = images.narrow(0, start, len)?.to_device(dev)?;
         let y = labels.narrow(0, start, len)?.to_device(dev)?;
-        let pred = model.forward(&x)?.detach().argmax(1)?;
-        correct += pred
-            .eq(&y)?
-            .to_dtype(DType::U32)?
-            .sum_all()?
-            .to_scalar::<u32>()? as u64;
+        let logits = net.forward(&x)?.detach();
+        loss_sum += loss::cross_entropy(&logits, &y)?.to_scalar::<f32>()? as f64 * len as f64;
+        let pred = logits.argmax(D::Minus1)?;
+        correct += pred.eq(&y)?.to_dtype(DType::U32)?.sum_all()?.to_scalar::<u32>()? as u64;
     }
-    Ok(correct as f64 / n as f64)
+    Ok(Metrics::from([
+        ("val_loss".to_string(), loss_sum / n as f64),
+        ("test_accuracy".to_string(), correct as f64 / n as f64),
+    ]))
 }
 
 fn main() -> Result<()> {
     let args = Args::parse();
     anyhow::ensure!(
-        args.accum >= 1 && args.batch_size >= args.accum,
-        "--batch-size must be >= --accum >= 1"
+        args.accum >= 1 && args.batch_size % args.accum == 0,
+        "--batch-size must be a multiple of --accum (>= 1)"
     );
     let dev = device(&args.device)?;
     let data = wick::data::mnist::load_dir(&args.data_dir)?;
-    let n_train = data.train_images.dim(0)?;
 
     let store = ParamStore::new(args.precision, dev.clone(), args.seed);
-    let model = Mlp::new(&store)?;
+    let net = Net::new(args.model, &store)?;
     let mut config = EngineConfig::adamw(args.lr);
     config.accumulation_steps = args.accum;
+    config.max_grad_norm = args.clip;
+    config.schedule = LrSchedule::parse(&args.schedule, args.lr)?;
     let mut engine = Engine::new(store.clone(), config)?;
+
+    let micro = args.batch_size / args.accum;
+    let loader_cfg = LoaderConfig::new(micro).with_shuffle(args.seed).with_drop_last(true).with_workers(args.workers).with_device(dev.clone());
+    let train = TensorDataset::new(vec![data.train_images.clone(), data.train_labels.clone()])?;
+    let mut loader = DataLoader::new(train, loader_cfg)?;
+
+    let ckpt = args.save_dir.as_ref().map(|d| Checkpointer::new(d, args.keep_last));
+    if let (true, Some(c)) = (args.resume, &ckpt) {
+        match c.resume(&mut engine)? {
+            Some((path, extra)) => {
+                let state: LoaderState = serde_json::from_value(extra["loader"].clone()).context("checkpoint has no loader state")?;
+                loader.load_state(&state)?;
+                println!("resumed from {} at step {}", path.display(), engine.boundaries());
+            }
+            None => println!("no checkpoint in {} yet: starting fresh", c.dir().display()),
+        }
+    }
+    if ckpt.is_some() {
+        checkpoint::install_interrupt_handler()?;
+    }
+
+    let mut tc = match &args.config {
+        Some(p) => TrainerConfig::from_toml_file(p)?,
+        None => TrainerConfig::default(),
+    };
+    tc.max_epochs = Some(args.epochs);
+    tc.out_dir = args.metrics_dir.clone().or(tc.out_dir);
+    tc.log_every = 1;
+    let mut trainer = Trainer::new(tc)?;
     println!(
-        "MLP 784-1024-1024-10 ({} parameters), {} on {:?}, batch {} = {} x {}, AdamW lr {}",
+        "{:?} ({} parameters), {} on {:?}, batch {} = {} x {}, AdamW lr {} ({}), clip {:?}, {} workers",
+        args.model,
         store.num_elements(),
         args.precision,
         dev,
         args.batch_size,
         args.accum,
-        args.batch_size / args.accum,
-        args.lr
+        micro,
+        args.lr,
+        args.schedule,
+        args.clip,
+        args.workers
     );
 
-    let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed);
-    let mut order: Vec<u32> = (0..n_train as u32).collect();
-    let micro = args.batch_size / args.accum;
-    let mut total_times = PhaseTimes::default();
-    let mut total_steps = 0u64;
-    for epoch in 1..=args.epochs {
-        order.shuffle(&mut rng);
-        let started = Instant::now();
-        let mut times = PhaseTimes::default();
-        let (mut loss_sum, mut loss_n, mut steps) = (0f64, 0usize, 0u64);
-        for batch in order.chunks_exact(args.batch_size) {
-            for mb in batch.chunks(micro) {
-                let t = Instant::now();
-                let idx = Tensor::new(mb, &Device::Cpu)?;
-                let x = data.train_images.index_select(&idx, 0)?;
-                let y = data.train_labels.index_select(&idx, 0)?;
-                times.data += t.elapsed();
-                let t = Instant::now();
-                let (x, y) = (x.to_device(&dev)?, y.to_device(&dev)?);
-                times.h2d += t.elapsed();
-                let report = engine.step_weighted(mb.len() as f64, |_| {
-                    loss::cross_entropy(&model.forward(&x)?, &y)
-                })?;
-                times.add(&report.times);
-                loss_sum += report.loss()? as f64;
-                loss_n += 1;
+    let batches_per_epoch = loader.num_batches() as u64 / args.accum as u64;
+    let hooks = Hooks {
+        after_step: Some(Box::new(|engine: &mut Engine, _r, pos: &LoaderState| {
+            let Some(c) = &ckpt else { return Ok(false) };
+            let end_of_epoch = engine.boundaries() % batches_per_epoch == 0;
+            if end_of_epoch || checkpoint::interrupted() {
+                let path = c.save(engine, serde_json::json!({ "loader": pos }))?;
+                if checkpoint::interrupted() {
+                    println!("interrupted: saved {}", path.display());
+                    return Ok(true);
+                }
             }
-            steps += 1;
-        }
-        let secs = started.elapsed().as_secs_f64();
-        let acc = accuracy(&model, &data.test_images, &data.test_labels, &dev)?;
-        let samples = steps as usize * args.batch_size;
-        println!(
-            "epoch {epoch}: train loss {:.4}  test accuracy {:.2}%  {:.0} samples/s  ({:.1} s)",
-            loss_sum / loss_n as f64,
-            100.0 * acc,
-            samples as f64 / secs,
-            secs
-        );
-        total_times.add(&times);
-        total_steps += steps;
-    }
-    println!(
-        "\nwhere the time went (per optimizer step, {} steps):",
-        total_steps
-    );
-    print!("{}", total_times.table(total_steps));
-    let _ = data.train_images.i(0)?; // data stays alive to the end
+            Ok(false)
+        })),
+    };
+    let (images, labels) = (data.test_images.clone(), data.test_labels.clone());
+    let summary = trainer.fit(
+        &mut engine,
+        &mut loader,
+        |_, batch| {
+            let (x, y) = batch.pair().map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?;
+            loss::cross_entropy(&net.forward(&x)?, &y)
+        },
+        |_| evaluate(&net, &images, &labels, &dev),
+        hooks,
+    )?;
+    println!("\n{}", summary.report(None));
     Ok(())
 }

@@ -31,6 +31,8 @@ use std::time::Instant;
 pub enum OptimizerConfig {
     /// AdamW with decoupled weight decay.
     AdamW(AdamWConfig),
+    /// SGD with momentum, dampening, Nesterov and coupled (L2) weight decay.
+    Sgd(crate::optim::SgdConfig),
 }
 
 /// Engine configuration. Start from [`EngineConfig::adamw`] and adjust fields.
@@ -68,6 +70,16 @@ impl EngineConfig {
             accumulation_steps: 1,
             max_grad_norm: None,
             clip_value: None,
+        }
+    }
+
+    /// SGD (`torch.optim.SGD`) at learning rate `lr` with `momentum` (0: plain SGD), no
+    /// dampening, no weight decay, no Nesterov; otherwise as [`EngineConfig::adamw`]. Adjust
+    /// the rest through `optimizer: OptimizerConfig::Sgd(SgdConfig { .. })`.
+    pub fn sgd(lr: f64, momentum: f64) -> Self {
+        Self {
+            optimizer: OptimizerConfig::Sgd(crate::optim::SgdConfig::new(lr, momentum)),
+            ..Self::adamw(lr)
         }
     }
 }
@@ -202,6 +214,7 @@ impl Engine {
         let imp = config.path.resolve(store.device())?;
         let optimizer: Box<dyn Optimizer> = match &config.optimizer {
             OptimizerConfig::AdamW(c) => Box::new(AdamW::new(c.clone(), imp)?),
+            OptimizerConfig::Sgd(c) => Box::new(crate::optim::Sgd::new(c.clone(), imp)?),
         };
         let scaler = LossScaler::new(
             config

@@ -25,10 +25,12 @@
 //! unscale, norm, clipping), [`optim`], [`engine`] (one training step), [`coverage`] (which
 //! parameters received no gradient, and why), [`profile`] (per-phase timing), [`data`].
 
+pub mod checkpoint;
 pub mod coverage;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod data;
+pub mod doctor;
 pub mod engine;
 pub mod grads;
 pub mod loss;
@@ -37,9 +39,12 @@ pub mod nn;
 pub mod ops;
 pub mod optim;
 pub mod params;
+pub mod perf;
+pub mod plot;
 pub mod precision;
 pub mod profile;
 pub mod scaler;
+pub mod trainer;
 
 pub use engine::{Engine, EngineConfig, StepCtx, StepReport};
 pub use params::{ParamOptions, ParamStore};

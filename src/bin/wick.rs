@@ -3,6 +3,8 @@
 //! ```text
 //! wick bench optim [--params mlp|N] [--iters K] [--precision 32|bf16-mixed|16-mixed]
 //! wick info
+//! wick doctor [--json] [--require cuda|cpu] [--precision 32|bf16-mixed|16-mixed]
+//! wick plot METRICS.csv [-o loss.png] [--phases PHASES.csv [--phases-out phases.png]]
 //! ```
 //!
 //! `bench optim` times one AdamW `Optimizer::step` over fp32 master weights with the two
@@ -14,6 +16,15 @@
 //!
 //! `info` prints the crate and candle versions, the cargo features of this build and rayon's
 //! thread count.
+//!
+//! `doctor` reports the OS, CPU, memory, GPUs (through NVML, loaded at run time), the CUDA
+//! libraries that can be loaded and what this build has, then recommendations, each with the
+//! exact command. It exits with status 1 when `--require` names a device that cannot be used
+//! (e.g. `--require cuda` on a machine without a GPU or with a CPU-only build), else 0.
+//!
+//! `plot` draws train/validation loss and the learning rate against step from a metrics CSV
+//! (`step,epoch,loss,val_loss,lr,grad_norm,loss_scale,samples_per_s`), and with `--phases` a
+//! bar chart of the per-phase step time.
 
 use anyhow::{Context, Result};
 use candle_core::{Device, Shape, Tensor};
@@ -66,6 +77,45 @@ enum Command {
     },
     /// Versions, cargo features of this build, thread count.
     Info,
+    /// Check this machine and build for training: hardware, drivers, libraries, settings.
+    Doctor(DoctorArgs),
+    /// Draw loss/lr curves (and the phase breakdown) from CSV files as PNG images.
+    Plot(PlotArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct DoctorArgs {
+    /// Print the report as JSON (report, recommendations, ready, verdict).
+    #[arg(long)]
+    json: bool,
+    /// Exit non-zero unless this device is usable: "cuda" or "cpu".
+    #[arg(long, value_name = "DEVICE")]
+    require: Option<wick::doctor::Require>,
+    /// The precision you plan to train with, to tailor the advice: "32", "bf16-mixed", "16-mixed".
+    #[arg(long)]
+    precision: Option<Precision>,
+}
+
+#[derive(clap::Args, Debug)]
+struct PlotArgs {
+    /// Metrics CSV: step,epoch,loss,val_loss,lr,grad_norm,loss_scale,samples_per_s (empty cells
+    /// allowed; only `step` is required).
+    metrics: std::path::PathBuf,
+    /// Output PNG for the loss and lr curves.
+    #[arg(short = 'o', long = "out", default_value = "loss.png")]
+    out: std::path::PathBuf,
+    /// Phases CSV (`phase,ms_per_step` rows, or per-step columns data,h2d,forward,backward,optimizer).
+    #[arg(long)]
+    phases: Option<std::path::PathBuf>,
+    /// Output PNG for the phase bar chart (default: phases.png beside --out).
+    #[arg(long = "phases-out", visible_alias = "o2")]
+    phases_out: Option<std::path::PathBuf>,
+    /// Picture width in pixels.
+    #[arg(long, default_value_t = wick::plot::DEFAULT_SIZE.0)]
+    width: u32,
+    /// Picture height in pixels.
+    #[arg(long, default_value_t = wick::plot::DEFAULT_SIZE.1)]
+    height: u32,
 }
 
 #[derive(Subcommand, Debug)]
@@ -145,7 +195,85 @@ fn main() -> Result<()> {
             info();
             Ok(())
         }
+        Command::Doctor(args) => doctor(&args),
+        Command::Plot(args) => plot(&args),
     }
+}
+
+fn doctor(args: &DoctorArgs) -> Result<()> {
+    use wick::doctor;
+    let report = doctor::collect().with_intent(args.precision, args.require);
+    let recs = doctor::recommendations(&report);
+    let ready = doctor::ready(&recs);
+    let verdict = doctor::verdict(&report, &recs);
+    if args.json {
+        let out = doctor::DoctorOutput {
+            report: &report,
+            recommendations: &recs,
+            ready,
+            verdict: verdict.clone(),
+        };
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&out).context("serialising the doctor report")?
+        );
+    } else {
+        print!("{}", doctor::render_text(&report, &recs));
+    }
+    if !ready {
+        eprintln!("wick doctor: {verdict}");
+        std::process::exit(1);
+    }
+    Ok(())
+}
+
+fn plot(args: &PlotArgs) -> Result<()> {
+    use wick::plot::{self, PlotOptions};
+    let opts = PlotOptions {
+        size: (args.width, args.height),
+        labels: true,
+    };
+    let rows = plot::read_metrics(&args.metrics)?;
+    let r = plot::plot_metrics(&rows, &args.out, &opts)
+        .with_context(|| format!("plotting {}", args.metrics.display()))?;
+    println!(
+        "wrote {} ({}x{}, {} points from {} rows)",
+        r.path.display(),
+        r.size.0,
+        r.size.1,
+        r.points,
+        rows.len()
+    );
+    let mut font = r.font.clone();
+    if let Some(phases) = &args.phases {
+        let b = plot::read_phases(phases)?;
+        let out = args.phases_out.clone().unwrap_or_else(|| {
+            args.out
+                .parent()
+                .unwrap_or(std::path::Path::new(""))
+                .join("phases.png")
+        });
+        let r = plot::plot_phases(&b, &out, &opts)
+            .with_context(|| format!("plotting {}", phases.display()))?;
+        println!(
+            "wrote {} ({}x{}, {} phases, {:.3} ms per step)",
+            r.path.display(),
+            r.size.0,
+            r.size.1,
+            r.points,
+            b.total_ms()
+        );
+        font = font.or(r.font);
+    } else if args.phases_out.is_some() {
+        anyhow::bail!("--phases-out needs --phases PHASES.csv");
+    }
+    if font.is_none() {
+        eprintln!(
+            "note: no TrueType font found, so the plots have no text; set {}=/path/to/font.ttf",
+            plot::FONT_ENV
+        );
+    }
+    Ok(())
 }
 
 fn info() {

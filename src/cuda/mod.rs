@@ -11,6 +11,7 @@ pub mod adamw;
 pub mod debug;
 pub mod grad_norm;
 pub mod scaler;
+pub mod sgd;
 
 /// The embedded PTX modules, one constant per `kernels/*.cu` file.
 pub mod ptx {

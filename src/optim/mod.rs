@@ -5,17 +5,22 @@
 //! - **reference**: plain candle tensor ops, any device; the correctness oracle and the
 //!   "unfused" baseline of the benchmarks;
 //! - **fused**: one pass per element over all tensors (rayon on the CPU; multi-tensor CUDA
-//!   kernels with the `cuda` feature, in a later release).
+//!   kernels with the `cuda` feature).
+//!
+//! Optimizers: [`AdamW`] (decoupled decay) and [`Sgd`] (momentum, dampening, Nesterov, coupled
+//! L2 decay), both with `torch.optim` semantics.
 //!
 //! The engine hands the optimizer raw fp32 gradient buffers plus one multiplier
 //! (`unscale * clip`), so unscaling and clipping cost no extra pass.
 
 pub mod adamw;
 pub mod schedule;
+pub mod sgd;
 
 pub use crate::grads::{GradStats, HostStats};
 pub use adamw::{AdamW, AdamWConfig};
 pub use schedule::LrSchedule;
+pub use sgd::{Sgd, SgdConfig};
 
 use crate::params::Param;
 use anyhow::Result;

@@ -1,0 +1,153 @@
+//! Launcher of kernels/sgd.cu: the fused multi-tensor SGD step (momentum, dampening, Nesterov,
+//! coupled weight decay; `torch.optim.SGD` semantics, see [`crate::optim::sgd`]).
+
+use super::{addr, dtype_suffix, mt_config, ptx};
+use crate::multi_tensor::{plan, Row as MtRow};
+use crate::optim::sgd::Coeffs;
+use crate::optim::SgdConfig;
+use crate::params::Param;
+use anyhow::{bail, Result};
+use candle_core::cuda::cudarc::driver::{DeviceRepr, PushKernelArg};
+use candle_core::cuda::WrapErr;
+use candle_core::{DType, Tensor};
+use std::collections::BTreeMap;
+
+/// Mirror of `SgdArgs` in kernels/sgd.cu. The coefficients are the f32 values of
+/// [`Coeffs`], rounded once on the host exactly as the CPU paths round them.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct SgdArgs {
+    lr: f32,
+    momentum: f32,
+    one_minus_dampening: f32,
+    /// Weight decay of decayed groups (`tensor_group = 1`); the others use 0.
+    weight_decay: f32,
+    nesterov: i32,
+    seed: u32,
+    stochastic: i32,
+}
+
+// SAFETY: plain-old-data with the C layout of the kernel's by-value parameter.
+unsafe impl DeviceRepr for SgdArgs {}
+
+/// One parameter of the step: master, gradient (f32/bf16/f16) and, with momentum, the f32
+/// momentum buffer and its `(1,)` f32 `first_at` marker (see `Buffer::Device` in
+/// src/optim/sgd.rs).
+pub struct Row<'a> {
+    pub param: &'a Param,
+    pub grad: &'a Tensor,
+    pub buf: Option<&'a Tensor>,
+    pub first_at: Option<&'a Tensor>,
+}
+
+/// Enqueues the SGD update of every row on candle's stream: one launch per (gradient dtype,
+/// working-copy dtype) group and per [`crate::multi_tensor::MAX_TENSORS`] tensors. `stats` is
+/// the device `[found_inf, norm, multiplier]` (nothing is written when found_inf is set),
+/// `amp_state[3]` the applied-step count (compared with each row's `first_at`). No host
+/// synchronisation. `seed` seeds stochastic rounding of the working copies (used when
+/// `WICK_STOCHASTIC_ROUNDING=1`).
+pub fn step(
+    rows: &[Row],
+    stats: &Tensor,
+    amp_state: &Tensor,
+    c: &SgdConfig,
+    lr: f64,
+    seed: u64,
+) -> Result<()> {
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let dev = super::cuda_device(stats)?;
+    let (stats_addr, amp_addr) = (addr(stats)?, addr(amp_state)?);
+    let stochastic = std::env::var("WICK_STOCHASTIC_ROUNDING").is_ok_and(|v| v == "1");
+    // the multiplier is read on the device (stats[2]); the other coefficients are per step
+    let k = Coeffs::new(c, lr, true, 1.0);
+    let args = SgdArgs {
+        lr: k.lr,
+        momentum: k.momentum,
+        one_minus_dampening: k.one_minus_dampening,
+        weight_decay: k.weight_decay,
+        nesterov: i32::from(k.nesterov),
+        seed: (seed as u32) ^ ((seed >> 32) as u32).wrapping_mul(0x9E37_79B9),
+        stochastic: i32::from(stochastic),
+    };
+    let momentum = k.momentum != 0.0;
+    // keep contiguous copies of non-contiguous gradients alive until the launches are queued
+    let mut keep = Vec::new();
+    let mut groups: BTreeMap<(&'static str, &'static str), Vec<MtRow<5>>> = BTreeMap::new();
+    for (i, r) in rows.iter().enumerate() {
+        let g = if r.grad.is_contiguous() {
+            r.grad.clone()
+        } else {
+            r.grad.contiguous()?
+        };
+        if r.param.master.dtype() != DType::F32 {
+            bail!("fused SGD: master of {} must be f32", r.param.name);
+        }
+        if g.elem_count() != r.param.elem_count() {
+            bail!(
+                "fused SGD: gradient of {} has {} elements, expected {}",
+                r.param.name,
+                g.elem_count(),
+                r.param.elem_count()
+            );
+        }
+        let (buf_addr, first_addr) = match (momentum, r.buf, r.first_at) {
+            (false, _, _) => (0, 0),
+            (true, Some(b), Some(f)) => {
+                if b.dtype() != DType::F32 || b.elem_count() != r.param.elem_count() {
+                    bail!(
+                        "fused SGD: momentum buffer of {} must be f32 with {} elements",
+                        r.param.name,
+                        r.param.elem_count()
+                    );
+                }
+                if f.dtype() != DType::F32 || f.elem_count() != 1 {
+                    bail!("fused SGD: first_at of {} must be one f32", r.param.name);
+                }
+                (addr(b)?, addr(f)?)
+            }
+            (true, _, _) => bail!("fused SGD: {} has no momentum buffer", r.param.name),
+        };
+        let w = r.param.working.as_ref().map(|w| w.as_tensor());
+        let wdt = w.map_or(DType::F32, |w| w.dtype());
+        let gs = dtype_suffix(g.dtype())?;
+        let ws = dtype_suffix(wdt)?;
+        // kernels exist for f32 grads with any working copy, and half grads matching it
+        let gs = if gs != "f32" && gs != ws {
+            keep.push(g.to_dtype(DType::F32)?);
+            "f32"
+        } else {
+            gs
+        };
+        let g_addr = if gs == "f32" && g.dtype() != DType::F32 {
+            addr(keep.last().expect("pushed"))?
+        } else {
+            addr(&g)?
+        };
+        groups.entry((gs, ws)).or_default().push(MtRow {
+            addrs: [
+                addr(r.param.master.as_tensor())?,
+                g_addr,
+                buf_addr,
+                w.map(addr).transpose()?.unwrap_or(0),
+                first_addr,
+            ],
+            numel: r.param.elem_count(),
+            group: i32::from(r.param.options.weight_decay),
+            index: i as i32,
+        });
+        keep.push(g);
+    }
+    for ((gs, ws), list) in groups {
+        let func =
+            dev.get_or_load_custom_func(&format!("mt_sgd_{gs}_{ws}"), "wick_sgd", ptx::SGD)?;
+        for l in plan(&list) {
+            let mut b = func.builder();
+            b.arg(&l.meta).arg(&stats_addr).arg(&amp_addr).arg(&args);
+            unsafe { b.launch(mt_config(&l)) }.w()?;
+        }
+    }
+    drop(keep);
+    Ok(())
+}

@@ -1,0 +1,479 @@
+//! `Trainer`: the fit loop on top of [`Engine`] — epochs or a step budget, validation every N
+//! optimizer steps or per epoch, early stopping on a monitored metric, an indicatif progress
+//! bar, metrics to CSV and JSONL, and at the end the per-phase breakdown and throughput.
+//!
+//! Each batch the [`DataLoader`] yields is one micro-batch, weighted by its sample count; the
+//! engine runs the optimizer step every `accumulation_steps` batches. "Step" below always means
+//! an optimizer step (an accumulation boundary), as in Lightning's `global_step`.
+//!
+//! The configuration can come from a TOML file ([`TrainerConfig::from_toml_file`]); the
+//! examples let command-line flags override it.
+
+use crate::data::{Batch, Collate, DataLoader, Dataset, LoaderState};
+use crate::engine::{Engine, StepCtx, StepReport};
+use crate::profile::PhaseTimes;
+use anyhow::{bail, Context, Result};
+use candle_core::Tensor;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// Whether a smaller or a larger monitored value is better.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// Smaller is better (losses).
+    Min,
+    /// Larger is better (accuracies).
+    Max,
+}
+
+/// Early stopping (Lightning's `EarlyStopping`): stop when `monitor` has not improved by more
+/// than `min_delta` for `patience` consecutive evaluations.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EarlyStopping {
+    /// Name of the metric returned by the evaluation closure, e.g. `"val_loss"`.
+    pub monitor: String,
+    /// Evaluations without improvement before stopping (≥ 1).
+    pub patience: usize,
+    /// Minimum change that counts as an improvement.
+    #[serde(default)]
+    pub min_delta: f64,
+    /// Direction of improvement.
+    pub mode: Mode,
+}
+
+/// Trainer settings. Every field has a default, so a TOML file only lists what it changes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrainerConfig {
+    /// Stop after this many epochs (passes over the loader).
+    pub max_epochs: Option<u64>,
+    /// Stop after this many optimizer steps (counted from the engine's state, so a resumed run
+    /// stops where the uninterrupted one would).
+    pub max_steps: Option<u64>,
+    /// Evaluate every N optimizer steps; `None`: at the end of every epoch.
+    pub eval_every: Option<u64>,
+    /// Log (read the loss back, write a metrics row, update the bar) every N optimizer steps.
+    pub log_every: u64,
+    /// Early stopping on a metric of the evaluation closure.
+    pub early_stopping: Option<EarlyStopping>,
+    /// Where `metrics.csv` and `metrics.jsonl` go (created if missing); `None`: no files.
+    pub out_dir: Option<PathBuf>,
+    /// Show a progress bar (off when stderr is not a terminal, as indicatif does).
+    pub progress: bool,
+    /// Tokens per sample, to report tokens/s instead of samples/s.
+    pub tokens_per_sample: Option<usize>,
+}
+
+impl Default for TrainerConfig {
+    fn default() -> Self {
+        Self {
+            max_epochs: Some(1),
+            max_steps: None,
+            eval_every: None,
+            log_every: 50,
+            early_stopping: None,
+            out_dir: None,
+            progress: true,
+            tokens_per_sample: None,
+        }
+    }
+}
+
+impl TrainerConfig {
+    /// Reads a TOML file with any subset of the fields (unknown keys are an error).
+    pub fn from_toml_file(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading trainer config {}", path.display()))?;
+        let c: Self = toml::from_str(&text).with_context(|| format!("parsing trainer config {}", path.display()))?;
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// Checks the settings: a stopping rule exists, counts are ≥ 1.
+    pub fn validate(&self) -> Result<()> {
+        if self.max_epochs.is_none() && self.max_steps.is_none() {
+            bail!("trainer config: set max_epochs or max_steps");
+        }
+        if self.log_every == 0 || self.eval_every == Some(0) || self.max_epochs == Some(0) {
+            bail!("trainer config: log_every, eval_every and max_epochs must be >= 1");
+        }
+        if let Some(e) = &self.early_stopping {
+            if e.patience == 0 {
+                bail!("trainer config: early_stopping.patience must be >= 1");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Metrics of one evaluation, by name (e.g. `val_loss`, `val_accuracy`).
+pub type Metrics = BTreeMap<String, f64>;
+
+/// One row of the metrics files. Empty fields are written as empty CSV cells / omitted JSON.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct MetricsRow {
+    /// Optimizer step.
+    pub step: u64,
+    /// Epoch (0-based).
+    pub epoch: u64,
+    /// Mean training loss since the previous row.
+    pub loss: Option<f64>,
+    /// Validation loss, when this row carries an evaluation.
+    pub val_loss: Option<f64>,
+    /// Learning rate of the last step.
+    pub lr: Option<f64>,
+    /// Global gradient norm of the last step.
+    pub grad_norm: Option<f64>,
+    /// Loss scale of the last step.
+    pub loss_scale: Option<f64>,
+    /// Training throughput since the previous row (samples/s, or tokens/s when configured).
+    pub samples_per_s: Option<f64>,
+    /// Every metric of the evaluation (JSONL only).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub eval: Metrics,
+}
+
+/// CSV + JSONL writers.
+struct MetricsFiles {
+    csv: BufWriter<File>,
+    jsonl: BufWriter<File>,
+}
+
+const CSV_HEADER: &str = "step,epoch,loss,val_loss,lr,grad_norm,loss_scale,samples_per_s";
+
+impl MetricsFiles {
+    fn create(dir: &Path) -> Result<Self> {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let open = |name: &str| -> Result<BufWriter<File>> {
+            let p = dir.join(name);
+            Ok(BufWriter::new(File::create(&p).with_context(|| format!("creating {}", p.display()))?))
+        };
+        let mut csv = open("metrics.csv")?;
+        writeln!(csv, "{CSV_HEADER}")?;
+        Ok(Self { csv, jsonl: open("metrics.jsonl")? })
+    }
+
+    fn write(&mut self, r: &MetricsRow) -> Result<()> {
+        let f = |v: Option<f64>| v.map(|x| format!("{x}")).unwrap_or_default();
+        writeln!(
+            self.csv,
+            "{},{},{},{},{},{},{},{}",
+            r.step,
+            r.epoch,
+            f(r.loss),
+            f(r.val_loss),
+            f(r.lr),
+            f(r.grad_norm),
+            f(r.loss_scale),
+            f(r.samples_per_s)
+        )?;
+        serde_json::to_writer(&mut self.jsonl, r)?;
+        writeln!(self.jsonl)?;
+        self.csv.flush()?;
+        self.jsonl.flush()?;
+        Ok(())
+    }
+}
+
+/// Why `fit` returned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    /// `max_epochs` reached.
+    MaxEpochs,
+    /// `max_steps` reached.
+    MaxSteps,
+    /// Early stopping triggered.
+    EarlyStopping,
+    /// The `should_stop` hook asked to stop (e.g. Ctrl-C).
+    Interrupted,
+}
+
+/// What `fit` did.
+#[derive(Debug, Clone)]
+pub struct FitSummary {
+    /// Why the loop ended.
+    pub stop: StopReason,
+    /// Optimizer steps done by this call.
+    pub steps: u64,
+    /// Samples consumed by this call.
+    pub samples: u64,
+    /// Wall time of this call.
+    pub elapsed: Duration,
+    /// Summed per-phase times (data measured around `next_batch`).
+    pub phases: PhaseTimes,
+    /// The last evaluation.
+    pub last_eval: Option<Metrics>,
+    /// Best value of the early-stopping metric, if configured.
+    pub best: Option<f64>,
+}
+
+impl FitSummary {
+    /// The phase table plus throughput, as printed at the end of a run.
+    pub fn report(&self, tokens_per_sample: Option<usize>) -> String {
+        let secs = self.elapsed.as_secs_f64().max(1e-9);
+        let (n, unit) = match tokens_per_sample {
+            Some(t) => (self.samples as f64 * t as f64, "tokens/s"),
+            None => (self.samples as f64, "samples/s"),
+        };
+        format!(
+            "{} optimizer steps, {} samples in {:.1} s: {:.0} {unit}\n{}",
+            self.steps,
+            self.samples,
+            secs,
+            n / secs,
+            self.phases.table(self.steps)
+        )
+    }
+}
+
+/// Hooks the loop calls; all optional.
+pub struct Hooks<'a> {
+    /// Called after every optimizer step with the engine, the step's report and the loader's
+    /// position (the next batch: what a checkpoint stores to resume exactly); return `true` to
+    /// stop (e.g. a Ctrl-C flag). Checkpointing every N steps goes here.
+    #[allow(clippy::type_complexity)]
+    pub after_step: Option<Box<dyn FnMut(&mut Engine, &StepReport, &LoaderState) -> Result<bool> + 'a>>,
+}
+
+impl Default for Hooks<'_> {
+    fn default() -> Self {
+        Self { after_step: None }
+    }
+}
+
+/// The fit loop.
+pub struct Trainer {
+    config: TrainerConfig,
+}
+
+struct Window {
+    loss_sum: f64,
+    losses: u64,
+    samples: u64,
+    started: Instant,
+}
+
+/// Per-epoch figures for the end-of-epoch line.
+struct EpochStats {
+    loss_sum: f64,
+    losses: u64,
+    samples: u64,
+    started: Instant,
+}
+
+impl EpochStats {
+    fn new() -> Self {
+        Self { loss_sum: 0.0, losses: 0, samples: 0, started: Instant::now() }
+    }
+}
+
+impl Window {
+    fn new() -> Self {
+        Self { loss_sum: 0.0, losses: 0, samples: 0, started: Instant::now() }
+    }
+}
+
+struct Stopper {
+    rule: Option<EarlyStopping>,
+    best: Option<f64>,
+    bad: usize,
+}
+
+impl Stopper {
+    /// Records an evaluation; true when training should stop.
+    fn update(&mut self, metrics: &Metrics) -> Result<bool> {
+        let Some(rule) = &self.rule else { return Ok(false) };
+        let Some(&v) = metrics.get(&rule.monitor) else {
+            bail!("early stopping monitors {:?} but the evaluation returned {:?}", rule.monitor, metrics.keys().collect::<Vec<_>>());
+        };
+        let improved = match (self.best, rule.mode) {
+            (None, _) => true,
+            (Some(b), Mode::Min) => v < b - rule.min_delta,
+            (Some(b), Mode::Max) => v > b + rule.min_delta,
+        };
+        if improved {
+            self.best = Some(v);
+            self.bad = 0;
+        } else {
+            self.bad += 1;
+        }
+        Ok(self.bad >= rule.patience)
+    }
+}
+
+impl Trainer {
+    /// A trainer with validated settings.
+    pub fn new(config: TrainerConfig) -> Result<Self> {
+        config.validate()?;
+        Ok(Self { config })
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &TrainerConfig {
+        &self.config
+    }
+
+    /// Trains until a stopping rule fires. `train_step(ctx, batch)` returns the mean loss of the
+    /// batch (a scalar); `evaluate(engine)` returns validation metrics (include `val_loss` to
+    /// get it into the CSV). The loader's position and the engine's step count carry over
+    /// between calls and from checkpoints, so a resumed run continues where it stopped.
+    ///
+    /// Errors: any error of the loader, the step, the evaluation or the metrics files; the
+    /// engine is left at its last completed step.
+    pub fn fit<D, C, F, E>(
+        &mut self,
+        engine: &mut Engine,
+        loader: &mut DataLoader<D, C>,
+        mut train_step: F,
+        mut evaluate: E,
+        mut hooks: Hooks,
+    ) -> Result<FitSummary>
+    where
+        D: Dataset,
+        C: Collate<D::Sample>,
+        F: FnMut(&StepCtx, &Batch) -> candle_core::Result<Tensor>,
+        E: FnMut(&mut Engine) -> Result<Metrics>,
+    {
+        let c = self.config.clone();
+        let mut files = c.out_dir.as_deref().map(MetricsFiles::create).transpose()?;
+        let accum = engine.config().accumulation_steps as u64;
+        let start_step = engine.boundaries();
+        let per_epoch = (loader.num_batches() as u64 / accum).max(1);
+        let total = match (c.max_steps, c.max_epochs) {
+            (Some(s), _) => s.saturating_sub(start_step),
+            (None, Some(e)) => e.saturating_sub(loader.epoch()) * per_epoch,
+            (None, None) => 0,
+        };
+        let bar = if c.progress { ProgressBar::new(total) } else { ProgressBar::hidden() };
+        bar.set_style(
+            ProgressStyle::with_template("{bar:30} {pos}/{len} steps  {msg}  [{elapsed_precise} < {eta_precise}]")
+                .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
+        let started = Instant::now();
+        let mut phases = PhaseTimes::default();
+        let mut window = Window::new();
+        let mut stopper = Stopper { rule: c.early_stopping.clone(), best: None, bad: 0 };
+        let (mut samples, mut last_eval) = (0u64, None);
+        let unit = if c.tokens_per_sample.is_some() { "tokens/s" } else { "samples/s" };
+        let scale = c.tokens_per_sample.unwrap_or(1) as f64;
+        let stop = 'outer: loop {
+            if c.max_epochs.is_some_and(|e| loader.epoch() >= e) {
+                break StopReason::MaxEpochs;
+            }
+            let mut epoch_stats = EpochStats::new();
+            loop {
+                let t = Instant::now();
+                let Some(batch) = loader.next_batch()? else { break };
+                phases.data += t.elapsed();
+                let n = batch.len() as u64;
+                let report = engine.step_weighted(n as f64, |ctx| train_step(ctx, &batch))?;
+                phases.add(&report.times);
+                samples += n;
+                window.samples += n;
+                epoch_stats.samples += n;
+                if !report.boundary {
+                    continue;
+                }
+                let step = engine.boundaries();
+                bar.inc(1);
+                let mut row = None;
+                if step % c.log_every == 0 {
+                    let loss = report.loss()? as f64;
+                    window.loss_sum += loss;
+                    window.losses += 1;
+                    epoch_stats.loss_sum += loss;
+                    epoch_stats.losses += 1;
+                    let secs = window.started.elapsed().as_secs_f64().max(1e-9);
+                    let rate = window.samples as f64 * scale / secs;
+                    bar.set_message(format!("loss {loss:.4}  lr {:.2e}  {rate:.0} {unit}", report.lr));
+                    row = Some(MetricsRow {
+                        step,
+                        epoch: batch.epoch,
+                        loss: Some(window.loss_sum / window.losses as f64),
+                        lr: Some(report.lr),
+                        grad_norm: report.grad_norm()?,
+                        loss_scale: Some(report.loss_scale()? as f64),
+                        samples_per_s: Some(rate),
+                        ..Default::default()
+                    });
+                    window = Window::new();
+                }
+                let mut stop_now = false;
+                if c.eval_every.is_some_and(|e| step % e == 0) {
+                    let m = evaluate(engine)?;
+                    let r = row.get_or_insert_with(|| MetricsRow { step, epoch: batch.epoch, ..Default::default() });
+                    r.val_loss = m.get("val_loss").copied();
+                    r.eval = m.clone();
+                    stop_now = stopper.update(&m)?;
+                    last_eval = Some(m);
+                }
+                if let (Some(f), Some(r)) = (files.as_mut(), row.as_ref()) {
+                    f.write(r)?;
+                }
+                if let Some(h) = hooks.after_step.as_mut() {
+                    if h(engine, &report, &loader.state())? {
+                        break 'outer StopReason::Interrupted;
+                    }
+                }
+                if stop_now {
+                    break 'outer StopReason::EarlyStopping;
+                }
+                if c.max_steps.is_some_and(|m| step >= m) {
+                    break 'outer StopReason::MaxSteps;
+                }
+            }
+            // end of an epoch
+            if c.eval_every.is_none() {
+                let m = evaluate(engine)?;
+                let step = engine.boundaries();
+                let row = MetricsRow {
+                    step,
+                    epoch: loader.epoch().saturating_sub(1),
+                    val_loss: m.get("val_loss").copied(),
+                    eval: m.clone(),
+                    ..Default::default()
+                };
+                let secs = epoch_stats.started.elapsed().as_secs_f64().max(1e-9);
+                let train_loss = match epoch_stats.losses {
+                    0 => String::new(),
+                    k => format!("train loss {:.4}  ", epoch_stats.loss_sum / k as f64),
+                };
+                let line = format!(
+                    "epoch {}: {train_loss}{}  {:.0} {unit}  ({secs:.1} s)",
+                    row.epoch,
+                    fmt_metrics(&m),
+                    epoch_stats.samples as f64 * scale / secs
+                );
+                bar.suspend(|| println!("{line}"));
+                if let Some(f) = files.as_mut() {
+                    f.write(&row)?;
+                }
+                let stop_now = stopper.update(&m)?;
+                last_eval = Some(m);
+                if stop_now {
+                    break StopReason::EarlyStopping;
+                }
+            }
+        };
+        bar.finish_and_clear();
+        Ok(FitSummary {
+            stop,
+            steps: engine.boundaries() - start_step,
+            samples,
+            elapsed: started.elapsed(),
+            phases,
+            last_eval,
+            best: stopper.best,
+        })
+    }
+}
+
+fn fmt_metrics(m: &Metrics) -> String {
+    m.iter().map(|(k, v)| format!("{k} {v:.4}")).collect::<Vec<_>>().join("  ")
+}
