@@ -108,7 +108,7 @@ pub struct FileDigest {
 /// Format (version 1):
 /// ```json
 /// { "format": "wick-checkpoint", "format_version": 1, "wick_version": "0.1.0",
-///   "step": 50, "precision": "bf16-mixed", "num_parameters": 1863690,
+///   "step": 50, "precision": "bf16-mixed", "num_parameters": 1863690, "optimizer": "AdamW",
 ///   "engine": { "boundaries": 50, "applied_steps": 50,
 ///               "scaler": { "scale": 1.0, "growth_tracker": 0, "hysteresis_left": 1 } },
 ///   "files": { "model.safetensors": { "bytes": 7455024, "sha256": "…" },
@@ -129,6 +129,10 @@ pub struct TrainerState {
     pub precision: String,
     /// Scalar parameters in the model (informative).
     pub num_parameters: u64,
+    /// The optimizer that wrote `optimizer.safetensors` (`"AdamW"`, `"Sgd"`): loading into an
+    /// engine running another optimizer is an error.
+    #[serde(default)]
+    pub optimizer: String,
     /// Engine counters and loss-scaler state.
     pub engine: EngineState,
     /// Size and checksum of [`MODEL_FILE`] and [`OPTIMIZER_FILE`].
@@ -206,6 +210,7 @@ impl Checkpointer {
             step,
             precision: store.precision().to_string(),
             num_parameters: store.num_elements() as u64,
+            optimizer: optimizer_name(engine),
             engine: state,
             files,
             extra,
@@ -374,9 +379,13 @@ pub fn read_state(path: impl AsRef<Path>) -> Result<TrainerState> {
         } else {
             ""
         };
-        bail!("checkpoint {}: {STATE_FILE} is missing{hint}", path.display());
+        bail!(
+            "checkpoint {}: {STATE_FILE} is missing{hint}",
+            path.display()
+        );
     }
-    let bytes = fs::read(&file).with_context(|| format!("checkpoint {}: cannot read", file.display()))?;
+    let bytes =
+        fs::read(&file).with_context(|| format!("checkpoint {}: cannot read", file.display()))?;
     let raw: serde_json::Value = serde_json::from_slice(&bytes).with_context(|| {
         format!(
             "checkpoint {}: not valid JSON (corrupt or truncated file)",
@@ -436,6 +445,23 @@ pub fn load(path: impl AsRef<Path>, engine: &mut Engine) -> Result<serde_json::V
     let started = Instant::now();
     let path = path.as_ref();
     let state = read_state(path)?;
+    let running = optimizer_name(engine);
+    ensure!(
+        state.optimizer.is_empty() || state.optimizer == running,
+        "checkpoint {}: the optimizer state was written by {}, the engine runs {running}; \
+         build the engine with the checkpoint's optimizer",
+        path.join(STATE_FILE).display(),
+        state.optimizer
+    );
+    let precision = engine.store().precision().to_string();
+    if state.precision != precision {
+        tracing::warn!(
+            "checkpoint {}: saved in {}, loading into {precision} (masters are f32: allowed, \
+             but the losses will not match the original run)",
+            path.display(),
+            state.precision
+        );
+    }
     let (model, optim) = rayon::join(
         || read_checked(path, MODEL_FILE, &state),
         || read_checked(path, OPTIMIZER_FILE, &state),
@@ -612,6 +638,16 @@ pub fn clear_interrupt() {
 // ---------------------------------------------------------------------------------------------
 // helpers
 
+/// The optimizer's name: the variant of [`crate::engine::OptimizerConfig`] (`"AdamW"`, `"Sgd"`).
+fn optimizer_name(engine: &Engine) -> String {
+    let debug = format!("{:?}", engine.config().optimizer);
+    debug
+        .split(|c: char| !c.is_alphanumeric() && c != '_')
+        .next()
+        .unwrap_or_default()
+        .to_string()
+}
+
 /// `["a", "b", ...]`, at most 10 names.
 fn name_list(names: &[&str]) -> String {
     let shown: Vec<String> = names.iter().take(10).map(|n| format!("{n:?}")).collect();
@@ -652,8 +688,8 @@ fn read_checked(dir: &Path, file: &str, state: &TrainerState) -> Result<HashMap<
             dir.join(STATE_FILE).display()
         )
     })?;
-    let bytes = fs::read(&path)
-        .with_context(|| format!("checkpoint {}: cannot read", path.display()))?;
+    let bytes =
+        fs::read(&path).with_context(|| format!("checkpoint {}: cannot read", path.display()))?;
     ensure!(
         bytes.len() as u64 == expected.bytes,
         "checkpoint {}: truncated or incomplete file: {} bytes, {STATE_FILE} records {}",
@@ -710,8 +746,14 @@ fn le_bytes<T: Copy, const N: usize>(v: Vec<T>, f: fn(T) -> [u8; N]) -> Vec<u8> 
 fn raw_tensor(t: &Tensor) -> Result<Raw> {
     let flat = t.flatten_all()?.to_device(&Device::Cpu)?;
     let (dtype, data) = match t.dtype() {
-        DType::F32 => (StDtype::F32, le_bytes(flat.to_vec1::<f32>()?, f32::to_le_bytes)),
-        DType::F64 => (StDtype::F64, le_bytes(flat.to_vec1::<f64>()?, f64::to_le_bytes)),
+        DType::F32 => (
+            StDtype::F32,
+            le_bytes(flat.to_vec1::<f32>()?, f32::to_le_bytes),
+        ),
+        DType::F64 => (
+            StDtype::F64,
+            le_bytes(flat.to_vec1::<f64>()?, f64::to_le_bytes),
+        ),
         DType::BF16 => (
             StDtype::BF16,
             le_bytes(flat.to_vec1::<half::bf16>()?, half::bf16::to_le_bytes),
@@ -720,8 +762,14 @@ fn raw_tensor(t: &Tensor) -> Result<Raw> {
             StDtype::F16,
             le_bytes(flat.to_vec1::<half::f16>()?, half::f16::to_le_bytes),
         ),
-        DType::U32 => (StDtype::U32, le_bytes(flat.to_vec1::<u32>()?, u32::to_le_bytes)),
-        DType::I64 => (StDtype::I64, le_bytes(flat.to_vec1::<i64>()?, i64::to_le_bytes)),
+        DType::U32 => (
+            StDtype::U32,
+            le_bytes(flat.to_vec1::<u32>()?, u32::to_le_bytes),
+        ),
+        DType::I64 => (
+            StDtype::I64,
+            le_bytes(flat.to_vec1::<i64>()?, i64::to_le_bytes),
+        ),
         DType::U8 => (StDtype::U8, flat.to_vec1::<u8>()?),
         other => bail!("dtype {other:?} is not supported in checkpoints"),
     };
@@ -737,8 +785,8 @@ fn raw_tensor(t: &Tensor) -> Result<Raw> {
 fn serialize_tensors(tensors: Vec<(String, Tensor)>, file: &str) -> Result<(Vec<u8>, FileDigest)> {
     let mut raws = BTreeMap::new();
     for (name, t) in tensors {
-        let raw = raw_tensor(&t)
-            .with_context(|| format!("checkpoint save: {file}: tensor {name:?}"))?;
+        let raw =
+            raw_tensor(&t).with_context(|| format!("checkpoint save: {file}: tensor {name:?}"))?;
         if raws.insert(name.clone(), raw).is_some() {
             bail!("checkpoint save: {file}: two tensors are named {name:?}");
         }
@@ -753,8 +801,8 @@ fn serialize_tensors(tensors: Vec<(String, Tensor)>, file: &str) -> Result<(Vec<
 }
 
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
-    let mut f =
-        File::create(path).with_context(|| format!("checkpoint save: creating {}", path.display()))?;
+    let mut f = File::create(path)
+        .with_context(|| format!("checkpoint save: creating {}", path.display()))?;
     f.write_all(bytes)
         .with_context(|| format!("checkpoint save: writing {}", path.display()))?;
     f.sync_all()
@@ -780,7 +828,11 @@ fn sync_dir(dir: &Path) -> Result<()> {
 fn install_dir(tmp: &Path, dst: &Path, root: &Path, pid: u32) -> Result<()> {
     if !dst.exists() {
         return fs::rename(tmp, dst).with_context(|| {
-            format!("checkpoint save: renaming {} to {}", tmp.display(), dst.display())
+            format!(
+                "checkpoint save: renaming {} to {}",
+                tmp.display(),
+                dst.display()
+            )
         });
     }
     if exchange(tmp, dst) {
@@ -797,13 +849,22 @@ fn install_dir(tmp: &Path, dst: &Path, root: &Path, pid: u32) -> Result<()> {
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
     let old = root.join(format!("{TMP_PREFIX}old-{name}-{pid}"));
-    fs::rename(dst, &old)
-        .with_context(|| format!("checkpoint save: renaming {} to {}", dst.display(), old.display()))?;
-    fs::rename(tmp, dst)
-        .with_context(|| format!("checkpoint save: renaming {} to {}", tmp.display(), dst.display()))?;
+    fs::rename(dst, &old).with_context(|| {
+        format!(
+            "checkpoint save: renaming {} to {}",
+            dst.display(),
+            old.display()
+        )
+    })?;
+    fs::rename(tmp, dst).with_context(|| {
+        format!(
+            "checkpoint save: renaming {} to {}",
+            tmp.display(),
+            dst.display()
+        )
+    })?;
     sync_dir(root)?;
-    fs::remove_dir_all(&old)
-        .with_context(|| format!("checkpoint save: removing {}", old.display()))
+    fs::remove_dir_all(&old).with_context(|| format!("checkpoint save: removing {}", old.display()))
 }
 
 /// Atomically swaps two paths (Linux `renameat2(RENAME_EXCHANGE)`); false when unsupported.

@@ -51,7 +51,9 @@ impl FromStr for Require {
         match s.trim().to_ascii_lowercase().as_str() {
             "cuda" | "gpu" => Ok(Require::Cuda),
             "cpu" => Ok(Require::Cpu),
-            o => Err(format!("unknown device {o:?}: expected \"cuda\" or \"cpu\"")),
+            o => Err(format!(
+                "unknown device {o:?}: expected \"cuda\" or \"cpu\""
+            )),
         }
     }
 }
@@ -384,12 +386,13 @@ impl DoctorReport {
         self
     }
 
-    /// GPUs with a known compute capability that this build could use.
+    /// GPUs that CUDA can open: `cuInit` succeeded and `cuDeviceGetCount` (which honours
+    /// `CUDA_VISIBLE_DEVICES`) counted them.
     pub fn usable_gpus(&self) -> usize {
-        match self.cuda_driver.device_count {
-            Some(n) if self.cuda_driver.init.as_deref() == Some("CUDA_SUCCESS") => n as usize,
-            _ if !self.cuda_driver.loaded => 0,
-            _ => 0,
+        if self.cuda_driver.init.as_deref() == Some("CUDA_SUCCESS") {
+            self.cuda_driver.device_count.unwrap_or(0) as usize
+        } else {
+            0
         }
     }
 }
@@ -423,7 +426,9 @@ fn collect_cpu() -> CpuInfo {
     let field = |l: &str| l.split_once(':').map(|(_, v)| v.trim().to_string());
     let model = cpuinfo
         .lines()
-        .find(|l| l.starts_with("model name") || l.starts_with("Model") || l.starts_with("Hardware"))
+        .find(|l| {
+            l.starts_with("model name") || l.starts_with("Model") || l.starts_with("Hardware")
+        })
         .and_then(field);
     let mut cores = std::collections::BTreeSet::new();
     let mut phys = None;
@@ -453,7 +458,8 @@ fn collect_cpu() -> CpuInfo {
             if scaling_driver.is_none() {
                 scaling_driver = read_trim(dir.join("scaling_driver"));
             }
-            if let Some(khz) = read_trim(dir.join("cpuinfo_max_freq")).and_then(|s| s.parse::<f64>().ok())
+            if let Some(khz) =
+                read_trim(dir.join("cpuinfo_max_freq")).and_then(|s| s.parse::<f64>().ok())
             {
                 max_mhz = Some(max_mhz.unwrap_or(0.0).max(khz / 1e3));
             }
@@ -500,7 +506,12 @@ fn build_info() -> BuildInfo {
     BuildInfo {
         wick_version: env!("CARGO_PKG_VERSION").to_string(),
         candle_version: CANDLE_VERSION.to_string(),
-        profile: if cfg!(debug_assertions) { "debug" } else { "release" }.to_string(),
+        profile: if cfg!(debug_assertions) {
+            "debug"
+        } else {
+            "release"
+        }
+        .to_string(),
         cuda: cfg!(feature = "cuda"),
         nccl: cfg!(feature = "nccl"),
         cuda_version: if cfg!(feature = "cuda") {
@@ -543,7 +554,10 @@ fn cuda_version_string(v: i64) -> String {
 /// "13.0" → (13, 0).
 fn parse_major_minor(s: &str) -> Option<(u32, u32)> {
     let mut it = s.split('.');
-    Some((it.next()?.trim().parse().ok()?, it.next().unwrap_or("0").trim().parse().ok()?))
+    Some((
+        it.next()?.trim().parse().ok()?,
+        it.next().unwrap_or("0").trim().parse().ok()?,
+    ))
 }
 
 fn collect_nvml() -> (NvmlInfo, Vec<GpuInfo>) {
@@ -622,13 +636,15 @@ fn collect_nvml() -> (NvmlInfo, Vec<GpuInfo>) {
         g.name = ok!("name", dev.name());
         g.uuid = ok!("uuid", dev.uuid());
         g.pci_bus_id = ok!("pci", dev.pci_info()).map(|p| p.bus_id);
-        g.compute_capability = ok!("compute capability", dev.cuda_compute_capability()).map(|c| {
-            ComputeCapability {
+        g.compute_capability =
+            ok!("compute capability", dev.cuda_compute_capability()).map(|c| ComputeCapability {
                 major: c.major.max(0) as u32,
                 minor: c.minor.max(0) as u32,
-            }
-        });
-        g.capabilities = g.compute_capability.map(Capabilities::of).unwrap_or_default();
+            });
+        g.capabilities = g
+            .compute_capability
+            .map(Capabilities::of)
+            .unwrap_or_default();
         if let Some(m) = ok!("memory", dev.memory_info()) {
             g.memory_total_bytes = Some(m.total);
             g.memory_free_bytes = Some(m.free);
@@ -639,8 +655,8 @@ fn collect_nvml() -> (NvmlInfo, Vec<GpuInfo>) {
         g.mem_clock_mhz = ok!("memory clock", dev.clock_info(Clock::Memory));
         g.max_mem_clock_mhz = ok!("max memory clock", dev.max_clock_info(Clock::Memory));
         g.power_limit_w = ok!("power limit", dev.enforced_power_limit()).map(|mw| mw as f64 / 1e3);
-        g.default_power_limit_w =
-            ok!("default power limit", dev.power_management_limit_default()).map(|mw| mw as f64 / 1e3);
+        g.default_power_limit_w = ok!("default power limit", dev.power_management_limit_default())
+            .map(|mw| mw as f64 / 1e3);
         g.power_usage_w = ok!("power usage", dev.power_usage()).map(|mw| mw as f64 / 1e3);
         g.temperature_c = ok!("temperature", dev.temperature(TemperatureSensor::Gpu));
         g.utilization_pct = ok!("utilization", dev.utilization_rates()).map(|u| u.gpu);
@@ -669,8 +685,14 @@ fn collect_nvml() -> (NvmlInfo, Vec<GpuInfo>) {
         }
         let mut procs = Vec::new();
         for (kind, list) in [
-            ("compute", ok!("compute processes", dev.running_compute_processes())),
-            ("graphics", ok!("graphics processes", dev.running_graphics_processes())),
+            (
+                "compute",
+                ok!("compute processes", dev.running_compute_processes()),
+            ),
+            (
+                "graphics",
+                ok!("graphics processes", dev.running_graphics_processes()),
+            ),
         ] {
             for p in list.unwrap_or_default() {
                 procs.push(GpuProcess {
@@ -759,9 +781,7 @@ fn call_int_out(lib: &libloading::Library, sym: &[u8]) -> Option<i64> {
 fn library_version(name: &str, lib: &libloading::Library) -> Option<String> {
     use std::os::raw::c_int;
     match name {
-        "CUDA runtime" => {
-            call_int_out(lib, b"cudaRuntimeGetVersion\0").map(cuda_version_string)
-        }
+        "CUDA runtime" => call_int_out(lib, b"cudaRuntimeGetVersion\0").map(cuda_version_string),
         "cuRAND" => call_int_out(lib, b"curandGetVersion\0")
             .map(|v| format!("{}.{}.{}", v / 1000, (v % 1000) / 100, v % 100)),
         "NCCL" => call_int_out(lib, b"ncclGetVersion\0")
@@ -805,7 +825,11 @@ fn library_version(name: &str, lib: &libloading::Library) -> Option<String> {
 
 /// The libraries a CUDA build of wick (candle 0.11.1 on CUDA 13) loads, and what needs them.
 const LIBRARIES: &[(&str, &str, &str)] = &[
-    ("CUDA runtime", "libcudart.so.13", "cuda build (candle kernels)"),
+    (
+        "CUDA runtime",
+        "libcudart.so.13",
+        "cuda build (candle kernels)",
+    ),
     ("cuBLAS", "libcublas.so.13", "cuda build (matmul)"),
     ("cuBLASLt", "libcublasLt.so.13", "cuda build (matmul)"),
     ("cuRAND", "libcurand.so.10", "cuda build (random init)"),
@@ -977,15 +1001,29 @@ pub fn recommendations(r: &DoctorReport) -> Vec<Recommendation> {
             .error
             .clone()
             .unwrap_or_else(|| "NVML lists no GPU".into());
-        if let Some(init) = r.cuda_driver.init.as_deref().filter(|i| *i != "CUDA_SUCCESS") {
+        if let Some(init) = r
+            .cuda_driver
+            .init
+            .as_deref()
+            .filter(|i| *i != "CUDA_SUCCESS")
+        {
             why.push_str(&format!("; cuInit → {init}"));
         }
         let (sev, reason) = if want_cuda {
-            (Severity::Blocker, "--require cuda needs a GPU that the CUDA driver can open")
+            (
+                Severity::Blocker,
+                "--require cuda needs a GPU that the CUDA driver can open",
+            )
         } else if r.build.cuda {
-            (Severity::Warning, "this build has CUDA, but training will run on the CPU")
+            (
+                Severity::Warning,
+                "this build has CUDA, but training will run on the CPU",
+            )
         } else {
-            (Severity::Tip, "training runs on the CPU (the fused CPU optimizer path, rayon)")
+            (
+                Severity::Tip,
+                "training runs on the CPU (the fused CPU optimizer path, rayon)",
+            )
         };
         add(
             "no-gpu",
@@ -996,7 +1034,11 @@ pub fn recommendations(r: &DoctorReport) -> Vec<Recommendation> {
         );
     }
     if !r.gpus.is_empty() && r.cuda_driver.loaded && !cuda_sees {
-        let init = r.cuda_driver.init.clone().unwrap_or_else(|| "no answer".into());
+        let init = r
+            .cuda_driver
+            .init
+            .clone()
+            .unwrap_or_else(|| "no answer".into());
         let hidden = r
             .env
             .get("CUDA_VISIBLE_DEVICES")
@@ -1005,7 +1047,10 @@ pub fn recommendations(r: &DoctorReport) -> Vec<Recommendation> {
         add(
             "cuda-init",
             gpu_sev,
-            format!("NVML lists {} GPU(s) but CUDA sees none: cuInit → {init}{hidden}", r.gpus.len()),
+            format!(
+                "NVML lists {} GPU(s) but CUDA sees none: cuInit → {init}{hidden}",
+                r.gpus.len()
+            ),
             "CUDA applications see only what cuInit and CUDA_VISIBLE_DEVICES allow",
             if hidden.is_empty() {
                 "check the driver installation (nvidia-smi; dmesg | grep -i nvrm) and the container's GPU access (--gpus all)".into()
@@ -1056,9 +1101,16 @@ pub fn recommendations(r: &DoctorReport) -> Vec<Recommendation> {
         }
     }
     // candle's kernels are compiled for one compute capability (90 → sm_90a, arch-specific).
-    if let Some(cap) = r.build.compute_cap.as_deref().and_then(|c| c.parse::<u32>().ok()) {
+    if let Some(cap) = r
+        .build
+        .compute_cap
+        .as_deref()
+        .and_then(|c| c.parse::<u32>().ok())
+    {
         for g in &r.gpus {
-            let Some(cc) = g.compute_capability else { continue };
+            let Some(cc) = g.compute_capability else {
+                continue;
+            };
             let v = cc.as_u32();
             let mismatch = if cap == 90 { v != 90 } else { v < cap };
             if mismatch {
@@ -1129,7 +1181,9 @@ pub fn recommendations(r: &DoctorReport) -> Vec<Recommendation> {
                         "pid {} {}{}",
                         p.pid,
                         p.name.as_deref().unwrap_or("?"),
-                        p.used_memory_bytes.map(|b| format!(" {}", gib(b))).unwrap_or_default()
+                        p.used_memory_bytes
+                            .map(|b| format!(" {}", gib(b)))
+                            .unwrap_or_default()
                     )
                 })
                 .collect::<Vec<_>>()
@@ -1151,9 +1205,14 @@ pub fn recommendations(r: &DoctorReport) -> Vec<Recommendation> {
                 add(
                     "gpu-memory-used",
                     Severity::Warning,
-                    format!("{label}: only {} of {} free, no process listed", gib(f), gib(t)),
+                    format!(
+                        "{label}: only {} of {} free, no process listed",
+                        gib(f),
+                        gib(t)
+                    ),
                     "another container or VM is probably using this GPU",
-                    "check nvidia-smi on the host; pick another GPU with CUDA_VISIBLE_DEVICES".into(),
+                    "check nvidia-smi on the host; pick another GPU with CUDA_VISIBLE_DEVICES"
+                        .into(),
                 );
             }
         }
@@ -1171,13 +1230,21 @@ pub fn recommendations(r: &DoctorReport) -> Vec<Recommendation> {
         let bad: Vec<&String> = g
             .throttle_reasons
             .iter()
-            .filter(|t| t.contains("thermal") || t.contains("hw_slowdown") || t.contains("power_brake"))
+            .filter(|t| {
+                t.contains("thermal") || t.contains("hw_slowdown") || t.contains("power_brake")
+            })
             .collect();
         if !bad.is_empty() {
             add(
                 "throttling",
                 Severity::Warning,
-                format!("{label}: clocks throttled ({})", bad.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(", ")),
+                format!(
+                    "{label}: clocks throttled ({})",
+                    bad.iter()
+                        .map(|s| s.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
                 "hardware or thermal slowdown lowers throughput by up to half",
                 "check cooling and power delivery: nvidia-smi -q -d PERFORMANCE,TEMPERATURE".into(),
             );
@@ -1200,7 +1267,8 @@ pub fn recommendations(r: &DoctorReport) -> Vec<Recommendation> {
             Severity::Tip,
             format!("{} GPUs without an active NVLink", r.gpus.len()),
             "data-parallel all-reduce then runs over PCIe: communication can dominate the step",
-            "raise gradient accumulation to all-reduce less often, or use NVLink-connected GPUs".into(),
+            "raise gradient accumulation to all-reduce less often, or use NVLink-connected GPUs"
+                .into(),
         );
     }
 
@@ -1327,13 +1395,19 @@ pub struct DoctorOutput<'a> {
 // ---------------------------------------------------------------------------------------------
 
 fn opt<T: std::fmt::Display>(v: &Option<T>) -> String {
-    v.as_ref().map(|x| x.to_string()).unwrap_or_else(|| "?".into())
+    v.as_ref()
+        .map(|x| x.to_string())
+        .unwrap_or_else(|| "?".into())
 }
 
 /// The human-readable report: facts, then recommendations, then the verdict.
 pub fn render_text(r: &DoctorReport, recs: &[Recommendation]) -> String {
     let mut s = String::new();
-    let _ = writeln!(s, "wick doctor (wick {}, candle {})", r.build.wick_version, r.build.candle_version);
+    let _ = writeln!(
+        s,
+        "wick doctor (wick {}, candle {})",
+        r.build.wick_version, r.build.candle_version
+    );
     let _ = writeln!(s, "\nsystem");
     let _ = writeln!(
         s,
@@ -1341,12 +1415,21 @@ pub fn render_text(r: &DoctorReport, recs: &[Recommendation]) -> String {
         r.host.os,
         opt(&r.host.kernel),
         r.host.arch,
-        r.host.hostname.as_ref().map(|h| format!(", host {h}")).unwrap_or_default()
+        r.host
+            .hostname
+            .as_ref()
+            .map(|h| format!(", host {h}"))
+            .unwrap_or_default()
     );
     let gov = if r.cpu.governors.is_empty() {
         "n/a (no cpufreq in /sys: VM or container)".to_string()
     } else {
-        r.cpu.governors.iter().map(|(g, n)| format!("{g} x{n}")).collect::<Vec<_>>().join(", ")
+        r.cpu
+            .governors
+            .iter()
+            .map(|(g, n)| format!("{g} x{n}"))
+            .collect::<Vec<_>>()
+            .join(", ")
     };
     let _ = writeln!(
         s,
@@ -1354,21 +1437,37 @@ pub fn render_text(r: &DoctorReport, recs: &[Recommendation]) -> String {
         opt(&r.cpu.model),
         r.cpu.logical_cores,
         opt(&r.cpu.physical_cores),
-        r.cpu.cgroup_cpu_quota.map(|q| format!(" (cgroup quota {q:.1})")).unwrap_or_default(),
+        r.cpu
+            .cgroup_cpu_quota
+            .map(|q| format!(" (cgroup quota {q:.1})"))
+            .unwrap_or_default(),
         r.cpu.rayon_threads
     );
     let _ = writeln!(
         s,
         "  governor  {gov}{}{}",
-        r.cpu.scaling_driver.as_ref().map(|d| format!(" ({d})")).unwrap_or_default(),
-        r.cpu.max_mhz.map(|m| format!(", max {m:.0} MHz")).unwrap_or_default()
+        r.cpu
+            .scaling_driver
+            .as_ref()
+            .map(|d| format!(" ({d})"))
+            .unwrap_or_default(),
+        r.cpu
+            .max_mhz
+            .map(|m| format!(", max {m:.0} MHz"))
+            .unwrap_or_default()
     );
     let _ = writeln!(
         s,
         "  memory    {} total, {} available{}",
         r.memory.total_bytes.map(gib).unwrap_or_else(|| "?".into()),
-        r.memory.available_bytes.map(gib).unwrap_or_else(|| "?".into()),
-        r.memory.cgroup_limit_bytes.map(|b| format!(", cgroup limit {}", gib(b))).unwrap_or_default()
+        r.memory
+            .available_bytes
+            .map(gib)
+            .unwrap_or_else(|| "?".into()),
+        r.memory
+            .cgroup_limit_bytes
+            .map(|b| format!(", cgroup limit {}", gib(b)))
+            .unwrap_or_default()
     );
     let on = |b: bool| if b { "on" } else { "off" };
     let _ = writeln!(s, "\nbuild");
@@ -1378,8 +1477,16 @@ pub fn render_text(r: &DoctorReport, recs: &[Recommendation]) -> String {
         r.build.profile,
         on(r.build.cuda),
         on(r.build.nccl),
-        r.build.cuda_version.as_ref().map(|v| format!(", built for CUDA {v}")).unwrap_or_default(),
-        r.build.compute_cap.as_ref().map(|c| format!(", kernels for sm_{c}")).unwrap_or_default()
+        r.build
+            .cuda_version
+            .as_ref()
+            .map(|v| format!(", built for CUDA {v}"))
+            .unwrap_or_default(),
+        r.build
+            .compute_cap
+            .as_ref()
+            .map(|c| format!(", kernels for sm_{c}"))
+            .unwrap_or_default()
     );
 
     let _ = writeln!(s, "\nGPUs");
@@ -1400,8 +1507,20 @@ pub fn render_text(r: &DoctorReport, recs: &[Recommendation]) -> String {
         );
     }
     for g in &r.gpus {
-        let cc = g.compute_capability.map(|c| c.to_string()).unwrap_or_else(|| "?".into());
-        let _ = writeln!(s, "  [{}] {} (cc {cc}){}", g.index, opt(&g.name), g.pci_bus_id.as_ref().map(|b| format!(" at {b}")).unwrap_or_default());
+        let cc = g
+            .compute_capability
+            .map(|c| c.to_string())
+            .unwrap_or_else(|| "?".into());
+        let _ = writeln!(
+            s,
+            "  [{}] {} (cc {cc}){}",
+            g.index,
+            opt(&g.name),
+            g.pci_bus_id
+                .as_ref()
+                .map(|b| format!(" at {b}"))
+                .unwrap_or_default()
+        );
         let _ = writeln!(
             s,
             "      memory {} free of {}; persistence {}; util {}%; {} °C",
@@ -1418,9 +1537,15 @@ pub fn render_text(r: &DoctorReport, recs: &[Recommendation]) -> String {
             opt(&g.max_sm_clock_mhz),
             opt(&g.mem_clock_mhz),
             opt(&g.max_mem_clock_mhz),
-            g.power_usage_w.map(|w| format!("{w:.0}")).unwrap_or_else(|| "?".into()),
-            g.power_limit_w.map(|w| format!("{w:.0}")).unwrap_or_else(|| "?".into()),
-            g.default_power_limit_w.map(|w| format!("{w:.0}")).unwrap_or_else(|| "?".into()),
+            g.power_usage_w
+                .map(|w| format!("{w:.0}"))
+                .unwrap_or_else(|| "?".into()),
+            g.power_limit_w
+                .map(|w| format!("{w:.0}"))
+                .unwrap_or_else(|| "?".into()),
+            g.default_power_limit_w
+                .map(|w| format!("{w:.0}"))
+                .unwrap_or_else(|| "?".into()),
         );
         let _ = writeln!(
             s,
@@ -1450,7 +1575,9 @@ pub fn render_text(r: &DoctorReport, recs: &[Recommendation]) -> String {
                 p.pid,
                 opt(&p.name),
                 p.kind,
-                p.used_memory_bytes.map(|b| format!(" {}", gib(b))).unwrap_or_default()
+                p.used_memory_bytes
+                    .map(|b| format!(" {}", gib(b)))
+                    .unwrap_or_default()
             );
         }
         for e in &g.errors {
@@ -1486,8 +1613,14 @@ pub fn render_text(r: &DoctorReport, recs: &[Recommendation]) -> String {
             if l.found {
                 format!(
                     "found{}{}",
-                    l.version.as_ref().map(|v| format!(" {v}")).unwrap_or_default(),
-                    l.path.as_ref().map(|p| format!("  {p}")).unwrap_or_default()
+                    l.version
+                        .as_ref()
+                        .map(|v| format!(" {v}"))
+                        .unwrap_or_default(),
+                    l.path
+                        .as_ref()
+                        .map(|p| format!("  {p}"))
+                        .unwrap_or_default()
                 )
             } else {
                 format!("not found  [{}]", l.needed_by)
@@ -1541,7 +1674,10 @@ mod tests {
                 profile: "release".into(),
                 cuda: true,
                 cuda_version: Some("13.0".into()),
-                compute_cap: Some(format!("{}", g.compute_capability.map(|c| c.as_u32()).unwrap_or(90))),
+                compute_cap: Some(format!(
+                    "{}",
+                    g.compute_capability.map(|c| c.as_u32()).unwrap_or(90)
+                )),
                 ..Default::default()
             },
             nvml: NvmlInfo {
@@ -1569,7 +1705,8 @@ mod tests {
 
     #[test]
     fn healthy_machine_has_no_findings() {
-        let r = cuda_report(gpu((9, 0))).with_intent(Some(Precision::Bf16Mixed), Some(Require::Cuda));
+        let r =
+            cuda_report(gpu((9, 0))).with_intent(Some(Precision::Bf16Mixed), Some(Require::Cuda));
         let recs = recommendations(&r);
         assert!(recs.is_empty(), "{recs:#?}");
         assert!(ready(&recs));
@@ -1582,10 +1719,15 @@ mod tests {
         r.build.profile = "release".into();
         r.cpu.governors.insert("powersave".into(), 8);
         let recs = recommendations(&r);
-        let g = recs.iter().find(|x| x.id == "cpu-governor").expect("governor recommendation");
+        let g = recs
+            .iter()
+            .find(|x| x.id == "cpu-governor")
+            .expect("governor recommendation");
         assert_eq!(g.severity, Severity::Warning);
         assert!(g.finding.contains("powersave on 8 CPU(s)"));
-        assert!(g.action.contains("sudo cpupower frequency-set -g performance"));
+        assert!(g
+            .action
+            .contains("sudo cpupower frequency-set -g performance"));
         // performance → nothing; no cpufreq at all → nothing.
         r.cpu.governors = [("performance".to_string(), 8)].into();
         assert!(!ids(&r).contains(&"cpu-governor"));
@@ -1599,7 +1741,10 @@ mod tests {
             let mut r = cuda_report(gpu((8, 0)));
             r.planned_precision = planned;
             let recs = recommendations(&r);
-            let b = recs.iter().find(|x| x.id == "use-bf16").expect("bf16 recommendation");
+            let b = recs
+                .iter()
+                .find(|x| x.id == "use-bf16")
+                .expect("bf16 recommendation");
             assert!(b.action.contains("--precision bf16-mixed"), "{b:?}");
         }
         let mut r = cuda_report(gpu((8, 0)));
@@ -1610,13 +1755,21 @@ mod tests {
     #[test]
     fn cc70_gpu_makes_no_bf16_claim() {
         let g = gpu((7, 0));
-        assert_eq!(g.capabilities, Capabilities { bf16: false, tf32: false, fp8: false });
+        assert_eq!(
+            g.capabilities,
+            Capabilities {
+                bf16: false,
+                tf32: false,
+                fp8: false
+            }
+        );
         for planned in [None, Some(Precision::Fp32), Some(Precision::F16Mixed)] {
             let mut r = cuda_report(g.clone());
             r.planned_precision = planned;
             let recs = recommendations(&r);
             assert!(
-                recs.iter().all(|x| !x.action.contains("bf16") && x.id != "use-tf32"),
+                recs.iter()
+                    .all(|x| !x.action.contains("bf16") && x.id != "use-tf32"),
                 "{recs:#?}"
             );
         }
@@ -1654,7 +1807,11 @@ mod tests {
         });
         let recs = recommendations(&cuda_report(g));
         let b = recs.iter().find(|x| x.id == "gpu-busy").unwrap();
-        assert!(b.finding.contains("pid 4242 python 20.0 GiB"), "{}", b.finding);
+        assert!(
+            b.finding.contains("pid 4242 python 20.0 GiB"),
+            "{}",
+            b.finding
+        );
     }
 
     #[test]
@@ -1685,7 +1842,10 @@ mod tests {
         let recs = recommendations(&r);
         assert!(!ready(&recs));
         let found: Vec<_> = recs.iter().map(|x| x.id).collect();
-        assert!(found.contains(&"build-without-cuda") && found.contains(&"no-gpu"), "{found:?}");
+        assert!(
+            found.contains(&"build-without-cuda") && found.contains(&"no-gpu"),
+            "{found:?}"
+        );
         assert!(verdict(&r, &recs).starts_with("NOT READY for CUDA training"));
         // A cuda build on a GPU-less machine: warned, not blocked, unless required.
         r.require = None;
@@ -1699,7 +1859,10 @@ mod tests {
         let mut r = cuda_report(gpu((8, 0)));
         r.build.compute_cap = Some("90".into());
         let recs = recommendations(&r);
-        let m = recs.iter().find(|x| x.id == "compute-cap-mismatch").unwrap();
+        let m = recs
+            .iter()
+            .find(|x| x.id == "compute-cap-mismatch")
+            .unwrap();
         assert!(m.action.contains("CUDA_COMPUTE_CAP=80"));
     }
 
@@ -1708,7 +1871,13 @@ mod tests {
         let r = collect();
         let recs = recommendations(&r);
         let t = render_text(&r, &recs);
-        for section in ["system", "build", "GPUs", "CUDA libraries", "recommendations"] {
+        for section in [
+            "system",
+            "build",
+            "GPUs",
+            "CUDA libraries",
+            "recommendations",
+        ] {
             assert!(t.contains(section), "{t}");
         }
         let j = serde_json::to_value(DoctorOutput {

@@ -237,7 +237,10 @@ mod tests {
         #[cfg(not(feature = "cuda"))]
         assert!(h.contains("no effect: CPU build"), "{h}");
         assert!(!PerfSettings::default().header().contains("no effect"));
-        assert_eq!(format!("{}", PerfSettings::default()), PerfSettings::default().header());
+        assert_eq!(
+            format!("{}", PerfSettings::default()),
+            PerfSettings::default().header()
+        );
     }
 
     #[test]
@@ -247,7 +250,7 @@ mod tests {
         assert_ne!(p.derive_seed("loader"), p.derive_seed("params"));
         assert_ne!(derive_seed(1, "loader"), derive_seed(2, "loader"));
         // Pinned value: changing the derivation would silently change every seeded run.
-        assert_eq!(derive_seed(0, ""), derive_seed(0, ""));
+        assert_eq!(derive_seed(42, "loader"), 3261162160711787615);
     }
 
     #[test]

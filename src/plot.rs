@@ -283,7 +283,15 @@ fn find_font_file() -> Vec<PathBuf> {
             .map(|s| s.to_string_lossy().to_ascii_lowercase())
             .unwrap_or_default();
         let mut s = 0;
-        for bad in ["bold", "italic", "oblique", "mono", "math", "light", "condensed"] {
+        for bad in [
+            "bold",
+            "italic",
+            "oblique",
+            "mono",
+            "math",
+            "light",
+            "condensed",
+        ] {
             if n.contains(bad) {
                 s += 1;
             }
@@ -453,7 +461,10 @@ pub fn plot_metrics(rows: &[MetricsRow], out: &Path, opts: &PlotOptions) -> Resu
             .map_err(draw_err("the loss axes"))?;
         mesh(&mut chart, text, "step", "loss")?;
         let s = chart
-            .draw_series(LineSeries::new(train.iter().copied(), TRAIN.stroke_width(2)))
+            .draw_series(LineSeries::new(
+                train.iter().copied(),
+                TRAIN.stroke_width(2),
+            ))
             .map_err(draw_err("the train loss"))?;
         if text && !train.is_empty() {
             s.label("train loss").legend(|(x, y)| {
@@ -642,7 +653,10 @@ fn draw_bars(
             let c = palette[i % palette.len()];
             let i = i as i32;
             let mut r = Rectangle::new(
-                [(SegmentValue::Exact(i), 0.0), (SegmentValue::Exact(i + 1), *v)],
+                [
+                    (SegmentValue::Exact(i), 0.0),
+                    (SegmentValue::Exact(i + 1), *v),
+                ],
                 c.filled(),
             );
             r.set_margin(0, 0, seg_px, seg_px);
@@ -650,8 +664,8 @@ fn draw_bars(
         }))
         .map_err(draw_err("the bars"))?;
     if text {
-        let style = TextStyle::from((FAMILY, 15).into_font())
-            .pos(plotters::style::text_anchor::Pos::new(
+        let style =
+            TextStyle::from((FAMILY, 15).into_font()).pos(plotters::style::text_anchor::Pos::new(
                 plotters::style::text_anchor::HPos::Center,
                 plotters::style::text_anchor::VPos::Bottom,
             ));
@@ -696,7 +710,8 @@ mod tests {
 
     fn sample_csv(dir: &Path) -> PathBuf {
         let p = dir.join("metrics.csv");
-        let mut s = String::from("step,epoch,loss,val_loss,lr,grad_norm,loss_scale,samples_per_s\n");
+        let mut s =
+            String::from("step,epoch,loss,val_loss,lr,grad_norm,loss_scale,samples_per_s\n");
         for i in 0..50u64 {
             let loss = 2.3 * (-(i as f64) / 20.0).exp() + 0.1;
             let val = if i % 10 == 9 {
@@ -717,7 +732,7 @@ mod tests {
         let p = sample_csv(&d);
         let rows = read_metrics(&p).unwrap();
         assert_eq!(rows.len(), 50);
-        assert_eq!(rows[9].val_loss.is_some(), true);
+        assert!(rows[9].val_loss.is_some());
         assert_eq!(rows[0].val_loss, None);
         assert_eq!(rows[0].grad_norm, None);
         let q = d.join("short.csv");
@@ -728,7 +743,10 @@ mod tests {
         assert_eq!(rows[1].lr, None);
         let bad = d.join("bad.csv");
         fs::write(&bad, "epoch,loss\n1,0.5\n").unwrap();
-        assert!(read_metrics(&bad).unwrap_err().to_string().contains("no `step`"));
+        assert!(read_metrics(&bad)
+            .unwrap_err()
+            .to_string()
+            .contains("no `step`"));
         fs::remove_dir_all(&d).ok();
     }
 
@@ -788,13 +806,25 @@ mod tests {
         assert!((back.phases[3].1 - 25.0).abs() < 1e-9);
         // Wide per-step form is averaged.
         let w = d.join("wide.csv");
-        fs::write(&w, "step,data,h2d,forward,backward,optimizer\n1,1,0.5,3,5,1\n2,3,,5,7,1\n").unwrap();
+        fs::write(
+            &w,
+            "step,data,h2d,forward,backward,optimizer\n1,1,0.5,3,5,1\n2,3,,5,7,1\n",
+        )
+        .unwrap();
         let wb = read_phases(&w).unwrap();
         assert_eq!(wb.phases[0], ("data".to_string(), 2.0));
         assert_eq!(wb.phases[1], ("host-to-device".to_string(), 0.5));
         for labels in [true, false] {
             let out = d.join(format!("phases-{labels}.png"));
-            plot_phases(&b, &out, &PlotOptions { size: (800, 500), labels }).unwrap();
+            plot_phases(
+                &b,
+                &out,
+                &PlotOptions {
+                    size: (800, 500),
+                    labels,
+                },
+            )
+            .unwrap();
             assert_eq!(png_dimensions(&out).unwrap(), (800, 500));
         }
         assert!(check_size((10, 10)).is_err());

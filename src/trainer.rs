@@ -428,8 +428,8 @@ impl Trainer {
                     break 'outer StopReason::MaxSteps;
                 }
             }
-            // end of an epoch
-            if c.eval_every.is_none() {
+            // end of an epoch (none ran when a resumed loader stood at the end of one)
+            if c.eval_every.is_none() && epoch_stats.samples > 0 {
                 let m = evaluate(engine)?;
                 let step = engine.boundaries();
                 let row = MetricsRow {

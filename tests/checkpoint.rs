@@ -52,7 +52,9 @@ const DIMS: [usize; 4] = [32, 64, 64, 10];
 /// Micro-batch `k`: 16 samples, x ~ N(0, 1), y = argmax of a fixed projection (learnable).
 fn batch(k: u64) -> Result<(Tensor, Tensor)> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(1000 + k);
-    let x: Vec<f32> = (0..16 * 32).map(|_| StandardNormal.sample(&mut rng)).collect();
+    let x: Vec<f32> = (0..16 * 32)
+        .map(|_| StandardNormal.sample(&mut rng))
+        .collect();
     let y: Vec<u32> = x
         .chunks(32)
         .map(|r| {
@@ -211,15 +213,25 @@ fn resume_bitwise(v: Variant) -> Result<()> {
     let (model, mut engine) = make(v, 1, &DIMS)?;
     let (first, skipped_first) = train(&model, &mut engine, 0, 50)?;
     let ckpt = Checkpointer::new(&dir, 2);
-    let path = ckpt.save(&engine, serde_json::json!({ "next_step": 50, "note": "resume test" }))?;
+    let path = ckpt.save(
+        &engine,
+        serde_json::json!({ "next_step": 50, "note": "resume test" }),
+    )?;
     assert!(path.ends_with("step-000050"), "{}", path.display());
     let at_save = snapshot(&engine)?;
     drop((model, engine));
 
     // a fresh process would build the model from another seed, then load
     let (model, mut engine) = make(v, 12345, &DIMS)?;
-    assert_ne!(snapshot(&engine)?.masters, at_save.masters, "different init");
-    let extra = checkpoint::load(checkpoint::latest(&dir)?.expect("a checkpoint"), &mut engine)?;
+    assert_ne!(
+        snapshot(&engine)?.masters,
+        at_save.masters,
+        "different init"
+    );
+    let extra = checkpoint::load(
+        checkpoint::latest(&dir)?.expect("a checkpoint"),
+        &mut engine,
+    )?;
     assert_eq!(extra["note"], "resume test");
     let next = extra["next_step"].as_u64().expect("next_step");
     assert_eq!(snapshot(&engine)?, at_save, "loaded state == saved state");
@@ -248,7 +260,10 @@ fn resume_bitwise(v: Variant) -> Result<()> {
     );
     assert!(last_loss < first_loss, "it trains");
     if let Variant::F16Dynamic = v {
-        assert!(skipped_first > 0, "the f16 run overflows early (scale 2^30)");
+        assert!(
+            skipped_first > 0,
+            "the f16 run overflows early (scale 2^30)"
+        );
         assert!(
             skipped_second > 0,
             "growth every 7 steps makes it overflow after the resume too"
@@ -279,13 +294,20 @@ fn resume_is_bitwise_f16_dynamic_scaler() -> Result<()> {
 fn expect_err(path: &Path, engine: &mut Engine, needles: &[&str]) -> Result<String> {
     let before = snapshot(engine)?;
     let err = match checkpoint::load(path, engine) {
-        Ok(_) => panic!("loading {} should fail (expected {needles:?})", path.display()),
+        Ok(_) => panic!(
+            "loading {} should fail (expected {needles:?})",
+            path.display()
+        ),
         Err(e) => format!("{e:#}"),
     };
     for n in needles {
         assert!(err.contains(n), "error should mention {n:?}: {err}");
     }
-    assert_eq!(snapshot(engine)?, before, "a failed load changed the engine: {err}");
+    assert_eq!(
+        snapshot(engine)?,
+        before,
+        "a failed load changed the engine: {err}"
+    );
     Ok(err)
 }
 
@@ -330,7 +352,10 @@ fn corrupt_checkpoints_are_clear_errors_and_leave_the_engine_unchanged() -> Resu
     let p = variant("truncated", &|p| {
         let f = p.join("model.safetensors");
         let len = std::fs::metadata(&f)?.len();
-        std::fs::OpenOptions::new().write(true).open(&f)?.set_len(len / 2)?;
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&f)?
+            .set_len(len / 2)?;
         Ok(())
     })?;
     errors.push(expect_err(&p, &mut b, &["model.safetensors", "truncated"])?);
@@ -344,7 +369,11 @@ fn corrupt_checkpoints_are_clear_errors_and_leave_the_engine_unchanged() -> Resu
         std::fs::write(&f, bytes)?;
         Ok(())
     })?;
-    errors.push(expect_err(&p, &mut b, &["model.safetensors", "checksum mismatch"])?);
+    errors.push(expect_err(
+        &p,
+        &mut b,
+        &["model.safetensors", "checksum mismatch"],
+    )?);
 
     // one tampered byte in optimizer.safetensors
     let p = variant("tampered-optim", &|p| {
@@ -354,7 +383,11 @@ fn corrupt_checkpoints_are_clear_errors_and_leave_the_engine_unchanged() -> Resu
         std::fs::write(&f, bytes)?;
         Ok(())
     })?;
-    errors.push(expect_err(&p, &mut b, &["optimizer.safetensors", "checksum mismatch"])?);
+    errors.push(expect_err(
+        &p,
+        &mut b,
+        &["optimizer.safetensors", "checksum mismatch"],
+    )?);
 
     // garbage whose recorded checksum matches: the safetensors parser reports it
     let p = variant("garbage", &|p| {
@@ -371,7 +404,11 @@ fn corrupt_checkpoints_are_clear_errors_and_leave_the_engine_unchanged() -> Resu
         std::fs::write(&f, serde_json::to_vec(&s)?)?;
         Ok(())
     })?;
-    errors.push(expect_err(&p, &mut b, &["model.safetensors", "not a valid safetensors"])?);
+    errors.push(expect_err(
+        &p,
+        &mut b,
+        &["model.safetensors", "not a valid safetensors"],
+    )?);
 
     // wrong format version
     let p = variant("version", &|p| {
@@ -381,7 +418,11 @@ fn corrupt_checkpoints_are_clear_errors_and_leave_the_engine_unchanged() -> Resu
         std::fs::write(&f, serde_json::to_vec(&s)?)?;
         Ok(())
     })?;
-    errors.push(expect_err(&p, &mut b, &["trainer_state.json", "wrong version", "99"])?);
+    errors.push(expect_err(
+        &p,
+        &mut b,
+        &["trainer_state.json", "wrong version", "99"],
+    )?);
 
     // truncated trainer_state.json
     let p = variant("json", &|p| {
@@ -390,11 +431,21 @@ fn corrupt_checkpoints_are_clear_errors_and_leave_the_engine_unchanged() -> Resu
         std::fs::write(&f, &bytes[..bytes.len() / 2])?;
         Ok(())
     })?;
-    errors.push(expect_err(&p, &mut b, &["trainer_state.json", "not valid JSON"])?);
+    errors.push(expect_err(
+        &p,
+        &mut b,
+        &["trainer_state.json", "not valid JSON"],
+    )?);
 
     // a missing file
-    let p = variant("missing", &|p| Ok(std::fs::remove_file(p.join("optimizer.safetensors"))?))?;
-    errors.push(expect_err(&p, &mut b, &["optimizer.safetensors", "cannot read"])?);
+    let p = variant("missing", &|p| {
+        Ok(std::fs::remove_file(p.join("optimizer.safetensors"))?)
+    })?;
+    errors.push(expect_err(
+        &p,
+        &mut b,
+        &["optimizer.safetensors", "cannot read"],
+    )?);
 
     // the checkpoint root instead of a step directory
     errors.push(expect_err(&dir.join("good"), &mut b, &["latest"])?);
@@ -402,11 +453,23 @@ fn corrupt_checkpoints_are_clear_errors_and_leave_the_engine_unchanged() -> Resu
     // a different model: a wider hidden layer (shape mismatch), an extra layer (missing
     // tensor), a smaller model (unexpected tensors)
     let (_, mut wide) = make(Variant::Bf16AccumClip, 5, &[32, 65, 64, 10])?;
-    errors.push(expect_err(&good, &mut wide, &["model.safetensors", "shape mismatch", "l1.weight"])?);
+    errors.push(expect_err(
+        &good,
+        &mut wide,
+        &["model.safetensors", "shape mismatch", "l1.weight"],
+    )?);
     let (_, mut deeper) = make(Variant::Bf16AccumClip, 5, &[32, 64, 64, 64, 10])?;
-    errors.push(expect_err(&good, &mut deeper, &["model.safetensors", "missing tensor", "l4.weight"])?);
+    errors.push(expect_err(
+        &good,
+        &mut deeper,
+        &["model.safetensors", "missing tensor", "l4.weight"],
+    )?);
     let (_, mut shallow) = make(Variant::Bf16AccumClip, 5, &[32, 64, 10])?;
-    errors.push(expect_err(&good, &mut shallow, &["model.safetensors", "unexpected tensor", "l3.bias"])?);
+    errors.push(expect_err(
+        &good,
+        &mut shallow,
+        &["model.safetensors", "unexpected tensor", "l3.bias"],
+    )?);
 
     for e in &errors {
         println!("error: {e}");
@@ -431,7 +494,10 @@ fn save_in_the_middle_of_an_accumulation_window_is_an_error_and_writes_nothing()
     let err = Checkpointer::new(&dir, 2)
         .save(&engine, serde_json::Value::Null)
         .expect_err("mid-window save");
-    assert!(format!("{err:#}").contains("accumulation boundary"), "{err:#}");
+    assert!(
+        format!("{err:#}").contains("accumulation boundary"),
+        "{err:#}"
+    );
     assert!(checkpoint::latest(&dir)?.is_none());
     Ok(())
 }
@@ -451,7 +517,13 @@ fn child_process_entry() -> Result<()> {
 /// returns the child and a channel of its `ready/saved/interrupted step=N` lines.
 fn spawn_child(dir: &Path) -> Result<(std::process::Child, mpsc::Receiver<(String, u64)>)> {
     let mut child = Command::new(std::env::current_exe()?)
-        .args(["--exact", "child_process_entry", "--ignored", "--nocapture", "--test-threads=1"])
+        .args([
+            "--exact",
+            "child_process_entry",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env("WICK_CKPT_CHILD_DIR", dir)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -504,7 +576,10 @@ fn kill_9_during_save_always_leaves_a_loadable_checkpoint() -> Result<()> {
         let (mut child, rx) = spawn_child(&dir)?;
         let pid = child.id();
         let ready = wait_for(&rx, "ready")?;
-        assert!(ready >= last_saved, "round {round}: resumed at {ready} < {last_saved}");
+        assert!(
+            ready >= last_saved,
+            "round {round}: resumed at {ready} < {last_saved}"
+        );
         // even rounds: a random moment of the train/save loop; odd rounds: a random moment
         // shortly after a save started writing its files (the window that matters)
         let targeted = round % 2 == 1;
@@ -533,7 +608,10 @@ fn kill_9_during_save_always_leaves_a_loadable_checkpoint() -> Result<()> {
 
         let Some(path) = checkpoint::latest(&dir)? else {
             // killed before the first save completed: nothing was promised yet
-            assert_eq!(last_saved, 0, "round {round}: no checkpoint after a reported save");
+            assert_eq!(
+                last_saved, 0,
+                "round {round}: no checkpoint after a reported save"
+            );
             continue;
         };
         let (_, mut engine) = ckpt_crash::build(7)?;
@@ -546,7 +624,10 @@ fn kill_9_during_save_always_leaves_a_loadable_checkpoint() -> Result<()> {
             "round {round}: latest is step {step} but step {last_saved} was reported saved"
         );
         let complete = checkpoint::list_checkpoints(&dir)?.len();
-        assert!(complete <= 3, "keep_last 2 (+1 while the next save prunes): {complete}");
+        assert!(
+            complete <= 3,
+            "keep_last 2 (+1 while the next save prunes): {complete}"
+        );
     }
     println!(
         "20 SIGKILLs in {:.1} s: {total_saves} saves completed; {mid_save} kills landed while a \
@@ -606,7 +687,10 @@ fn keep_last_prunes_and_same_step_save_replaces() -> Result<()> {
     // saving step 5 again replaces it atomically
     ckpt.save(&engine, serde_json::json!({ "step": 5, "again": true }))?;
     assert_eq!(dir_names(&dir), ["step-000004", "step-000005"]);
-    assert_eq!(checkpoint::read_state(dir.join("step-000005"))?.extra["again"], true);
+    assert_eq!(
+        checkpoint::read_state(dir.join("step-000005"))?.extra["again"],
+        true
+    );
 
     // keep_last 0 keeps everything
     let all = Checkpointer::new(&dir, 0);
@@ -641,7 +725,12 @@ fn model_safetensors_loads_with_candle_nn_var_builder() -> Result<()> {
     let st = candle_core::safetensors::load(&file, &Device::Cpu)?;
     let mut names: Vec<&String> = st.keys().collect();
     names.sort();
-    let mut expected: Vec<String> = engine.store().params().into_iter().map(|p| p.name).collect();
+    let mut expected: Vec<String> = engine
+        .store()
+        .params()
+        .into_iter()
+        .map(|p| p.name)
+        .collect();
     expected.sort();
     assert_eq!(names, expected.iter().collect::<Vec<_>>());
 
@@ -700,7 +789,11 @@ fn mnist_mlp_save_load_time() -> Result<()> {
         checkpoint::load(&path, &mut fresh)?;
         load.push(t.elapsed().as_secs_f64() * 1e3);
     }
-    let size = |f: &str| std::fs::metadata(path.join(f)).map(|m| m.len()).unwrap_or(0);
+    let size = |f: &str| {
+        std::fs::metadata(path.join(f))
+            .map(|m| m.len())
+            .unwrap_or(0)
+    };
     let med = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]

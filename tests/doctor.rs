@@ -13,7 +13,11 @@ fn wick(args: &[&str]) -> std::process::Output {
 #[test]
 fn json_parses_and_has_every_field() {
     let out = wick(&["doctor", "--json"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("doctor --json is JSON");
     for k in ["report", "recommendations", "ready", "verdict"] {
         assert!(v.get(k).is_some(), "missing top-level {k}");
@@ -36,17 +40,39 @@ fn json_parses_and_has_every_field() {
         ),
         (
             "memory",
-            &["total_bytes", "available_bytes", "swap_total_bytes", "cgroup_limit_bytes"],
+            &[
+                "total_bytes",
+                "available_bytes",
+                "swap_total_bytes",
+                "cgroup_limit_bytes",
+            ],
         ),
         (
             "build",
-            &["wick_version", "candle_version", "profile", "cuda", "nccl", "cuda_version", "compute_cap"],
+            &[
+                "wick_version",
+                "candle_version",
+                "profile",
+                "cuda",
+                "nccl",
+                "cuda_version",
+                "compute_cap",
+            ],
         ),
         (
             "nvml",
-            &["loaded", "error", "driver_version", "cuda_driver_version", "nvml_version"],
+            &[
+                "loaded",
+                "error",
+                "driver_version",
+                "cuda_driver_version",
+                "nvml_version",
+            ],
         ),
-        ("cuda_driver", &["loaded", "version", "init", "device_count", "error"]),
+        (
+            "cuda_driver",
+            &["loaded", "version", "init", "device_count", "error"],
+        ),
     ];
     for (section, keys) in fields {
         for k in *keys {
@@ -60,11 +86,25 @@ fn json_parses_and_has_every_field() {
     assert_eq!(r["build"]["cuda"], cfg!(feature = "cuda"));
     let libs = r["libraries"].as_array().unwrap();
     let names: Vec<&str> = libs.iter().map(|l| l["soname"].as_str().unwrap()).collect();
-    for so in ["libcudart.so.13", "libcublas.so.13", "libnvrtc.so.13", "libnccl.so.2", "libcudnn.so.9"] {
+    for so in [
+        "libcudart.so.13",
+        "libcublas.so.13",
+        "libnvrtc.so.13",
+        "libnccl.so.2",
+        "libcudnn.so.9",
+    ] {
         assert!(names.contains(&so), "{so} not probed: {names:?}");
     }
     for l in libs {
-        for k in ["name", "soname", "found", "path", "version", "error", "needed_by"] {
+        for k in [
+            "name",
+            "soname",
+            "found",
+            "path",
+            "version",
+            "error",
+            "needed_by",
+        ] {
             assert!(l.get(k).is_some(), "library entry without {k}");
         }
     }

@@ -17,12 +17,24 @@ fn plot_command_writes_both_pngs() {
     let metrics = d.join("metrics.csv");
     let mut csv = String::from("step,epoch,loss,val_loss,lr,grad_norm,loss_scale,samples_per_s\n");
     for i in 0..40 {
-        let val = if i % 10 == 9 { format!("{}", 1.0 / (i as f64 + 2.0)) } else { String::new() };
-        csv.push_str(&format!("{i},0,{},{val},{},,,\n", 1.0 / (i as f64 + 1.0), 1e-3));
+        let val = if i % 10 == 9 {
+            format!("{}", 1.0 / (i as f64 + 2.0))
+        } else {
+            String::new()
+        };
+        csv.push_str(&format!(
+            "{i},0,{},{val},{},,,\n",
+            1.0 / (i as f64 + 1.0),
+            1e-3
+        ));
     }
     std::fs::write(&metrics, csv).unwrap();
     let phases = d.join("phases.csv");
-    std::fs::write(&phases, "phase,ms_per_step\ndata,1.5\nhost-to-device,0.2\nforward,3\nbackward,6\noptimizer,1\n").unwrap();
+    std::fs::write(
+        &phases,
+        "phase,ms_per_step\ndata,1.5\nhost-to-device,0.2\nforward,3\nbackward,6\noptimizer,1\n",
+    )
+    .unwrap();
     let (loss_png, phases_png) = (d.join("loss.png"), d.join("p.png"));
     let out = Command::new(env!("CARGO_BIN_EXE_wick"))
         .args(["plot"])
@@ -36,7 +48,11 @@ fn plot_command_writes_both_pngs() {
         .args(["--width", "640", "--height", "360"])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert_eq!(png_dimensions(&loss_png).unwrap(), (640, 360));
     assert_eq!(png_dimensions(&phases_png).unwrap(), (640, 360));
 

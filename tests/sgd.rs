@@ -200,6 +200,7 @@ fn both_paths_match_scalar_f64_sgd_and_skip_decay_for_rank1() -> anyhow::Result<
             weight_decay: 0.5,
             ..base
         };
+        let mut worst = 0f64;
         for fused in [false, true] {
             let s = store(5)?;
             let params = s.params();
@@ -227,6 +228,7 @@ fn both_paths_match_scalar_f64_sgd_and_skip_decay_for_rank1() -> anyhow::Result<
                         sgd_scalar(&mut p, &mut buf, gi, &c, *lr, decay);
                     }
                     let err = (got[e] as f64 - p).abs();
+                    worst = worst.max(err);
                     assert!(
                         err <= 1e-5,
                         "{label}, fused={fused}: p{idx}[{e}]: got {} want {p} (abs err {err:e})",
@@ -247,6 +249,7 @@ fn both_paths_match_scalar_f64_sgd_and_skip_decay_for_rank1() -> anyhow::Result<
                 }
             }
         }
+        eprintln!("{label}: max abs error against f64 torch.optim.SGD after 30 steps {worst:e}");
     }
     Ok(())
 }

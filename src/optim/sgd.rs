@@ -139,7 +139,7 @@ impl Coeffs {
     pub(crate) fn apply(&self, p: f32, b: &mut f32, g: f32, first: bool) -> f32 {
         let mut d = g * self.grad_mult; // unscaled, clipped gradient
         if self.weight_decay != 0.0 {
-            d = d + p * self.weight_decay; // coupled L2 decay
+            d += p * self.weight_decay; // coupled L2 decay
         }
         if self.momentum != 0.0 {
             let buf = if first {
