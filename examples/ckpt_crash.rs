@@ -18,7 +18,7 @@ use std::path::Path;
 use wick::checkpoint::{self, Checkpointer};
 use wick::{loss, nn, Engine, EngineConfig, ParamStore, Precision};
 
-/// The crash-test model: 1024 → 2048 → 1024 → 16 with biases (4,215,824 parameters).
+/// The crash-test model: 1024 → 2048 → 1024 → 16 with biases (4,213,776 parameters).
 pub struct CrashModel {
     l1: nn::Linear,
     l2: nn::Linear,

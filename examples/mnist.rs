@@ -115,7 +115,10 @@ impl Net {
             Net::Mlp(l1, l2, l3) => l3.forward(&l2.forward(&l1.forward(x)?.relu()?)?.relu()?),
             Net::Cnn(c1, c2, fc) => {
                 let b = x.dim(0)?;
-                let h = c1.forward(&x.reshape((b, 1, 28, 28))?)?.relu()?.max_pool2d(2)?;
+                let h = c1
+                    .forward(&x.reshape((b, 1, 28, 28))?)?
+                    .relu()?
+                    .max_pool2d(2)?;
                 let h = c2.forward(&h)?.relu()?.max_pool2d(2)?;
                 fc.forward(&h.flatten_from(1)?)
             }
@@ -126,7 +129,8 @@ impl Net {
 fn device(name: &str) -> Result<Device> {
     match name {
         "cpu" => Ok(Device::Cpu),
-        "cuda" => Device::new_cuda(0).context("--device cuda: no CUDA device (build with --features cuda on a GPU machine)"),
+        "cuda" => Device::new_cuda(0)
+            .context("--device cuda: no CUDA device (build with --features cuda on a GPU machine)"),
         other => anyhow::bail!("--device must be cpu or cuda, got {other:?}"),
     }
 }
@@ -142,7 +146,11 @@ fn evaluate(net: &Net, images: &Tensor, labels: &Tensor, dev: &Device) -> Result
         let logits = net.forward(&x)?.detach();
         loss_sum += loss::cross_entropy(&logits, &y)?.to_scalar::<f32>()? as f64 * len as f64;
         let pred = logits.argmax(D::Minus1)?;
-        correct += pred.eq(&y)?.to_dtype(DType::U32)?.sum_all()?.to_scalar::<u32>()? as u64;
+        correct += pred
+            .eq(&y)?
+            .to_dtype(DType::U32)?
+            .sum_all()?
+            .to_scalar::<u32>()? as u64;
     }
     Ok(Metrics::from([
         ("val_loss".to_string(), loss_sum / n as f64),
@@ -168,17 +176,29 @@ fn main() -> Result<()> {
     let mut engine = Engine::new(store.clone(), config)?;
 
     let micro = args.batch_size / args.accum;
-    let loader_cfg = LoaderConfig::new(micro).with_shuffle(args.seed).with_drop_last(true).with_workers(args.workers).with_device(dev.clone());
+    let loader_cfg = LoaderConfig::new(micro)
+        .with_shuffle(args.seed)
+        .with_drop_last(true)
+        .with_workers(args.workers)
+        .with_device(dev.clone());
     let train = TensorDataset::new(vec![data.train_images.clone(), data.train_labels.clone()])?;
     let mut loader = DataLoader::new(train, loader_cfg)?;
 
-    let ckpt = args.save_dir.as_ref().map(|d| Checkpointer::new(d, args.keep_last));
+    let ckpt = args
+        .save_dir
+        .as_ref()
+        .map(|d| Checkpointer::new(d, args.keep_last));
     if let (true, Some(c)) = (args.resume, &ckpt) {
         match c.resume(&mut engine)? {
             Some((path, extra)) => {
-                let state: LoaderState = serde_json::from_value(extra["loader"].clone()).context("checkpoint has no loader state")?;
+                let state: LoaderState = serde_json::from_value(extra["loader"].clone())
+                    .context("checkpoint has no loader state")?;
                 loader.load_state(&state)?;
-                println!("resumed from {} at step {}", path.display(), engine.boundaries());
+                println!(
+                    "resumed from {} at step {}",
+                    path.display(),
+                    engine.boundaries()
+                );
             }
             None => println!("no checkpoint in {} yet: starting fresh", c.dir().display()),
         }
@@ -230,12 +250,14 @@ fn main() -> Result<()> {
         &mut engine,
         &mut loader,
         |_, batch| {
-            let (x, y) = batch.pair().map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?;
+            let (x, y) = batch
+                .pair()
+                .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?;
             loss::cross_entropy(&net.forward(&x)?, &y)
         },
         |_| evaluate(&net, &images, &labels, &dev),
         hooks,
     )?;
-    println!("\n{}", summary.report(None));
+    println!("\n{}", summary.report());
     Ok(())
 }

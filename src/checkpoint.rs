@@ -175,9 +175,13 @@ impl Checkpointer {
     ///
     /// Errors: the engine is in the middle of an accumulation window (save at a boundary);
     /// `extra` or a state value cannot be serialised; a tensor has a dtype safetensors cannot
-    /// hold; any I/O error (the message names the path). On error no `step-*` directory has
-    /// been changed; a partial `.tmp-*` directory may remain and is removed by a later save.
-    /// A failure to prune old checkpoints is logged (`tracing::warn`), not returned.
+    /// hold; any I/O error (the message names the path). On error the checkpoints that existed
+    /// before are still complete; a partial `.tmp-*` directory may remain and is removed by a
+    /// later save. A failure to prune old checkpoints is logged (`tracing::warn`), not returned.
+    ///
+    /// Steps are ordered by number: after resuming from an older checkpoint than the newest in
+    /// `DIR`, the newer ones (from the abandoned run) stay the [`latest`] until this run passes
+    /// them; a warning is logged. Use a fresh directory, or delete them, to branch a run.
     pub fn save(&self, engine: &Engine, extra: serde_json::Value) -> Result<PathBuf> {
         let started = Instant::now();
         let state = engine
@@ -856,13 +860,16 @@ fn install_dir(tmp: &Path, dst: &Path, root: &Path, pid: u32) -> Result<()> {
             old.display()
         )
     })?;
-    fs::rename(tmp, dst).with_context(|| {
-        format!(
-            "checkpoint save: renaming {} to {}",
-            tmp.display(),
-            dst.display()
-        )
-    })?;
+    if let Err(e) = fs::rename(tmp, dst) {
+        let _ = fs::rename(&old, dst); // put the previous checkpoint back
+        return Err(e).with_context(|| {
+            format!(
+                "checkpoint save: renaming {} to {}",
+                tmp.display(),
+                dst.display()
+            )
+        });
+    }
     sync_dir(root)?;
     fs::remove_dir_all(&old).with_context(|| format!("checkpoint save: removing {}", old.display()))
 }

@@ -69,3 +69,225 @@ impl PhaseTimes {
         s
     }
 }
+
+/// Peak dense tensor-core throughput, FLOP/s, by GPU model and compute dtype, from NVIDIA's
+/// datasheets (dense, no sparsity; SXM parts). f32 means plain FP32 (no TF32).
+/// Returns `None` for a model not in the table.
+pub fn peak_flops(gpu_name: &str, dtype: candle_core::DType) -> Option<f64> {
+    use candle_core::DType::*;
+    let name = gpu_name.to_ascii_uppercase();
+    // (name fragment, bf16/f16, f32)
+    const TABLE: [(&str, f64, f64); 7] = [
+        ("H200", 989e12, 67e12),
+        ("H100", 989e12, 67e12),
+        ("A100", 312e12, 19.5e12),
+        ("L40S", 362e12, 91.6e12),
+        ("L4", 121e12, 30.3e12),
+        ("A10", 125e12, 31.2e12),
+        ("4090", 165e12, 82.6e12),
+    ];
+    let (_, half, single) = TABLE.iter().find(|(k, _, _)| name.contains(k))?;
+    match dtype {
+        BF16 | F16 => Some(*half),
+        F32 => Some(*single),
+        _ => None,
+    }
+}
+
+/// A run's figures for the end-of-run report and bottleneck hints.
+#[derive(Debug, Clone, Default)]
+pub struct RunProfile {
+    /// Summed phase times.
+    pub phases: PhaseTimes,
+    /// Optimizer steps covered.
+    pub steps: u64,
+    /// Samples consumed.
+    pub samples: u64,
+    /// Tokens per sample (for tokens/s and FLOPs), if the task has tokens.
+    pub tokens_per_sample: Option<u64>,
+    /// Model FLOPs per optimizer step (forward + backward, e.g. 6 × parameters × tokens).
+    pub flops_per_step: Option<f64>,
+    /// GPU model name (`None` on the CPU).
+    pub gpu_name: Option<String>,
+    /// GPU compute capability (major, minor).
+    pub compute_capability: Option<(u32, u32)>,
+    /// Compute dtype of the run.
+    pub compute_dtype: Option<candle_core::DType>,
+    /// The optimizer runs the fused implementation.
+    pub fused_optimizer: bool,
+    /// DataLoader worker threads.
+    pub num_workers: usize,
+    /// Peak device memory in bytes, where the device reports it.
+    pub peak_memory: Option<u64>,
+}
+
+/// One bottleneck hint: what was seen and what to change.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Hint {
+    /// The observation, with the figure.
+    pub finding: String,
+    /// What to do (the setting or flag).
+    pub action: String,
+}
+
+impl RunProfile {
+    fn share(&self, d: Duration) -> f64 {
+        d.as_secs_f64() / self.phases.total().as_secs_f64().max(1e-12)
+    }
+
+    /// Model FLOP utilisation: achieved model FLOP/s over the GPU's peak for the compute dtype
+    /// (PaLM, Chowdhery et al. 2022, appendix B). `None` without FLOPs, GPU or table entry.
+    pub fn mfu(&self) -> Option<f64> {
+        let peak = peak_flops(self.gpu_name.as_deref()?, self.compute_dtype?)?;
+        let secs = self.phases.total().as_secs_f64();
+        let flops = self.flops_per_step?;
+        (secs > 0.0).then(|| flops * self.steps as f64 / secs / peak)
+    }
+
+    /// Hints for the largest bottlenecks, in order of importance.
+    pub fn hints(&self) -> Vec<Hint> {
+        let mut h = Vec::new();
+        let data = self.share(self.phases.data);
+        if data > 0.15 {
+            h.push(Hint {
+                finding: format!("data loading takes {:.0}% of the step", 100.0 * data),
+                action: format!(
+                    "raise LoaderConfig::with_workers (now {}) and keep prefetch_factor >= 2{}",
+                    self.num_workers,
+                    if self.gpu_name.is_some() {
+                        "; pass with_device so batches are staged in pinned memory"
+                    } else {
+                        ""
+                    }
+                ),
+            });
+        }
+        let h2d = self.share(self.phases.h2d);
+        if h2d > 0.10 {
+            h.push(Hint {
+                finding: format!("host-to-device copies take {:.0}% of the step", 100.0 * h2d),
+                action: "let the DataLoader copy batches (LoaderConfig::with_device): pinned staging overlaps the copy with compute".into(),
+            });
+        }
+        let opt = self.share(self.phases.optimizer);
+        if opt > 0.20 && !self.fused_optimizer {
+            h.push(Hint {
+                finding: format!(
+                    "the optimizer takes {:.0}% of the step on the unfused path",
+                    100.0 * opt
+                ),
+                action: "use the fused implementation: EngineConfig { path: OptimPath::Fused, .. }"
+                    .into(),
+            });
+        }
+        if let (Some((major, _)), Some(dt)) = (self.compute_capability, self.compute_dtype) {
+            if major >= 8 && dt == candle_core::DType::F32 {
+                h.push(Hint {
+                    finding: format!("training in f32 on a compute capability {major}.x GPU, which has bf16 tensor cores"),
+                    action: "use --precision bf16-mixed (Precision::Bf16Mixed): fp32 master weights, no loss scaling needed".into(),
+                });
+            }
+        }
+        if self.gpu_name.is_some() && self.steps > 0 {
+            let ms = self.phases.total().as_secs_f64() * 1e3 / self.steps as f64;
+            if ms < 5.0 {
+                h.push(Hint {
+                    finding: format!("steps take {ms:.2} ms: too little work per step to keep the GPU busy"),
+                    action: "raise the batch size, or keep it and accumulate fewer, larger micro-batches".into(),
+                });
+            }
+        }
+        h
+    }
+
+    /// The end-of-run report: phase table, throughput, MFU, peak memory and hints.
+    pub fn report(&self) -> String {
+        let secs = self.phases.total().as_secs_f64().max(1e-12);
+        let mut s = self.phases.table(self.steps);
+        let _ = write!(s, "throughput: {:.0} samples/s", self.samples as f64 / secs);
+        if let Some(t) = self.tokens_per_sample {
+            let _ = write!(s, ", {:.0} tokens/s", (self.samples * t) as f64 / secs);
+        }
+        s.push('\n');
+        if let Some(m) = self.mfu() {
+            let _ = writeln!(s, "MFU: {:.1}%", 100.0 * m);
+        }
+        if let Some(b) = self.peak_memory {
+            let _ = writeln!(
+                s,
+                "peak device memory: {:.2} GiB",
+                b as f64 / (1u64 << 30) as f64
+            );
+        }
+        for hint in self.hints() {
+            let _ = writeln!(s, "hint: {} -> {}", hint.finding, hint.action);
+        }
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::DType;
+
+    fn ms(v: u64) -> Duration {
+        Duration::from_millis(v)
+    }
+
+    #[test]
+    fn mfu_and_hints_from_hand_made_figures() {
+        // 10 steps of 100 ms: 40 data, 0 h2d, 20 fwd, 30 bwd, 10 opt (per step)
+        let p = RunProfile {
+            phases: PhaseTimes {
+                data: ms(400),
+                h2d: ms(0),
+                forward: ms(200),
+                backward: ms(300),
+                optimizer: ms(100),
+            },
+            steps: 10,
+            samples: 640,
+            flops_per_step: Some(49.45e12),
+            gpu_name: Some("NVIDIA H200".into()),
+            compute_capability: Some((9, 0)),
+            compute_dtype: Some(DType::F32),
+            ..Default::default()
+        };
+        // 49.45 TFLOP per 0.1 s step on a 67 TFLOP/s f32 peak: 494.5 / 67 = 7.38
+        assert!((p.mfu().unwrap() - 49.45e12 / 0.1 / 67e12).abs() < 1e-9);
+        let hints = p.hints();
+        assert!(
+            hints[0].finding.contains("40%") && hints[0].action.contains("with_workers"),
+            "{hints:?}"
+        );
+        assert!(hints.iter().any(|h| h.action.contains("bf16-mixed")));
+        assert!(
+            !hints.iter().any(|h| h.action.contains("OptimPath::Fused")),
+            "optimizer share is 10%"
+        );
+        let slow_opt = RunProfile {
+            phases: PhaseTimes {
+                optimizer: ms(50),
+                forward: ms(50),
+                ..Default::default()
+            },
+            steps: 1,
+            ..Default::default()
+        };
+        assert!(slow_opt
+            .hints()
+            .iter()
+            .any(|h| h.action.contains("OptimPath::Fused")));
+        let fused = RunProfile {
+            fused_optimizer: true,
+            ..slow_opt
+        };
+        assert!(fused.hints().is_empty());
+        assert_eq!(
+            peak_flops("NVIDIA A100-SXM4-80GB", DType::BF16),
+            Some(312e12)
+        );
+        assert_eq!(peak_flops("Tesla T4", DType::BF16), None);
+    }
+}

@@ -11,7 +11,7 @@
 
 use crate::data::{Batch, Collate, DataLoader, Dataset, LoaderState};
 use crate::engine::{Engine, StepCtx, StepReport};
-use crate::profile::PhaseTimes;
+use crate::profile::{PhaseTimes, RunProfile};
 use anyhow::{bail, Context, Result};
 use candle_core::Tensor;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -68,6 +68,8 @@ pub struct TrainerConfig {
     pub progress: bool,
     /// Tokens per sample, to report tokens/s instead of samples/s.
     pub tokens_per_sample: Option<usize>,
+    /// Model FLOPs per optimizer step, for MFU in the final report (e.g. 6 × params × tokens).
+    pub flops_per_step: Option<f64>,
 }
 
 impl Default for TrainerConfig {
@@ -81,6 +83,7 @@ impl Default for TrainerConfig {
             out_dir: None,
             progress: true,
             tokens_per_sample: None,
+            flops_per_step: None,
         }
     }
 }
@@ -89,8 +92,10 @@ impl TrainerConfig {
     /// Reads a TOML file with any subset of the fields (unknown keys are an error).
     pub fn from_toml_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).with_context(|| format!("reading trainer config {}", path.display()))?;
-        let c: Self = toml::from_str(&text).with_context(|| format!("parsing trainer config {}", path.display()))?;
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading trainer config {}", path.display()))?;
+        let c: Self = toml::from_str(&text)
+            .with_context(|| format!("parsing trainer config {}", path.display()))?;
         c.validate()?;
         Ok(c)
     }
@@ -152,11 +157,16 @@ impl MetricsFiles {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let open = |name: &str| -> Result<BufWriter<File>> {
             let p = dir.join(name);
-            Ok(BufWriter::new(File::create(&p).with_context(|| format!("creating {}", p.display()))?))
+            Ok(BufWriter::new(
+                File::create(&p).with_context(|| format!("creating {}", p.display()))?,
+            ))
         };
         let mut csv = open("metrics.csv")?;
         writeln!(csv, "{CSV_HEADER}")?;
-        Ok(Self { csv, jsonl: open("metrics.jsonl")? })
+        Ok(Self {
+            csv,
+            jsonl: open("metrics.jsonl")?,
+        })
     }
 
     fn write(&mut self, r: &MetricsRow) -> Result<()> {
@@ -211,23 +221,20 @@ pub struct FitSummary {
     pub last_eval: Option<Metrics>,
     /// Best value of the early-stopping metric, if configured.
     pub best: Option<f64>,
+    /// Figures for the report and the bottleneck hints.
+    pub profile: RunProfile,
 }
 
 impl FitSummary {
-    /// The phase table plus throughput, as printed at the end of a run.
-    pub fn report(&self, tokens_per_sample: Option<usize>) -> String {
-        let secs = self.elapsed.as_secs_f64().max(1e-9);
-        let (n, unit) = match tokens_per_sample {
-            Some(t) => (self.samples as f64 * t as f64, "tokens/s"),
-            None => (self.samples as f64, "samples/s"),
-        };
+    /// The end-of-run report: steps and wall time, then the phase table, throughput, MFU (when
+    /// `flops_per_step` is set on a GPU in the peak table) and bottleneck hints.
+    pub fn report(&self) -> String {
         format!(
-            "{} optimizer steps, {} samples in {:.1} s: {:.0} {unit}\n{}",
+            "{} optimizer steps, {} samples in {:.1} s\n{}",
             self.steps,
             self.samples,
-            secs,
-            n / secs,
-            self.phases.table(self.steps)
+            self.elapsed.as_secs_f64(),
+            self.profile.report()
         )
     }
 }
@@ -238,7 +245,8 @@ pub struct Hooks<'a> {
     /// position (the next batch: what a checkpoint stores to resume exactly); return `true` to
     /// stop (e.g. a Ctrl-C flag). Checkpointing every N steps goes here.
     #[allow(clippy::type_complexity)]
-    pub after_step: Option<Box<dyn FnMut(&mut Engine, &StepReport, &LoaderState) -> Result<bool> + 'a>>,
+    pub after_step:
+        Option<Box<dyn FnMut(&mut Engine, &StepReport, &LoaderState) -> Result<bool> + 'a>>,
 }
 
 impl Default for Hooks<'_> {
@@ -269,13 +277,23 @@ struct EpochStats {
 
 impl EpochStats {
     fn new() -> Self {
-        Self { loss_sum: 0.0, losses: 0, samples: 0, started: Instant::now() }
+        Self {
+            loss_sum: 0.0,
+            losses: 0,
+            samples: 0,
+            started: Instant::now(),
+        }
     }
 }
 
 impl Window {
     fn new() -> Self {
-        Self { loss_sum: 0.0, losses: 0, samples: 0, started: Instant::now() }
+        Self {
+            loss_sum: 0.0,
+            losses: 0,
+            samples: 0,
+            started: Instant::now(),
+        }
     }
 }
 
@@ -288,9 +306,15 @@ struct Stopper {
 impl Stopper {
     /// Records an evaluation; true when training should stop.
     fn update(&mut self, metrics: &Metrics) -> Result<bool> {
-        let Some(rule) = &self.rule else { return Ok(false) };
+        let Some(rule) = &self.rule else {
+            return Ok(false);
+        };
         let Some(&v) = metrics.get(&rule.monitor) else {
-            bail!("early stopping monitors {:?} but the evaluation returned {:?}", rule.monitor, metrics.keys().collect::<Vec<_>>());
+            bail!(
+                "early stopping monitors {:?} but the evaluation returned {:?}",
+                rule.monitor,
+                metrics.keys().collect::<Vec<_>>()
+            );
         };
         let improved = match (self.best, rule.mode) {
             (None, _) => true,
@@ -350,17 +374,31 @@ impl Trainer {
             (None, Some(e)) => e.saturating_sub(loader.epoch()) * per_epoch,
             (None, None) => 0,
         };
-        let bar = if c.progress { ProgressBar::new(total) } else { ProgressBar::hidden() };
+        let bar = if c.progress {
+            ProgressBar::new(total)
+        } else {
+            ProgressBar::hidden()
+        };
         bar.set_style(
-            ProgressStyle::with_template("{bar:30} {pos}/{len} steps  {msg}  [{elapsed_precise} < {eta_precise}]")
-                .unwrap_or_else(|_| ProgressStyle::default_bar()),
+            ProgressStyle::with_template(
+                "{bar:30} {pos}/{len} steps  {msg}  [{elapsed_precise} < {eta_precise}]",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
         );
         let started = Instant::now();
         let mut phases = PhaseTimes::default();
         let mut window = Window::new();
-        let mut stopper = Stopper { rule: c.early_stopping.clone(), best: None, bad: 0 };
+        let mut stopper = Stopper {
+            rule: c.early_stopping.clone(),
+            best: None,
+            bad: 0,
+        };
         let (mut samples, mut last_eval) = (0u64, None);
-        let unit = if c.tokens_per_sample.is_some() { "tokens/s" } else { "samples/s" };
+        let unit = if c.tokens_per_sample.is_some() {
+            "tokens/s"
+        } else {
+            "samples/s"
+        };
         let scale = c.tokens_per_sample.unwrap_or(1) as f64;
         let stop = 'outer: loop {
             if c.max_epochs.is_some_and(|e| loader.epoch() >= e) {
@@ -369,7 +407,9 @@ impl Trainer {
             let mut epoch_stats = EpochStats::new();
             loop {
                 let t = Instant::now();
-                let Some(batch) = loader.next_batch()? else { break };
+                let Some(batch) = loader.next_batch()? else {
+                    break;
+                };
                 phases.data += t.elapsed();
                 let n = batch.len() as u64;
                 let report = engine.step_weighted(n as f64, |ctx| train_step(ctx, &batch))?;
@@ -391,7 +431,10 @@ impl Trainer {
                     epoch_stats.losses += 1;
                     let secs = window.started.elapsed().as_secs_f64().max(1e-9);
                     let rate = window.samples as f64 * scale / secs;
-                    bar.set_message(format!("loss {loss:.4}  lr {:.2e}  {rate:.0} {unit}", report.lr));
+                    bar.set_message(format!(
+                        "loss {loss:.4}  lr {:.2e}  {rate:.0} {unit}",
+                        report.lr
+                    ));
                     row = Some(MetricsRow {
                         step,
                         epoch: batch.epoch,
@@ -407,7 +450,11 @@ impl Trainer {
                 let mut stop_now = false;
                 if c.eval_every.is_some_and(|e| step % e == 0) {
                     let m = evaluate(engine)?;
-                    let r = row.get_or_insert_with(|| MetricsRow { step, epoch: batch.epoch, ..Default::default() });
+                    let r = row.get_or_insert_with(|| MetricsRow {
+                        step,
+                        epoch: batch.epoch,
+                        ..Default::default()
+                    });
                     r.val_loss = m.get("val_loss").copied();
                     r.eval = m.clone();
                     stop_now = stopper.update(&m)?;
@@ -462,7 +509,22 @@ impl Trainer {
             }
         };
         bar.finish_and_clear();
+        let steps = engine.boundaries() - start_step;
+        let profile = RunProfile {
+            phases,
+            steps,
+            samples,
+            tokens_per_sample: c.tokens_per_sample.map(|t| t as u64),
+            flops_per_step: c.flops_per_step,
+            gpu_name: gpu_name(engine.store().device()),
+            compute_capability: None,
+            compute_dtype: Some(engine.store().precision().compute_dtype()),
+            fused_optimizer: engine.implementation().is_fused(),
+            num_workers: loader.config().num_workers,
+            peak_memory: None,
+        };
         Ok(FitSummary {
+            profile,
             stop,
             steps: engine.boundaries() - start_step,
             samples,
@@ -475,5 +537,18 @@ impl Trainer {
 }
 
 fn fmt_metrics(m: &Metrics) -> String {
-    m.iter().map(|(k, v)| format!("{k} {v:.4}")).collect::<Vec<_>>().join("  ")
+    m.iter()
+        .map(|(k, v)| format!("{k} {v:.4}"))
+        .collect::<Vec<_>>()
+        .join("  ")
+}
+
+/// The GPU's name for the peak-rate table (`None` on the CPU).
+fn gpu_name(device: &candle_core::Device) -> Option<String> {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(d) = device {
+        return d.cuda_stream().context().name().ok();
+    }
+    let _ = device;
+    None
 }

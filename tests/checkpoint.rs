@@ -15,7 +15,8 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 use wick::checkpoint::{self, Checkpointer};
-use wick::optim::LrSchedule;
+use wick::engine::OptimizerConfig;
+use wick::optim::{LrSchedule, SgdConfig};
 use wick::{loss, nn, Engine, EngineConfig, ParamStore, Precision, ScalerConfig};
 
 // ---------------------------------------------------------------------------------------------
@@ -80,6 +81,8 @@ enum Variant {
     Bf16AccumClip,
     /// f16-mixed with a dynamic scaler that overflows and grows within the run.
     F16Dynamic,
+    /// bf16-mixed SGD with Nesterov momentum and weight decay.
+    SgdNesterov,
 }
 
 fn config(v: Variant) -> EngineConfig {
@@ -96,6 +99,16 @@ fn config(v: Variant) -> EngineConfig {
                 total: 100,
             };
         }
+        Variant::SgdNesterov => {
+            c = EngineConfig::sgd(0.05, 0.9);
+            c.optimizer = OptimizerConfig::Sgd(SgdConfig {
+                lr: 0.05,
+                momentum: 0.9,
+                nesterov: true,
+                weight_decay: 1e-3,
+                ..SgdConfig::default()
+            });
+        }
         Variant::F16Dynamic => {
             c.scaler = Some(ScalerConfig {
                 init_scale: 2f32.powi(30),
@@ -110,7 +123,7 @@ fn config(v: Variant) -> EngineConfig {
 fn precision(v: Variant) -> Precision {
     match v {
         Variant::Fp32 => Precision::Fp32,
-        Variant::Bf16AccumClip => Precision::Bf16Mixed,
+        Variant::Bf16AccumClip | Variant::SgdNesterov => Precision::Bf16Mixed,
         Variant::F16Dynamic => Precision::F16Mixed,
     }
 }
@@ -286,6 +299,11 @@ fn resume_is_bitwise_bf16_accumulation_clipping_schedule() -> Result<()> {
 #[test]
 fn resume_is_bitwise_f16_dynamic_scaler() -> Result<()> {
     resume_bitwise(Variant::F16Dynamic)
+}
+
+#[test]
+fn resume_is_bitwise_sgd_nesterov() -> Result<()> {
+    resume_bitwise(Variant::SgdNesterov)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -469,6 +487,14 @@ fn corrupt_checkpoints_are_clear_errors_and_leave_the_engine_unchanged() -> Resu
         &good,
         &mut shallow,
         &["model.safetensors", "unexpected tensor", "l3.bias"],
+    )?);
+
+    // another optimizer: AdamW moments are no SGD momentum buffers
+    let (_, mut sgd) = make(Variant::SgdNesterov, 5, &DIMS)?;
+    errors.push(expect_err(
+        &good,
+        &mut sgd,
+        &["trainer_state.json", "AdamW", "Sgd"],
     )?);
 
     for e in &errors {

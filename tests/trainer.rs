@@ -8,9 +8,19 @@ use wick::{loss, nn, Engine, EngineConfig, ParamStore, Precision};
 
 /// y = argmax of a fixed linear map of x: learnable, deterministic.
 fn dataset(n: usize) -> anyhow::Result<TensorDataset> {
-    let x = Tensor::arange(0u32, (n * 4) as u32, &Device::Cpu)?.to_dtype(DType::F32)?.reshape((n, 4))?;
+    let x = Tensor::arange(0u32, (n * 4) as u32, &Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .reshape((n, 4))?;
     let x = (x.sin()? * 2.0)?;
-    let w = Tensor::new(&[[1f32, -1., 0.5], [0.3, 1., -1.], [-0.7, 0.2, 1.], [1., 1., 1.]], &Device::Cpu)?;
+    let w = Tensor::new(
+        &[
+            [1f32, -1., 0.5],
+            [0.3, 1., -1.],
+            [-0.7, 0.2, 1.],
+            [1., 1., 1.],
+        ],
+        &Device::Cpu,
+    )?;
     let y = x.matmul(&w)?.argmax(1)?;
     Ok(TensorDataset::new(vec![x, y])?)
 }
@@ -19,7 +29,13 @@ fn setup(accum: usize) -> anyhow::Result<(Engine, nn::Linear, nn::Linear)> {
     let store = ParamStore::new(Precision::Fp32, Device::Cpu, 3);
     let l1 = nn::Linear::new(&store, "l1", 4, 16, true)?;
     let l2 = nn::Linear::new(&store, "l2", 16, 3, true)?;
-    let engine = Engine::new(store, EngineConfig { accumulation_steps: accum, ..EngineConfig::adamw(1e-2) })?;
+    let engine = Engine::new(
+        store,
+        EngineConfig {
+            accumulation_steps: accum,
+            ..EngineConfig::adamw(1e-2)
+        },
+    )?;
     Ok((engine, l1, l2))
 }
 
@@ -28,7 +44,15 @@ fn max_steps_with_accumulation_and_metrics_files() -> anyhow::Result<()> {
     let dir = std::env::temp_dir().join(format!("wick-trainer-{}", std::process::id()));
     let (mut engine, l1, l2) = setup(2)?;
     let mut loader = DataLoader::new(dataset(256)?, LoaderConfig::new(16).with_shuffle(1))?;
-    let config = TrainerConfig { max_epochs: None, max_steps: Some(20), log_every: 5, eval_every: Some(10), out_dir: Some(dir.clone()), progress: false, ..TrainerConfig::default() };
+    let config = TrainerConfig {
+        max_epochs: None,
+        max_steps: Some(20),
+        log_every: 5,
+        eval_every: Some(10),
+        out_dir: Some(dir.clone()),
+        progress: false,
+        ..TrainerConfig::default()
+    };
     let mut trainer = Trainer::new(config)?;
     let batches = RefCell::new(0u32);
     let evals = RefCell::new(Vec::new());
@@ -37,28 +61,52 @@ fn max_steps_with_accumulation_and_metrics_files() -> anyhow::Result<()> {
         &mut loader,
         |_, b| {
             *batches.borrow_mut() += 1;
-            let (x, y) = b.pair().map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+            let (x, y) = b
+                .pair()
+                .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
             loss::cross_entropy(&l2.forward(&l1.forward(&x)?.relu()?)?, &y)
         },
         |e| {
             evals.borrow_mut().push(e.boundaries());
-            Ok(Metrics::from([("val_loss".to_string(), 1.0 / (1.0 + e.boundaries() as f64))]))
+            Ok(Metrics::from([(
+                "val_loss".to_string(),
+                1.0 / (1.0 + e.boundaries() as f64),
+            )]))
         },
         Hooks::default(),
     )?;
     assert_eq!(summary.stop, StopReason::MaxSteps);
     assert_eq!((summary.steps, engine.boundaries()), (20, 20));
-    assert_eq!(*batches.borrow(), 40, "two micro-batches per optimizer step");
+    assert_eq!(
+        *batches.borrow(),
+        40,
+        "two micro-batches per optimizer step"
+    );
     assert_eq!(summary.samples, 40 * 16);
     assert_eq!(*evals.borrow(), vec![10, 20]);
     let csv = std::fs::read_to_string(dir.join("metrics.csv"))?;
     let lines: Vec<&str> = csv.lines().collect();
-    assert_eq!(lines[0], "step,epoch,loss,val_loss,lr,grad_norm,loss_scale,samples_per_s");
-    let steps: Vec<&str> = lines[1..].iter().map(|l| l.split(',').next().unwrap()).collect();
+    assert_eq!(
+        lines[0],
+        "step,epoch,loss,val_loss,lr,grad_norm,loss_scale,samples_per_s"
+    );
+    let steps: Vec<&str> = lines[1..]
+        .iter()
+        .map(|l| l.split(',').next().unwrap())
+        .collect();
     assert_eq!(steps, ["5", "10", "15", "20"]);
     let row10: Vec<&str> = lines[2].split(',').collect();
-    assert_eq!(row10[3], format!("{}", 1.0 / 11.0), "val_loss of the step-10 evaluation");
-    assert_eq!(std::fs::read_to_string(dir.join("metrics.jsonl"))?.lines().count(), 4);
+    assert_eq!(
+        row10[3],
+        format!("{}", 1.0 / 11.0),
+        "val_loss of the step-10 evaluation"
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.join("metrics.jsonl"))?
+            .lines()
+            .count(),
+        4
+    );
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
@@ -67,15 +115,27 @@ fn max_steps_with_accumulation_and_metrics_files() -> anyhow::Result<()> {
 fn early_stopping_after_patience_evaluations_without_improvement() -> anyhow::Result<()> {
     let (mut engine, l1, l2) = setup(1)?;
     let mut loader = DataLoader::new(dataset(64)?, LoaderConfig::new(16))?;
-    let rule = EarlyStopping { monitor: "val_loss".into(), patience: 2, min_delta: 0.0, mode: Mode::Min };
-    let config = TrainerConfig { max_epochs: Some(100), early_stopping: Some(rule), progress: false, ..TrainerConfig::default() };
+    let rule = EarlyStopping {
+        monitor: "val_loss".into(),
+        patience: 2,
+        min_delta: 0.0,
+        mode: Mode::Min,
+    };
+    let config = TrainerConfig {
+        max_epochs: Some(100),
+        early_stopping: Some(rule),
+        progress: false,
+        ..TrainerConfig::default()
+    };
     let values = [1.0, 0.9, 0.95, 0.96, 0.5];
     let calls = RefCell::new(0usize);
     let summary = Trainer::new(config)?.fit(
         &mut engine,
         &mut loader,
         |_, b| {
-            let (x, y) = b.pair().map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+            let (x, y) = b
+                .pair()
+                .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
             loss::cross_entropy(&l2.forward(&l1.forward(&x)?)?, &y)
         },
         |_| {
@@ -86,7 +146,11 @@ fn early_stopping_after_patience_evaluations_without_improvement() -> anyhow::Re
         Hooks::default(),
     )?;
     assert_eq!(summary.stop, StopReason::EarlyStopping);
-    assert_eq!(*calls.borrow(), 4, "best 0.9 at eval 2, then two evaluations without improvement");
+    assert_eq!(
+        *calls.borrow(),
+        4,
+        "best 0.9 at eval 2, then two evaluations without improvement"
+    );
     assert_eq!(summary.best, Some(0.9));
     assert_eq!(summary.steps, 4 * 4, "4 epochs of 4 batches");
     Ok(())
@@ -94,27 +158,50 @@ fn early_stopping_after_patience_evaluations_without_improvement() -> anyhow::Re
 
 #[test]
 fn bad_configs_and_missing_metrics_are_errors() -> anyhow::Result<()> {
-    assert!(Trainer::new(TrainerConfig { max_epochs: None, max_steps: None, ..TrainerConfig::default() }).is_err());
-    assert!(Trainer::new(TrainerConfig { log_every: 0, ..TrainerConfig::default() }).is_err());
+    assert!(Trainer::new(TrainerConfig {
+        max_epochs: None,
+        max_steps: None,
+        ..TrainerConfig::default()
+    })
+    .is_err());
+    assert!(Trainer::new(TrainerConfig {
+        log_every: 0,
+        ..TrainerConfig::default()
+    })
+    .is_err());
     let path = std::env::temp_dir().join(format!("wick-trainer-{}.toml", std::process::id()));
     std::fs::write(&path, "max_steps = 10\nmax_epochs = 3\nbogus = 1\n")?;
     let err = format!("{:#}", TrainerConfig::from_toml_file(&path).unwrap_err());
     assert!(err.contains("bogus"), "{err}");
     std::fs::write(&path, "max_steps = 10\nlog_every = 2\n[early_stopping]\nmonitor = \"val_acc\"\npatience = 3\nmode = \"max\"\n")?;
     let c = TrainerConfig::from_toml_file(&path)?;
-    assert_eq!((c.max_steps, c.log_every, c.early_stopping.unwrap().mode), (Some(10), 2, Mode::Max));
+    assert_eq!(
+        (c.max_steps, c.log_every, c.early_stopping.unwrap().mode),
+        (Some(10), 2, Mode::Max)
+    );
     std::fs::remove_file(&path)?;
     // the monitored metric must exist
     let (mut engine, l1, l2) = setup(1)?;
     let mut loader = DataLoader::new(dataset(32)?, LoaderConfig::new(16))?;
-    let rule = EarlyStopping { monitor: "val_acc".into(), patience: 1, min_delta: 0.0, mode: Mode::Max };
-    let config = TrainerConfig { early_stopping: Some(rule), progress: false, ..TrainerConfig::default() };
+    let rule = EarlyStopping {
+        monitor: "val_acc".into(),
+        patience: 1,
+        min_delta: 0.0,
+        mode: Mode::Max,
+    };
+    let config = TrainerConfig {
+        early_stopping: Some(rule),
+        progress: false,
+        ..TrainerConfig::default()
+    };
     let err = Trainer::new(config)?
         .fit(
             &mut engine,
             &mut loader,
             |_, b| {
-                let (x, _) = b.pair().map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+                let (x, _) = b
+                    .pair()
+                    .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
                 l2.forward(&l1.forward(&x)?)?.sqr()?.mean_all()
             },
             |_| Ok(Metrics::from([("val_loss".to_string(), 1.0)])),

@@ -169,7 +169,11 @@ enum Buffer {
     /// Device buffer written in place by kernels/sgd.cu. `first_at` is a `(1,)` f32 tensor
     /// holding the applied-step count (`amp_state[3]`) at which the buffer was created: while
     /// the device count still equals it, no step has been applied and the kernel initialises
-    /// the buffer with the gradient (-1 for buffers loaded from a checkpoint).
+    /// the buffer with the gradient (-1 for buffers loaded from a checkpoint). The host cannot
+    /// tell without a synchronisation whether the creating step was skipped, so a checkpoint
+    /// taken on this path before a parameter's first applied step stores a zero buffer that
+    /// resumes as initialised (its next step uses `(1 - dampening) * d`: identical to PyTorch
+    /// when dampening is 0).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     Device { buf: Tensor, first_at: Tensor },
 }

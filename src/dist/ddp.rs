@@ -1,0 +1,644 @@
+//! Data-parallel logic, independent of the backend: gradient buckets, averaging, found_inf
+//! agreement, ZeRO-1 shard arithmetic, and [`Ddp`], the state the engine keeps when a
+//! [`Collective`] is attached ([`crate::Engine::with_collective`]).
+//!
+//! **Buckets** follow PyTorch DDP (Li et al., "PyTorch Distributed: Experiences on
+//! Accelerating Data Parallel Training", VLDB 2020, §3.2.3; `torch/csrc/distributed/c10d/
+//! reducer.cpp`, `compute_bucket_assignment_by_size`): parameters are taken in **reverse**
+//! registration order (gradients become ready roughly from the last layer back, so the first
+//! bucket can be reduced first) and packed into consecutive buckets of at most
+//! `bucket_cap_mb` MiB (PyTorch's default 25), optionally with a smaller first bucket
+//! (PyTorch: 1 MiB). Each bucket is flattened into one f32 tensor, reduced with **one**
+//! collective call, and unflattened back, so the number of calls is the number of buckets, not
+//! of parameters. Unlike PyTorch, which closes a bucket once it reaches the cap (so a bucket can
+//! exceed it by one parameter), a bucket here never exceeds the cap unless it holds a single
+//! parameter larger than the cap.
+//!
+//! **Averaging**: [`average_buckets`] is `sum / world_size`, PyTorch DDP's gradient. The engine
+//! uses the weighted form, which is the same when every rank has the same micro-batch weights:
+//! the gradient applied on every rank is `Σ_ranks Σ_i w_i g_i / Σ_ranks Σ_i w_i`, i.e. exactly
+//! the gradient of the weighted mean loss over the global batch, also when ranks carry
+//! different sample counts (a short last batch). The weight sum travels as one extra element of
+//! the first bucket, so it costs no extra collective and no host synchronisation.
+//!
+//! **found_inf agreement**: every rank must skip the same steps, or the replicas diverge.
+//! After an all-reduce every rank holds the same sums (an inf or NaN anywhere reaches every
+//! rank), and [`agree_found_inf`] / [`Ddp::agree_stats`] make it explicit with an all-reduce MAX
+//! of the local flag, which is also what keeps ZeRO-1 correct, where each rank only inspects
+//! its own shard of the gradient.
+//!
+//! **ZeRO-1** (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
+//! Parameter Models", SC 2020, stage 1 = optimizer-state partitioning, `P_os`): the parameters
+//! are seen as one flat vector (store order) padded to `world_size` equal shards
+//! ([`ShardLayout`]); gradients are reduce-scattered, rank `r` updates the masters and moments of
+//! its shard only, and the updated shards are all-gathered. [`ShardLayout::param_slices`] says
+//! which slice of which parameter each rank owns.
+
+use super::{Collective, ReduceOp};
+use crate::grads::{GradBuffers, GradStats, HostStats};
+use crate::params::{Param, ParamStore};
+use anyhow::{bail, Context, Result};
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor};
+use std::ops::Range;
+
+/// Bytes per MiB (PyTorch's `bucket_cap_mb` is in MiB: `int(bucket_cap_mb * 1024 * 1024)`).
+const MIB: f64 = 1024.0 * 1024.0;
+
+/// Bytes of one element of the reduction dtype (f32).
+pub const REDUCE_ELEM_BYTES: usize = 4;
+
+/// Bucket sizes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BucketConfig {
+    /// Cap of every bucket in MiB (PyTorch's `bucket_cap_mb`, default 25).
+    pub bucket_cap_mb: f64,
+    /// Cap of the first bucket in MiB (PyTorch uses 1 MiB so that communication starts early);
+    /// `None`: the first bucket uses `bucket_cap_mb` too.
+    pub first_bucket_cap_mb: Option<f64>,
+}
+
+impl Default for BucketConfig {
+    fn default() -> Self {
+        Self {
+            bucket_cap_mb: 25.0,
+            first_bucket_cap_mb: None,
+        }
+    }
+}
+
+impl BucketConfig {
+    /// Errors unless the caps are finite and > 0.
+    pub fn validate(&self) -> Result<()> {
+        for (name, v) in [
+            ("bucket_cap_mb", Some(self.bucket_cap_mb)),
+            ("first_bucket_cap_mb", self.first_bucket_cap_mb),
+        ] {
+            if let Some(v) = v {
+                if !(v.is_finite() && v > 0.0) {
+                    bail!("{name} must be finite and > 0, got {v}");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The cap in bytes of bucket number `index` (at least one byte).
+    pub fn cap_bytes(&self, index: usize) -> usize {
+        let mb = match (index, self.first_bucket_cap_mb) {
+            (0, Some(first)) => first,
+            _ => self.bucket_cap_mb,
+        };
+        ((mb * MIB) as usize).max(1)
+    }
+}
+
+/// Data-parallel options of the engine.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DdpConfig {
+    /// Gradient bucket sizes.
+    pub buckets: BucketConfig,
+    /// All-reduce MAX the found_inf flag after the gradient reduction (one tiny collective per
+    /// step). The all-reduced gradients already agree; this makes the skip decision robust to
+    /// anything rank-local (and is required by sharded updates).
+    pub agree_found_inf: bool,
+}
+
+impl Default for DdpConfig {
+    fn default() -> Self {
+        Self {
+            buckets: BucketConfig::default(),
+            agree_found_inf: true,
+        }
+    }
+}
+
+/// A bucket: consecutive entries of the list given to [`assign_buckets`] (in reverse order),
+/// flattened into one tensor.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Bucket {
+    /// Positions in the input list, in bucket order (descending).
+    pub members: Vec<usize>,
+    /// Start of each member in the flat bucket (elements).
+    pub offsets: Vec<usize>,
+    /// Elements in the bucket.
+    pub numel: usize,
+}
+
+impl Bucket {
+    /// Bytes of the flat bucket with elements of `elem_bytes` bytes.
+    pub fn bytes(&self, elem_bytes: usize) -> usize {
+        self.numel * elem_bytes
+    }
+}
+
+/// Packs tensors of `numels` elements (each element `elem_bytes` bytes) into buckets, PyTorch
+/// DDP style: in reverse order, consecutive, each at most [`BucketConfig::cap_bytes`] unless it
+/// holds a single larger tensor. Every position appears in exactly one bucket (zero-size ones
+/// too).
+pub fn assign_buckets(numels: &[usize], elem_bytes: usize, config: &BucketConfig) -> Result<Vec<Bucket>> {
+    config.validate()?;
+    if elem_bytes == 0 {
+        bail!("elem_bytes must be > 0");
+    }
+    let mut buckets = Vec::new();
+    let mut cur = Bucket {
+        members: Vec::new(),
+        offsets: Vec::new(),
+        numel: 0,
+    };
+    for i in (0..numels.len()).rev() {
+        let n = numels[i];
+        let cap = config.cap_bytes(buckets.len());
+        if !cur.members.is_empty() && (cur.numel + n) * elem_bytes > cap {
+            buckets.push(std::mem::replace(
+                &mut cur,
+                Bucket {
+                    members: Vec::new(),
+                    offsets: Vec::new(),
+                    numel: 0,
+                },
+            ));
+        }
+        cur.offsets.push(cur.numel);
+        cur.members.push(i);
+        cur.numel += n;
+    }
+    if !cur.members.is_empty() {
+        buckets.push(cur);
+    }
+    Ok(buckets)
+}
+
+/// One f32 vector: the concatenation of the flattened `tensors` (any float dtype, one device).
+pub fn flatten(tensors: &[&Tensor]) -> Result<Tensor> {
+    if tensors.is_empty() {
+        bail!("flatten: no tensors");
+    }
+    let parts = tensors
+        .iter()
+        .map(|t| Ok(t.flatten_all()?.to_dtype(DType::F32)?))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Tensor::cat(&parts, 0)?)
+}
+
+/// The inverse of [`flatten`]: consecutive pieces of `flat` reshaped to `shapes` (f32).
+pub fn unflatten(flat: &Tensor, shapes: &[&[usize]]) -> Result<Vec<Tensor>> {
+    let total: usize = shapes.iter().map(|s| s.iter().product::<usize>()).sum();
+    if flat.rank() != 1 || flat.elem_count() < total {
+        bail!(
+            "unflatten: a flat tensor of {} elements cannot hold shapes {shapes:?}",
+            flat.elem_count()
+        );
+    }
+    let mut out = Vec::with_capacity(shapes.len());
+    let mut off = 0;
+    for s in shapes {
+        let n: usize = s.iter().product();
+        out.push(flat.narrow(0, off, n)?.reshape(*s)?);
+        off += n;
+    }
+    Ok(out)
+}
+
+/// `sum over ranks / world_size` of every tensor, one collective call per bucket (PyTorch
+/// DDP's averaging). `tensors` are this rank's (same shapes on every rank); the results are f32,
+/// in the order of `tensors`. The division is an exact IEEE division (not a multiplication by
+/// the reciprocal).
+pub fn average_buckets(coll: &dyn Collective, tensors: &[Tensor], buckets: &[Bucket]) -> Result<Vec<Tensor>> {
+    check_cover(buckets, tensors.len())?;
+    let mut out: Vec<Option<Tensor>> = vec![None; tensors.len()];
+    let w = coll.world_size();
+    for b in buckets {
+        let members: Vec<&Tensor> = b.members.iter().map(|&i| &tensors[i]).collect();
+        let flat = flatten(&members)?;
+        let mut sum = coll.all_reduce_sum(&flat)?;
+        if w > 1 {
+            sum = sum.broadcast_div(&Tensor::new(w as f32, sum.device())?)?;
+        }
+        let shapes: Vec<&[usize]> = members.iter().map(|t| t.dims()).collect();
+        for (&i, t) in b.members.iter().zip(unflatten(&sum, &shapes)?) {
+            out[i] = Some(t);
+        }
+    }
+    out.into_iter()
+        .enumerate()
+        .map(|(i, t)| t.with_context(|| format!("tensor {i} is in no bucket")))
+        .collect()
+}
+
+/// Errors unless the buckets cover `0..n` exactly once.
+fn check_cover(buckets: &[Bucket], n: usize) -> Result<()> {
+    let mut seen = vec![false; n];
+    for b in buckets {
+        for &i in &b.members {
+            if i >= n || seen[i] {
+                bail!("buckets do not partition {n} tensors (index {i} out of range or repeated)");
+            }
+            seen[i] = true;
+        }
+    }
+    if let Some(i) = seen.iter().position(|s| !s) {
+        bail!("tensor {i} is in no bucket");
+    }
+    Ok(())
+}
+
+/// The global found_inf: all-reduce MAX of this rank's flag (a one-element tensor on `device`).
+pub fn agree_found_inf(coll: &dyn Collective, local: bool, device: &Device) -> Result<bool> {
+    if coll.world_size() == 1 {
+        return Ok(local);
+    }
+    let flag = Tensor::new(&[f32::from(u8::from(local))], device)?;
+    let v = coll.all_reduce(&flag, ReduceOp::Max)?.to_vec1::<f32>()?;
+    Ok(v.first().is_some_and(|&x| x != 0.0))
+}
+
+// ------------------------------------------------------------------------------------------
+// ZeRO-1 shard arithmetic
+// ------------------------------------------------------------------------------------------
+
+/// How a flat vector of `total` elements splits into `world` equal shards (ZeRO-1): each shard
+/// has `shard_len` elements (a multiple of `align`), the vector is padded at the end to
+/// `world * shard_len`, and rank `r` owns `r * shard_len .. (r + 1) * shard_len`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShardLayout {
+    /// Elements of the unpadded flat vector.
+    pub total: usize,
+    /// Number of shards (ranks).
+    pub world: usize,
+    /// Elements per shard (padding included).
+    pub shard_len: usize,
+}
+
+/// The part of one parameter that one shard holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParamSlice {
+    /// Index of the parameter (position in the `numels` list).
+    pub param: usize,
+    /// Elements of the flattened parameter held by the shard.
+    pub in_param: Range<usize>,
+    /// Where they sit in the shard.
+    pub in_shard: Range<usize>,
+}
+
+impl ShardLayout {
+    /// Shards of `ceil(total / world)` elements rounded up to a multiple of `align` (≥ 1; e.g.
+    /// 32 f32 elements keep every shard 128-byte aligned).
+    pub fn new(total: usize, world: usize, align: usize) -> Result<Self> {
+        if world == 0 {
+            bail!("ShardLayout: world must be >= 1");
+        }
+        if align == 0 {
+            bail!("ShardLayout: align must be >= 1");
+        }
+        let per = total.div_ceil(world);
+        let shard_len = per.div_ceil(align) * align;
+        Ok(Self {
+            total,
+            world,
+            shard_len,
+        })
+    }
+
+    /// `world * shard_len`: the padded length, what reduce-scatter and all-gather carry.
+    pub fn padded_len(&self) -> usize {
+        self.world * self.shard_len
+    }
+
+    /// Padding elements at the end of the flat vector.
+    pub fn padding(&self) -> usize {
+        self.padded_len() - self.total
+    }
+
+    /// Rank `rank`'s range in the padded vector (empty for a rank outside the group).
+    pub fn shard_range(&self, rank: usize) -> Range<usize> {
+        if rank >= self.world {
+            return 0..0;
+        }
+        rank * self.shard_len..(rank + 1) * self.shard_len
+    }
+
+    /// Rank `rank`'s range of real (unpadded) elements: `shard_range ∩ 0..total` (possibly
+    /// empty for the last ranks of a tiny vector).
+    pub fn owned_range(&self, rank: usize) -> Range<usize> {
+        let r = self.shard_range(rank);
+        r.start.min(self.total)..r.end.min(self.total)
+    }
+
+    /// The slices of the parameters (of `numels` elements each, concatenated in order into the
+    /// flat vector) that rank `rank` owns, in flat order.
+    pub fn param_slices(&self, rank: usize, numels: &[usize]) -> Vec<ParamSlice> {
+        let own = self.owned_range(rank);
+        let base = self.shard_range(rank).start;
+        let mut out = Vec::new();
+        let mut start = 0;
+        for (i, &n) in numels.iter().enumerate() {
+            let (a, b) = (start.max(own.start), (start + n).min(own.end));
+            if a < b {
+                out.push(ParamSlice {
+                    param: i,
+                    in_param: a - start..b - start,
+                    in_shard: a - base..b - base,
+                });
+            }
+            start += n;
+        }
+        out
+    }
+
+    /// `flat` (1-D, `total` elements) padded with zeros to [`Self::padded_len`].
+    pub fn pad(&self, flat: &Tensor) -> Result<Tensor> {
+        if flat.rank() != 1 || flat.elem_count() != self.total {
+            bail!(
+                "ShardLayout::pad: expected a flat tensor of {} elements, got shape {:?}",
+                self.total,
+                flat.dims()
+            );
+        }
+        if self.padding() == 0 {
+            return Ok(flat.clone());
+        }
+        let z = Tensor::zeros(self.padding(), flat.dtype(), flat.device())?;
+        Ok(Tensor::cat(&[flat, &z], 0)?)
+    }
+}
+
+/// ZeRO-1's gradient step on a flat gradient: pads it, reduce-scatters the sum and divides by
+/// the world size. Returns this rank's averaged shard (`layout.shard_len` elements).
+pub fn reduce_scatter_average(coll: &dyn Collective, layout: &ShardLayout, flat: &Tensor) -> Result<Tensor> {
+    let padded = layout.pad(&flat.to_dtype(DType::F32)?)?;
+    let shard = coll.reduce_scatter_sum(&padded)?;
+    Ok(shard.broadcast_div(&Tensor::new(coll.world_size() as f32, shard.device())?)?)
+}
+
+/// ZeRO-1's parameter step: all-gathers every rank's updated shard and drops the padding.
+pub fn all_gather_unpad(coll: &dyn Collective, layout: &ShardLayout, shard: &Tensor) -> Result<Tensor> {
+    if shard.elem_count() != layout.shard_len {
+        bail!("all_gather_unpad: shard of {} elements, layout says {}", shard.elem_count(), layout.shard_len);
+    }
+    Ok(coll.all_gather(shard)?.narrow(0, 0, layout.total)?)
+}
+
+// ------------------------------------------------------------------------------------------
+// The engine's data-parallel state
+// ------------------------------------------------------------------------------------------
+
+/// What the engine keeps when a collective is attached: the collective, the bucket
+/// configuration, and this accumulation window's weight sum.
+pub struct Ddp {
+    coll: Box<dyn Collective>,
+    config: DdpConfig,
+    window_weight: f64,
+}
+
+impl std::fmt::Debug for Ddp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ddp")
+            .field("backend", &self.coll.backend())
+            .field("rank", &self.coll.rank())
+            .field("world_size", &self.coll.world_size())
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+/// A stable 64-bit FNV-1a hash (the same in every process, unlike std's `RandomState`).
+fn fnv1a(h: u64, bytes: &[u8]) -> u64 {
+    bytes.iter().fold(h, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
+}
+
+impl Ddp {
+    /// Validates the configuration.
+    pub fn new(coll: Box<dyn Collective>, config: DdpConfig) -> Result<Self> {
+        config.buckets.validate()?;
+        if coll.rank() >= coll.world_size() {
+            bail!("collective reports rank {} of world size {}", coll.rank(), coll.world_size());
+        }
+        Ok(Self {
+            coll,
+            config,
+            window_weight: 0.0,
+        })
+    }
+
+    /// The collective.
+    pub fn collective(&self) -> &dyn Collective {
+        self.coll.as_ref()
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &DdpConfig {
+        &self.config
+    }
+
+    /// The parameters that take part in the gradient reduction: trainable, non-empty. Frozen
+    /// flags and shapes are the same on every rank (same model), so this list is too.
+    pub fn reduced_params(params: &[Param]) -> Vec<usize> {
+        (0..params.len())
+            .filter(|&i| !params[i].options.frozen && params[i].elem_count() > 0)
+            .collect()
+    }
+
+    /// The buckets over [`Self::reduced_params`] (positions in that list).
+    pub fn buckets(&self, params: &[Param]) -> Result<Vec<Bucket>> {
+        let idx = Self::reduced_params(params);
+        let numels: Vec<usize> = idx.iter().map(|&i| params[i].elem_count()).collect();
+        assign_buckets(&numels, REDUCE_ELEM_BYTES, &self.config.buckets)
+    }
+
+    /// Checks that every rank has the same parameter layout (count, sizes, names: compared
+    /// through an all-reduce MAX of the values and of their negations), then copies rank 0's
+    /// masters to every rank and refreshes the working copies. Parameters identical on every
+    /// rank are the premise of data parallelism (PyTorch DDP broadcasts at construction too).
+    pub fn broadcast_parameters(&self, store: &ParamStore) -> Result<()> {
+        if self.coll.world_size() == 1 {
+            return Ok(());
+        }
+        let params = store.params();
+        let dev = store.device();
+        let mut h = 0xcbf2_9ce4_8422_2325u64;
+        let mut total = 0usize;
+        for p in &params {
+            h = fnv1a(h, p.name.as_bytes());
+            for d in p.master.dims() {
+                h = fnv1a(h, &(*d as u64).to_le_bytes());
+            }
+            h = fnv1a(h, &[u8::from(p.options.frozen)]);
+            total += p.elem_count();
+        }
+        // small integers only, so that f32 carries them exactly (< 2^24)
+        let split = |x: u64| [(x & 0xffff) as f32, ((x >> 16) & 0xffff) as f32, ((x >> 32) & 0xffff) as f32, (x >> 48) as f32];
+        let mut v: Vec<f32> = vec![(params.len() & 0xff_ffff) as f32];
+        v.extend(split(total as u64));
+        v.extend(split(h));
+        let t = Tensor::new(v.as_slice(), dev)?;
+        let max = self.coll.all_reduce_max(&t)?.to_vec1::<f32>()?;
+        let min: Vec<f32> = self
+            .coll
+            .all_reduce_max(&t.neg()?)?
+            .to_vec1::<f32>()?
+            .into_iter()
+            .map(|x| -x)
+            .collect();
+        if max != v || min != v {
+            bail!(
+                "rank {}: the parameter layout differs across ranks (this rank: {} parameters, {} \
+                 elements, layout hash {h:016x}); build the same model, in the same order, on \
+                 every rank before attaching the collective",
+                self.coll.rank(),
+                params.len(),
+                total
+            );
+        }
+        for p in &params {
+            let t = self
+                .coll
+                .broadcast(p.master.as_tensor(), 0)
+                .with_context(|| format!("broadcasting parameter {}", p.name))?;
+            p.master.set(&t)?;
+        }
+        store.refresh_working_copies()?;
+        Ok(())
+    }
+
+    /// Records one micro-batch of weight `weight` in this accumulation window.
+    pub fn note_micro_batch(&mut self, weight: f64) {
+        self.window_weight += weight;
+    }
+
+    /// At the accumulation boundary: replaces this rank's gradient buffers by the global
+    /// gradient `Σ_ranks contribution / Σ_ranks weight` (see the module docs), in f32, with the
+    /// buffers' normaliser set to 1, bucket by bucket (one `all_reduce_sum` per bucket; the
+    /// window's weight rides in the first). `keep_raw`: the buffers hold the raw gradient of a
+    /// single micro-batch (the engine's `accumulation_steps == 1` path, whose normaliser is 1),
+    /// so the contribution is `buffer * weight`; otherwise the buffers already hold
+    /// `Σ_i w_i g_i`. A trainable parameter without a gradient on this rank contributes zeros.
+    /// World size 1: nothing changes.
+    pub fn reduce_gradients(&mut self, params: &[Param], grads: &mut GradBuffers, keep_raw: bool) -> Result<()> {
+        let weight = std::mem::take(&mut self.window_weight);
+        if self.coll.world_size() == 1 {
+            return Ok(());
+        }
+        if !(weight.is_finite() && weight > 0.0) {
+            bail!("reduce_gradients: the accumulation window has weight {weight}");
+        }
+        let idx = Self::reduced_params(params);
+        if idx.is_empty() {
+            return Ok(());
+        }
+        let buckets = self.buckets(params)?;
+        let scale = if keep_raw && weight != 1.0 { Some(weight) } else { None };
+        let mut reduced: Vec<Option<Tensor>> = vec![None; params.len()];
+        let mut total_weight: Option<Tensor> = None;
+        {
+            let bufs = grads.buffers();
+            for (bi, b) in buckets.iter().enumerate() {
+                let mut parts = Vec::with_capacity(b.members.len() + 1);
+                for &m in &b.members {
+                    let p = &params[idx[m]];
+                    let part = match bufs.get(idx[m]).and_then(|x| x.as_ref()) {
+                        Some(g) => g.flatten_all()?.to_dtype(DType::F32)?,
+                        None => Tensor::zeros(p.elem_count(), DType::F32, p.master.device())?,
+                    };
+                    parts.push(match scale {
+                        Some(w) => (part * w)?,
+                        None => part,
+                    });
+                }
+                let dev = parts[0].device().clone();
+                if bi == 0 {
+                    parts.push(Tensor::new(&[weight as f32], &dev)?);
+                }
+                let flat = Tensor::cat(&parts, 0)?;
+                let mut sum = self
+                    .coll
+                    .all_reduce_sum(&flat)
+                    .with_context(|| format!("all-reduce of gradient bucket {bi}"))?;
+                if bi == 0 {
+                    total_weight = Some(sum.narrow(0, b.numel, 1)?);
+                    sum = sum.narrow(0, 0, b.numel)?;
+                }
+                let w = total_weight
+                    .as_ref()
+                    .context("the weight sum rides in bucket 0")?;
+                let avg = sum.broadcast_div(w)?;
+                for (&m, &off) in b.members.iter().zip(&b.offsets) {
+                    let p = &params[idx[m]];
+                    reduced[idx[m]] = Some(avg.narrow(0, off, p.elem_count())?.reshape(p.master.dims())?);
+                }
+            }
+        }
+        // install: the reduced gradients with normaliser 1 (GradBuffers' single-micro-batch
+        // path keeps them as they are); parameters outside the reduction keep their buffers
+        let mut store = GradStore::default();
+        for (i, p) in params.iter().enumerate() {
+            let g = match reduced[i].take() {
+                Some(g) => Some(g),
+                None => grads.buffers().get(i).cloned().flatten(),
+            };
+            if let Some(g) = g {
+                store.insert(p.differentiated(), g);
+            }
+        }
+        grads.clear();
+        grads.accumulate(params, &store, 1.0, true)
+    }
+
+    /// Makes the boundary statistics agree across ranks (all-reduce MAX; see
+    /// [`DdpConfig::agree_found_inf`]): on the device the whole `[found_inf, norm, multiplier]`
+    /// tensor (no host synchronisation), on the host the found_inf flag.
+    pub fn agree_stats(&self, stats: GradStats, device: &Device) -> Result<GradStats> {
+        if self.coll.world_size() == 1 || !self.config.agree_found_inf {
+            return Ok(stats);
+        }
+        if let Some(t) = stats.tensor() {
+            return Ok(GradStats::device(self.coll.all_reduce_max(t)?));
+        }
+        let h = stats.read()?;
+        let found_inf = agree_found_inf(self.coll.as_ref(), h.found_inf, device)?;
+        Ok(GradStats::host(HostStats { found_inf, ..h }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_are_reverse_consecutive_and_capped() -> Result<()> {
+        // 1 MiB cap, f32: 262144 elements
+        let cfg = BucketConfig {
+            bucket_cap_mb: 1.0,
+            first_bucket_cap_mb: Some(0.25),
+        };
+        let numels = [100_000, 200_000, 10, 300_000, 0, 65_536];
+        let b = assign_buckets(&numels, 4, &cfg)?;
+        let members: Vec<Vec<usize>> = b.iter().map(|b| b.members.clone()).collect();
+        // first bucket 0.25 MiB = 65536 elements: [5, 4]; then 300000 alone (larger than the cap);
+        // then [2, 1] (200010 ≤ 262144), then [0]
+        assert_eq!(members, vec![vec![5, 4], vec![3], vec![2, 1], vec![0]]);
+        assert_eq!(b[2].offsets, vec![0, 10]);
+        assert_eq!(b[2].numel, 200_010);
+        assert!(assign_buckets(&numels, 4, &BucketConfig { bucket_cap_mb: 0.0, first_bucket_cap_mb: None }).is_err());
+        assert!(assign_buckets(&[], 4, &cfg)?.is_empty());
+        Ok(())
+    }
+
+    #[test]
+    fn shard_layout_pads_and_slices() -> Result<()> {
+        let l = ShardLayout::new(10, 3, 2)?;
+        assert_eq!((l.shard_len, l.padded_len(), l.padding()), (4, 12, 2));
+        assert_eq!((l.owned_range(0), l.owned_range(2)), (0..4, 8..10));
+        let s = l.param_slices(1, &[3, 4, 3]);
+        assert_eq!(
+            s,
+            vec![
+                ParamSlice { param: 1, in_param: 1..4, in_shard: 0..3 },
+                ParamSlice { param: 2, in_param: 0..1, in_shard: 3..4 },
+            ]
+        );
+        assert!(ShardLayout::new(1, 0, 1).is_err());
+        Ok(())
+    }
+}

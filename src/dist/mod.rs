@@ -1,0 +1,219 @@
+//! Data-parallel training: one process per GPU, gradients averaged over NCCL.
+//!
+//! The seam is the [`Collective`] trait: rank, world size and the handful of collectives that
+//! data-parallel training needs (all-reduce sum / max, broadcast from a root, reduce-scatter and
+//! all-gather of flat tensors, barrier). Implementations:
+//!
+//! - [`Solo`]: world size 1, every collective is the identity (no process group).
+//! - [`local::LocalCollective`]: N ranks as threads of one process, exact and deterministic
+//!   (sums in rank order 0..N-1): the CPU test double of NCCL.
+//! - `nccl::NcclCollective` (feature `nccl`): NCCL through cudarc, one process per GPU,
+//!   collectives enqueued on candle's stream (no host synchronisation).
+//!
+//! The rest is independent of the backend:
+//!
+//! - [`rendezvous`]: torchrun's environment contract (RANK, WORLD_SIZE, LOCAL_RANK,
+//!   MASTER_ADDR, MASTER_PORT) and the TCP rendezvous that shares NCCL's 128-byte unique id.
+//! - [`ddp`]: gradient bucketing (PyTorch DDP's reverse-order size-capped buckets), averaging,
+//!   found_inf agreement and ZeRO-1 shard arithmetic; [`crate::Engine::with_collective`] plugs
+//!   it into the engine.
+//! - [`launch`]: `wick launch`, which starts and supervises the local ranks.
+//! - [`watchdog`]: a deadline for calls that can block forever (NCCL's communicator setup).
+//!
+//! Process-level flow of a rank started by `wick launch` (or torchrun):
+//!
+//! ```text
+//! DistEnv::from_env()            RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT
+//! device = cuda(LOCAL_RANK)
+//! collective = init(&env, &device)   rank 0: ncclGetUniqueId → TCP → every rank; ncclCommInitRank
+//! engine = Engine::new(store, cfg)?.with_collective(collective, DdpConfig::default())?
+//!                                    (parameters broadcast from rank 0)
+//! for batch in DistributedSampler shard: engine.step_weighted(n, ..)
+//!                                    (at the boundary: bucketed all-reduce, global norm,
+//!                                     found_inf agreed with MAX, identical updates)
+//! ```
+
+pub mod ddp;
+pub mod launch;
+pub mod local;
+#[cfg(feature = "nccl")]
+pub mod nccl;
+pub mod rendezvous;
+pub mod watchdog;
+
+pub use ddp::{Bucket, BucketConfig, DdpConfig, ShardLayout};
+pub use local::LocalCollective;
+pub use rendezvous::DistEnv;
+
+use anyhow::{bail, Result};
+use candle_core::{DType, Tensor};
+
+/// A reduction of a collective.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReduceOp {
+    /// Element-wise sum over the ranks.
+    Sum,
+    /// Element-wise maximum over the ranks.
+    Max,
+}
+
+/// The collectives of data-parallel training, over the ranks of one process group.
+///
+/// Every rank must call the same collectives in the same order with tensors of the same
+/// shape and dtype (as with NCCL and `torch.distributed`); a rank that does not arrive makes
+/// the others wait (the local backend errors after its timeout; NCCL waits, see
+/// [`watchdog`]). Every method returns a new tensor and leaves its input untouched; results are
+/// on the input's device, in the input's dtype, with the input's shape (except
+/// [`Collective::reduce_scatter_sum`] and [`Collective::all_gather`], which work on flat
+/// tensors).
+pub trait Collective: Send {
+    /// This process's rank, `0..world_size`.
+    fn rank(&self) -> usize;
+
+    /// The number of ranks.
+    fn world_size(&self) -> usize;
+
+    /// A short name of the backend ("solo", "local", "nccl").
+    fn backend(&self) -> &'static str;
+
+    /// Element-wise reduction of `t` over all ranks; every rank gets the result.
+    fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor>;
+
+    /// `all_reduce(t, Sum)`.
+    fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
+        self.all_reduce(t, ReduceOp::Sum)
+    }
+
+    /// `all_reduce(t, Max)`.
+    fn all_reduce_max(&self, t: &Tensor) -> Result<Tensor> {
+        self.all_reduce(t, ReduceOp::Max)
+    }
+
+    /// Rank `root`'s `t` on every rank (the other ranks' `t` gives only shape and dtype).
+    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor>;
+
+    /// Sum over the ranks of a flat (1-D) tensor of `world_size * k` elements, of which rank `r`
+    /// gets elements `r*k..(r+1)*k` (ZeRO's gradient reduce-scatter).
+    fn reduce_scatter_sum(&self, flat: &Tensor) -> Result<Tensor>;
+
+    /// The concatenation, in rank order, of every rank's flat (1-D) `shard` (all of one length).
+    fn all_gather(&self, shard: &Tensor) -> Result<Tensor>;
+
+    /// Returns when every rank has called it (and, on a GPU backend, when this rank's queued
+    /// device work is done).
+    fn barrier(&self) -> Result<()>;
+}
+
+/// World size 1: every collective is the identity. What [`init`] returns for a single process,
+/// so that code paths are the same with and without a process group.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Solo;
+
+impl Collective for Solo {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world_size(&self) -> usize {
+        1
+    }
+    fn backend(&self) -> &'static str {
+        "solo"
+    }
+    fn all_reduce(&self, t: &Tensor, _op: ReduceOp) -> Result<Tensor> {
+        Ok(t.copy()?)
+    }
+    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
+        if root != 0 {
+            bail!("broadcast from rank {root} in a group of 1");
+        }
+        Ok(t.copy()?)
+    }
+    fn reduce_scatter_sum(&self, flat: &Tensor) -> Result<Tensor> {
+        check_flat(flat, "reduce_scatter_sum")?;
+        Ok(flat.copy()?)
+    }
+    fn all_gather(&self, shard: &Tensor) -> Result<Tensor> {
+        check_flat(shard, "all_gather")?;
+        Ok(shard.copy()?)
+    }
+    fn barrier(&self) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Errors unless `t` is 1-D (the flat tensors of reduce-scatter and all-gather).
+pub(crate) fn check_flat(t: &Tensor, what: &str) -> Result<()> {
+    if t.rank() != 1 {
+        bail!("{what} needs a flat (1-D) tensor, got shape {:?}", t.dims());
+    }
+    Ok(())
+}
+
+/// Errors unless `dtype` is a float type a collective can carry.
+pub(crate) fn check_float(dtype: DType, what: &str) -> Result<()> {
+    if !dtype.is_float() {
+        bail!("{what}: only float tensors are supported, got {dtype:?}");
+    }
+    Ok(())
+}
+
+/// The process group of this process, from torchrun's environment ([`DistEnv::from_env`]).
+///
+/// - No WORLD_SIZE in the environment, or WORLD_SIZE=1: [`Solo`].
+/// - WORLD_SIZE > 1 with the `nccl` feature: rendezvous on MASTER_ADDR:MASTER_PORT, then an
+///   NCCL communicator on `device` (which must be `cuda:LOCAL_RANK`, the device the model lives
+///   on, so that collectives are ordered with its kernels). See `nccl::NcclCollective::init`.
+/// - WORLD_SIZE > 1 without the `nccl` feature: an error saying how to build.
+pub fn init(device: &candle_core::Device) -> Result<Box<dyn Collective>> {
+    let Some(env) = DistEnv::from_env()? else {
+        return Ok(Box::new(Solo));
+    };
+    if env.world_size == 1 {
+        return Ok(Box::new(Solo));
+    }
+    init_nccl(&env, device)
+}
+
+#[cfg(feature = "nccl")]
+fn init_nccl(env: &DistEnv, device: &candle_core::Device) -> Result<Box<dyn Collective>> {
+    Ok(Box::new(nccl::NcclCollective::init(
+        env,
+        device,
+        &nccl::NcclOptions::default(),
+    )?))
+}
+
+#[cfg(not(feature = "nccl"))]
+fn init_nccl(env: &DistEnv, _device: &candle_core::Device) -> Result<Box<dyn Collective>> {
+    bail!(
+        "WORLD_SIZE={} asks for {} processes, but this build of wick has no NCCL backend: \
+         build with `--features nccl` (CUDA toolkit and NCCL needed)",
+        env.world_size,
+        env.world_size
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn solo_is_the_identity() -> Result<()> {
+        let t = Tensor::new(&[1f32, -2.0, 3.5], &Device::Cpu)?;
+        let s = Solo;
+        assert_eq!((s.rank(), s.world_size()), (0, 1));
+        for r in [
+            s.all_reduce_sum(&t)?,
+            s.all_reduce_max(&t)?,
+            s.broadcast(&t, 0)?,
+            s.reduce_scatter_sum(&t)?,
+            s.all_gather(&t)?,
+        ] {
+            assert_eq!(r.to_vec1::<f32>()?, vec![1.0, -2.0, 3.5]);
+        }
+        assert!(s.broadcast(&t, 1).is_err());
+        assert!(s.all_gather(&t.reshape((3, 1))?).is_err());
+        s.barrier()
+    }
+}
