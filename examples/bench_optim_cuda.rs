@@ -132,6 +132,7 @@ fn main() -> Result<()> {
             lr: 1e-4,
             amp_state: Some(&amp),
             seed: 0,
+            stochastic_rounding: false,
         };
         let ms = time_ms(&dev, iters, || {
             opt.step(&params, &grads, inputs).map(|_| ())
@@ -172,6 +173,7 @@ fn main() -> Result<()> {
                     lr: 1e-4,
                     amp_state: Some(&amp),
                     seed: 0,
+                    stochastic_rounding: false,
                 },
             )?;
             wick::cuda::scaler::update_scale(&amp, &stats, &scaler)

@@ -53,6 +53,10 @@ pub struct EngineConfig {
     /// Element-wise clipping of the unscaled gradients to `[-v, v]` (`clip_grad_value_`),
     /// applied once per optimizer step before the norm is measured.
     pub clip_value: Option<f64>,
+    /// Fused CUDA path: write the bf16/f16 working copies with stochastic rounding (seeded by
+    /// the step count and the tensor index, so checkpoints reproduce it) instead of
+    /// round-to-nearest-even. Other paths always round to nearest.
+    pub stochastic_rounding: bool,
 }
 
 impl EngineConfig {
@@ -70,6 +74,7 @@ impl EngineConfig {
             accumulation_steps: 1,
             max_grad_norm: None,
             clip_value: None,
+            stochastic_rounding: false,
         }
     }
 
@@ -194,6 +199,8 @@ pub struct Engine {
     /// Applied optimizer steps (host paths; on the fused CUDA path `amp_state[3]`).
     applied_steps: u64,
     check_coverage_next: bool,
+    // ---- dist: data parallelism (src/dist/ddp.rs); None: single process, unchanged ----
+    dist: Option<crate::dist::ddp::Ddp>,
 }
 
 impl Engine {
@@ -246,8 +253,38 @@ impl Engine {
             boundaries: 0,
             applied_steps: 0,
             check_coverage_next: true,
+            dist: None,
         })
     }
+
+    // ---- dist: data parallelism (src/dist/ddp.rs) ------------------------------------------
+    /// Attaches a process group: checks that every rank has the same parameter layout,
+    /// broadcasts rank 0's parameters to every rank, and from then on all-reduces the gradients
+    /// at each accumulation boundary (in buckets, f32, weighted by the micro-batch weights of
+    /// every rank) before clipping, the norm and found_inf, which are therefore global; every
+    /// rank skips together. Call it on every rank, right after [`Engine::new`] (or after
+    /// restoring a checkpoint, which every rank restores alike). World size 1: only the
+    /// collective is stored; steps run exactly as without it.
+    pub fn with_collective(
+        mut self,
+        collective: Box<dyn crate::dist::Collective>,
+        config: crate::dist::DdpConfig,
+    ) -> Result<Self> {
+        if self.grads.micro_steps() != 0 {
+            bail!("Engine::with_collective: attach the collective at an accumulation boundary");
+        }
+        let ddp = crate::dist::ddp::Ddp::new(collective, config)?;
+        ddp.broadcast_parameters(&self.store)
+            .context("broadcasting the parameters from rank 0")?;
+        self.dist = Some(ddp);
+        Ok(self)
+    }
+
+    /// The attached process group, if any.
+    pub fn collective(&self) -> Option<&dyn crate::dist::Collective> {
+        self.dist.as_ref().map(|d| d.collective())
+    }
+    // ---- end dist ----------------------------------------------------------------------------
 
     /// One micro-batch with weight 1 (see [`Engine::step_weighted`]).
     pub fn step<F, E>(&mut self, forward: F) -> Result<StepReport>
@@ -307,13 +344,24 @@ impl Engine {
         let keep_raw = self.config.accumulation_steps == 1;
         self.grads.accumulate(&params, &grads, weight, keep_raw)?;
         drop(grads);
+        if let Some(d) = &mut self.dist {
+            d.note_micro_batch(weight); // dist: this rank's weight in the global normaliser
+        }
         let lr = self.config.schedule.lr(self.boundaries);
         let mut stats = None;
         if self.grads.micro_steps() >= self.config.accumulation_steps {
+            if let Some(d) = &mut self.dist {
+                // dist: global gradient before clipping, norm and found_inf
+                d.reduce_gradients(&params, &mut self.grads, keep_raw)?;
+            }
             if let Some(v) = self.config.clip_value {
                 self.clip_values(v, &loss_scale)?;
             }
             let s = self.unscale_and_check(&loss_scale)?;
+            let s = match &self.dist {
+                Some(d) => d.agree_stats(s, self.store.device())?, // dist: every rank skips together
+                None => s,
+            };
             let applied = self.apply_update(&params, &s, lr)?;
             if applied == Some(true) && !self.optimizer.writes_working_copies() {
                 self.store.refresh_working_copies()?;
@@ -398,6 +446,7 @@ impl Engine {
             lr,
             amp_state: self.amp_state.as_ref(),
             seed: self.boundaries,
+            stochastic_rounding: self.config.stochastic_rounding,
         };
         self.optimizer.step(params, self.grads.buffers(), inputs)
     }

@@ -30,6 +30,7 @@ pub mod coverage;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod data;
+pub mod dist;
 pub mod doctor;
 pub mod engine;
 pub mod grads;

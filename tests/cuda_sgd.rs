@@ -273,6 +273,7 @@ fn fused_cuda_sgd_is_bitwise_the_cpu_update_with_late_parameters_and_skips() -> 
                 lr,
                 amp_state: Some(&amp),
                 seed: step,
+                stochastic_rounding: false,
             };
             assert_eq!(gpu_opt.step(&sg.params(), &gg, inputs)?, None);
             wick::cuda::scaler::update_scale(&amp, &stats, &scaler)?;
@@ -348,6 +349,7 @@ fn state_loaded_on_the_gpu_continues_the_cpu_run() -> anyhow::Result<()> {
             lr: 1e-2,
             amp_state: Some(&amp),
             seed: step,
+            stochastic_rounding: false,
         };
         gpu_opt.step(&sg.params(), &gg, inputs)?;
     }

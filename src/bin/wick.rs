@@ -5,6 +5,7 @@
 //! wick info
 //! wick doctor [--json] [--require cuda|cpu] [--precision 32|bf16-mixed|16-mixed]
 //! wick plot METRICS.csv [-o loss.png] [--phases PHASES.csv [--phases-out phases.png]]
+//! wick launch --nproc-per-node N [--nnodes M --node-rank R --master-addr A --master-port P] -- PROGRAM ARGS
 //! ```
 //!
 //! `bench optim` times one AdamW `Optimizer::step` over fp32 master weights with the two
@@ -81,6 +82,35 @@ enum Command {
     Doctor(DoctorArgs),
     /// Draw loss/lr curves (and the phase breakdown) from CSV files as PNG images.
     Plot(PlotArgs),
+    /// Start and supervise the local ranks of a data-parallel job (torchrun's contract).
+    Launch(LaunchArgs),
+}
+
+/// `wick launch --nproc-per-node N [--nnodes M --node-rank R --master-addr A --master-port P]
+/// -- PROGRAM ARGS` (see `wick::dist::launch`).
+#[derive(clap::Args, Debug)]
+struct LaunchArgs {
+    /// Ranks on this node (one per GPU; rank l uses cuda:l through LOCAL_RANK).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    nproc_per_node: u32,
+    /// Nodes in the job.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    nnodes: u32,
+    /// This node's index, 0..nnodes.
+    #[arg(long, default_value_t = 0)]
+    node_rank: u32,
+    /// Host of rank 0 (node 0).
+    #[arg(long, default_value = "127.0.0.1")]
+    master_addr: String,
+    /// Port of rank 0's rendezvous.
+    #[arg(long, default_value_t = 29500)]
+    master_port: u16,
+    /// Seconds between SIGTERM and SIGKILL when stopping ranks.
+    #[arg(long, default_value_t = 10.0)]
+    grace_s: f64,
+    /// The program every rank runs, and its arguments (after `--`).
+    #[arg(last = true, required = true, num_args = 1..)]
+    command: Vec<String>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -197,7 +227,39 @@ fn main() -> Result<()> {
         }
         Command::Doctor(args) => doctor(&args),
         Command::Plot(args) => plot(&args),
+        Command::Launch(args) => launch(args),
     }
+}
+
+fn launch(args: LaunchArgs) -> Result<()> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use wick::dist::launch::{LaunchConfig, LaunchOutcome};
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let s = stop.clone();
+    // best effort: without the handler, Ctrl-C still ends the launcher
+    let _ = ctrlc::set_handler(move || s.store(true, Ordering::SeqCst));
+    let mut command = args.command.into_iter();
+    let config = LaunchConfig {
+        nproc_per_node: args.nproc_per_node as usize,
+        nnodes: args.nnodes as usize,
+        node_rank: args.node_rank as usize,
+        master_addr: args.master_addr,
+        master_port: args.master_port,
+        program: command.next().unwrap_or_default(),
+        args: command.collect(),
+        grace: Duration::from_secs_f64(if args.grace_s.is_finite() {
+            args.grace_s.clamp(0.0, 3600.0)
+        } else {
+            10.0
+        }),
+        stop: Some(stop),
+    };
+    let outcome = wick::dist::launch::launch(&config)?;
+    if outcome != LaunchOutcome::Success {
+        eprintln!("{}", outcome.message());
+        std::process::exit(outcome.exit_code());
+    }
+    Ok(())
 }
 
 fn doctor(args: &DoctorArgs) -> Result<()> {

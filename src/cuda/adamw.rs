@@ -37,7 +37,7 @@ pub struct Row<'a> {
 /// Enqueues the AdamW update of every row on candle's stream: one launch per (gradient dtype,
 /// working-copy dtype) group and per [`crate::multi_tensor::MAX_TENSORS`] tensors. `stats` is
 /// the device `[found_inf, norm, multiplier]`, `amp_state[3]` the applied-step count. No host
-/// synchronisation. `seed` seeds stochastic rounding (used when `WICK_STOCHASTIC_ROUNDING=1`).
+/// synchronisation. `seed` seeds stochastic rounding (when `stochastic` is set).
 pub fn step(
     rows: &[Row],
     stats: &Tensor,
@@ -45,13 +45,14 @@ pub fn step(
     c: &AdamWConfig,
     lr: f64,
     seed: u64,
+    stochastic: bool,
 ) -> Result<()> {
     if rows.is_empty() {
         return Ok(());
     }
     let dev = super::cuda_device(stats)?;
     let (stats_addr, amp_addr) = (addr(stats)?, addr(amp_state)?);
-    let stochastic = std::env::var("WICK_STOCHASTIC_ROUNDING").is_ok_and(|v| v == "1");
+
     let args = AdamWArgs {
         lr,
         beta1: c.beta1,

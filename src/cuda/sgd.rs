@@ -44,8 +44,7 @@ pub struct Row<'a> {
 /// working-copy dtype) group and per [`crate::multi_tensor::MAX_TENSORS`] tensors. `stats` is
 /// the device `[found_inf, norm, multiplier]` (nothing is written when found_inf is set),
 /// `amp_state[3]` the applied-step count (compared with each row's `first_at`). No host
-/// synchronisation. `seed` seeds stochastic rounding of the working copies (used when
-/// `WICK_STOCHASTIC_ROUNDING=1`).
+/// synchronisation. `seed` seeds stochastic rounding of the working copies (when `stochastic` is set).
 pub fn step(
     rows: &[Row],
     stats: &Tensor,
@@ -53,13 +52,14 @@ pub fn step(
     c: &SgdConfig,
     lr: f64,
     seed: u64,
+    stochastic: bool,
 ) -> Result<()> {
     if rows.is_empty() {
         return Ok(());
     }
     let dev = super::cuda_device(stats)?;
     let (stats_addr, amp_addr) = (addr(stats)?, addr(amp_state)?);
-    let stochastic = std::env::var("WICK_STOCHASTIC_ROUNDING").is_ok_and(|v| v == "1");
+
     // the multiplier is read on the device (stats[2]); the other coefficients are per step
     let k = Coeffs::new(c, lr, true, 1.0);
     let args = SgdArgs {

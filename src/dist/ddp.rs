@@ -136,7 +136,11 @@ impl Bucket {
 /// DDP style: in reverse order, consecutive, each at most [`BucketConfig::cap_bytes`] unless it
 /// holds a single larger tensor. Every position appears in exactly one bucket (zero-size ones
 /// too).
-pub fn assign_buckets(numels: &[usize], elem_bytes: usize, config: &BucketConfig) -> Result<Vec<Bucket>> {
+pub fn assign_buckets(
+    numels: &[usize],
+    elem_bytes: usize,
+    config: &BucketConfig,
+) -> Result<Vec<Bucket>> {
     config.validate()?;
     if elem_bytes == 0 {
         bail!("elem_bytes must be > 0");
@@ -205,7 +209,11 @@ pub fn unflatten(flat: &Tensor, shapes: &[&[usize]]) -> Result<Vec<Tensor>> {
 /// DDP's averaging). `tensors` are this rank's (same shapes on every rank); the results are f32,
 /// in the order of `tensors`. The division is an exact IEEE division (not a multiplication by
 /// the reciprocal).
-pub fn average_buckets(coll: &dyn Collective, tensors: &[Tensor], buckets: &[Bucket]) -> Result<Vec<Tensor>> {
+pub fn average_buckets(
+    coll: &dyn Collective,
+    tensors: &[Tensor],
+    buckets: &[Bucket],
+) -> Result<Vec<Tensor>> {
     check_cover(buckets, tensors.len())?;
     let mut out: Vec<Option<Tensor>> = vec![None; tensors.len()];
     let w = coll.world_size();
@@ -366,16 +374,28 @@ impl ShardLayout {
 
 /// ZeRO-1's gradient step on a flat gradient: pads it, reduce-scatters the sum and divides by
 /// the world size. Returns this rank's averaged shard (`layout.shard_len` elements).
-pub fn reduce_scatter_average(coll: &dyn Collective, layout: &ShardLayout, flat: &Tensor) -> Result<Tensor> {
+pub fn reduce_scatter_average(
+    coll: &dyn Collective,
+    layout: &ShardLayout,
+    flat: &Tensor,
+) -> Result<Tensor> {
     let padded = layout.pad(&flat.to_dtype(DType::F32)?)?;
     let shard = coll.reduce_scatter_sum(&padded)?;
     Ok(shard.broadcast_div(&Tensor::new(coll.world_size() as f32, shard.device())?)?)
 }
 
 /// ZeRO-1's parameter step: all-gathers every rank's updated shard and drops the padding.
-pub fn all_gather_unpad(coll: &dyn Collective, layout: &ShardLayout, shard: &Tensor) -> Result<Tensor> {
+pub fn all_gather_unpad(
+    coll: &dyn Collective,
+    layout: &ShardLayout,
+    shard: &Tensor,
+) -> Result<Tensor> {
     if shard.elem_count() != layout.shard_len {
-        bail!("all_gather_unpad: shard of {} elements, layout says {}", shard.elem_count(), layout.shard_len);
+        bail!(
+            "all_gather_unpad: shard of {} elements, layout says {}",
+            shard.elem_count(),
+            layout.shard_len
+        );
     }
     Ok(coll.all_gather(shard)?.narrow(0, 0, layout.total)?)
 }
@@ -405,7 +425,9 @@ impl std::fmt::Debug for Ddp {
 
 /// A stable 64-bit FNV-1a hash (the same in every process, unlike std's `RandomState`).
 fn fnv1a(h: u64, bytes: &[u8]) -> u64 {
-    bytes.iter().fold(h, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
+    bytes
+        .iter()
+        .fold(h, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
 }
 
 impl Ddp {
@@ -413,7 +435,11 @@ impl Ddp {
     pub fn new(coll: Box<dyn Collective>, config: DdpConfig) -> Result<Self> {
         config.buckets.validate()?;
         if coll.rank() >= coll.world_size() {
-            bail!("collective reports rank {} of world size {}", coll.rank(), coll.world_size());
+            bail!(
+                "collective reports rank {} of world size {}",
+                coll.rank(),
+                coll.world_size()
+            );
         }
         Ok(Self {
             coll,
@@ -468,7 +494,14 @@ impl Ddp {
             total += p.elem_count();
         }
         // small integers only, so that f32 carries them exactly (< 2^24)
-        let split = |x: u64| [(x & 0xffff) as f32, ((x >> 16) & 0xffff) as f32, ((x >> 32) & 0xffff) as f32, (x >> 48) as f32];
+        let split = |x: u64| {
+            [
+                (x & 0xffff) as f32,
+                ((x >> 16) & 0xffff) as f32,
+                ((x >> 32) & 0xffff) as f32,
+                (x >> 48) as f32,
+            ]
+        };
         let mut v: Vec<f32> = vec![(params.len() & 0xff_ffff) as f32];
         v.extend(split(total as u64));
         v.extend(split(h));
@@ -515,7 +548,12 @@ impl Ddp {
     /// so the contribution is `buffer * weight`; otherwise the buffers already hold
     /// `Σ_i w_i g_i`. A trainable parameter without a gradient on this rank contributes zeros.
     /// World size 1: nothing changes.
-    pub fn reduce_gradients(&mut self, params: &[Param], grads: &mut GradBuffers, keep_raw: bool) -> Result<()> {
+    pub fn reduce_gradients(
+        &mut self,
+        params: &[Param],
+        grads: &mut GradBuffers,
+        keep_raw: bool,
+    ) -> Result<()> {
         let weight = std::mem::take(&mut self.window_weight);
         if self.coll.world_size() == 1 {
             return Ok(());
@@ -528,7 +566,11 @@ impl Ddp {
             return Ok(());
         }
         let buckets = self.buckets(params)?;
-        let scale = if keep_raw && weight != 1.0 { Some(weight) } else { None };
+        let scale = if keep_raw && weight != 1.0 {
+            Some(weight)
+        } else {
+            None
+        };
         let mut reduced: Vec<Option<Tensor>> = vec![None; params.len()];
         let mut total_weight: Option<Tensor> = None;
         {
@@ -565,7 +607,10 @@ impl Ddp {
                 let avg = sum.broadcast_div(w)?;
                 for (&m, &off) in b.members.iter().zip(&b.offsets) {
                     let p = &params[idx[m]];
-                    reduced[idx[m]] = Some(avg.narrow(0, off, p.elem_count())?.reshape(p.master.dims())?);
+                    reduced[idx[m]] = Some(
+                        avg.narrow(0, off, p.elem_count())?
+                            .reshape(p.master.dims())?,
+                    );
                 }
             }
         }
@@ -620,7 +665,15 @@ mod tests {
         assert_eq!(members, vec![vec![5, 4], vec![3], vec![2, 1], vec![0]]);
         assert_eq!(b[2].offsets, vec![0, 10]);
         assert_eq!(b[2].numel, 200_010);
-        assert!(assign_buckets(&numels, 4, &BucketConfig { bucket_cap_mb: 0.0, first_bucket_cap_mb: None }).is_err());
+        assert!(assign_buckets(
+            &numels,
+            4,
+            &BucketConfig {
+                bucket_cap_mb: 0.0,
+                first_bucket_cap_mb: None
+            }
+        )
+        .is_err());
         assert!(assign_buckets(&[], 4, &cfg)?.is_empty());
         Ok(())
     }
@@ -634,8 +687,16 @@ mod tests {
         assert_eq!(
             s,
             vec![
-                ParamSlice { param: 1, in_param: 1..4, in_shard: 0..3 },
-                ParamSlice { param: 2, in_param: 0..1, in_shard: 3..4 },
+                ParamSlice {
+                    param: 1,
+                    in_param: 1..4,
+                    in_shard: 0..3
+                },
+                ParamSlice {
+                    param: 2,
+                    in_param: 0..1,
+                    in_shard: 3..4
+                },
             ]
         );
         assert!(ShardLayout::new(1, 0, 1).is_err());

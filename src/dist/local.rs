@@ -116,14 +116,15 @@ impl LocalCollective {
     fn lock(&self) -> MutexGuard<'_, State> {
         // a panicking rank thread cannot leave the state half-written in a way that matters:
         // every field is checked again by the waiters
-        self.shared
-            .state
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+        self.shared.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Waits until every rank has arrived at this generation's barrier.
-    fn wait_all<'a>(&'a self, mut st: MutexGuard<'a, State>, what: &str) -> Result<MutexGuard<'a, State>> {
+    fn wait_all<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        what: &str,
+    ) -> Result<MutexGuard<'a, State>> {
         if let Some(b) = &st.broken {
             bail!("rank {}: {what}: the group is broken: {b}", self.rank);
         }
@@ -279,7 +280,11 @@ fn to_tensor(data: Data, dims: &[usize], dtype: DType, device: &Device) -> Resul
         Data::F32(v) => Tensor::from_vec(v, dims, device)?,
         Data::F64(v) => Tensor::from_vec(v, dims, device)?,
     };
-    Ok(if t.dtype() == dtype { t } else { t.to_dtype(dtype)? })
+    Ok(if t.dtype() == dtype {
+        t
+    } else {
+        t.to_dtype(dtype)?
+    })
 }
 
 fn narrow(data: &Data, start: usize, len: usize) -> Data {
@@ -310,7 +315,10 @@ impl Collective for LocalCollective {
 
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
         if root >= self.shared.world {
-            bail!("broadcast from rank {root} in a group of {}", self.shared.world);
+            bail!(
+                "broadcast from rank {root} in a group of {}",
+                self.shared.world
+            );
         }
         let slot = self.slot(format!("broadcast(root {root})"), t)?;
         let data = self.exchange(slot, |s| Ok(s[root].data.clone()))?;
@@ -327,7 +335,9 @@ impl Collective for LocalCollective {
         let k = n / w;
         let slot = self.slot("reduce_scatter(Sum)".into(), flat)?;
         let rank = self.rank;
-        let data = self.exchange(slot, |s| Ok(narrow(&reduce(s, ReduceOp::Sum)?, rank * k, k)))?;
+        let data = self.exchange(slot, |s| {
+            Ok(narrow(&reduce(s, ReduceOp::Sum)?, rank * k, k))
+        })?;
         to_tensor(data, &[k], flat.dtype(), flat.device())
     }
 
@@ -408,7 +418,9 @@ mod tests {
             let b = c.broadcast(&t, 2)?.to_vec2::<f32>()?;
             let flat = Tensor::new(&[r, r, r, 1.0, 1.0, 1.0], &dev)?;
             let rs = c.reduce_scatter_sum(&flat)?.to_vec1::<f32>()?;
-            let g = c.all_gather(&Tensor::new(&[r, r + 0.5], &dev)?)?.to_vec1::<f32>()?;
+            let g = c
+                .all_gather(&Tensor::new(&[r, r + 0.5], &dev)?)?
+                .to_vec1::<f32>()?;
             // bf16 round-trips through f32; f64 stays f64
             let h = c.all_reduce_sum(&Tensor::new(&[0.1f64 * (r as f64 + 1.0)], &dev)?)?;
             c.barrier()?;

@@ -63,16 +63,24 @@ impl DistEnv {
 
     /// As [`Self::from_env`], with the variables looked up through `var`.
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Option<Self>> {
-        let get = |k: &str| var(k).map(|v| v.trim().to_string()).filter(|v| !v.is_empty());
+        let get = |k: &str| {
+            var(k)
+                .map(|v| v.trim().to_string())
+                .filter(|v| !v.is_empty())
+        };
         let (rank, world, local) = (get("RANK"), get("WORLD_SIZE"), get("LOCAL_RANK"));
         if rank.is_none() && world.is_none() && local.is_none() {
             return Ok(None);
         }
-        let missing: Vec<&str> = [("RANK", &rank), ("WORLD_SIZE", &world), ("LOCAL_RANK", &local)]
-            .iter()
-            .filter(|(_, v)| v.is_none())
-            .map(|(k, _)| *k)
-            .collect();
+        let missing: Vec<&str> = [
+            ("RANK", &rank),
+            ("WORLD_SIZE", &world),
+            ("LOCAL_RANK", &local),
+        ]
+        .iter()
+        .filter(|(_, v)| v.is_none())
+        .map(|(k, _)| *k)
+        .collect();
         if !missing.is_empty() {
             bail!(
                 "incomplete distributed environment: {} not set (torchrun / `wick launch` set \
@@ -145,9 +153,15 @@ impl DistEnv {
 /// Shares rank 0's `id` with every rank over TCP (see the module docs for the protocol).
 /// Rank 0 passes `Some(id)`, the others `None`; every rank returns the id. Errors (naming the
 /// ranks that did not arrive, or why rank 0 could not be reached) after `timeout`.
-pub fn share_id(env: &DistEnv, id: Option<&[u8; ID_BYTES]>, timeout: Duration) -> Result<[u8; ID_BYTES]> {
+pub fn share_id(
+    env: &DistEnv,
+    id: Option<&[u8; ID_BYTES]>,
+    timeout: Duration,
+) -> Result<[u8; ID_BYTES]> {
     if env.world_size == 1 {
-        return id.copied().ok_or_else(|| anyhow!("rank 0 must provide the id"));
+        return id
+            .copied()
+            .ok_or_else(|| anyhow!("rank 0 must provide the id"));
     }
     if env.rank == 0 {
         let id = id.ok_or_else(|| anyhow!("rank 0 must provide the id"))?;
@@ -187,7 +201,9 @@ fn serve(env: &DistEnv, id: &[u8; ID_BYTES], timeout: Duration) -> Result<()> {
                 let mut hello = [0u8; 16];
                 if s.read_exact(&mut hello).is_err() || &hello[..8] != MAGIC {
                     // not one of ours (a port scan, a stale client): ignore it
-                    tracing::warn!("rendezvous: ignored a connection from {from} without a valid hello");
+                    tracing::warn!(
+                        "rendezvous: ignored a connection from {from} without a valid hello"
+                    );
                     continue;
                 }
                 let r = u32::from_le_bytes([hello[8], hello[9], hello[10], hello[11]]) as usize;
@@ -198,7 +214,9 @@ fn serve(env: &DistEnv, id: &[u8; ID_BYTES], timeout: Duration) -> Result<()> {
                     ));
                     let _ = send_error(&mut s, problem.as_deref().unwrap_or_default());
                 } else if r == 0 || r >= world {
-                    problem = Some(format!("a peer at {from} claims rank {r} (expected 1..{world})"));
+                    problem = Some(format!(
+                        "a peer at {from} claims rank {r} (expected 1..{world})"
+                    ));
                     let _ = send_error(&mut s, problem.as_deref().unwrap_or_default());
                 } else if peers[r].is_some() {
                     problem = Some(format!("rank {r} arrived twice (the second from {from}); two processes have RANK={r}"));
@@ -265,7 +283,9 @@ fn fetch(env: &DistEnv, timeout: Duration) -> Result<[u8; ID_BYTES]> {
     let mut stream = None;
     'connect: while Instant::now() < deadline {
         match resolve(&env.master_addr, env.master_port) {
-            Ok(addrs) if addrs.is_empty() => last_err = format!("{} resolves to no address", env.master_addr),
+            Ok(addrs) if addrs.is_empty() => {
+                last_err = format!("{} resolves to no address", env.master_addr)
+            }
             Ok(addrs) => {
                 for a in addrs {
                     let left = deadline.saturating_duration_since(Instant::now());
@@ -299,14 +319,17 @@ fn fetch(env: &DistEnv, timeout: Duration) -> Result<[u8; ID_BYTES]> {
     hello.extend_from_slice(&(env.world_size as u32).to_le_bytes());
     s.write_all(&hello)
         .with_context(|| format!("rank {rank}: sending the hello to {target}"))?;
-    let left = deadline.saturating_duration_since(Instant::now());
+    // rank 0 is the one that knows who is missing: give it a grace period beyond this rank's
+    // own deadline to answer (its clock may have started later)
+    let grace = timeout.min(Duration::from_secs(10));
+    let left = deadline.saturating_duration_since(Instant::now()) + grace;
     s.set_read_timeout(Some(left.max(Duration::from_millis(10))))?;
     let waited = |e: std::io::Error| -> anyhow::Error {
         match e.kind() {
             ErrorKind::WouldBlock | ErrorKind::TimedOut => anyhow!(
                 "rank {rank}: connected to rank 0 at {target} but got no id within {:.0} s \
                  (rank 0 is still waiting for other ranks?)",
-                timeout.as_secs_f64()
+                (timeout + grace).as_secs_f64()
             ),
             ErrorKind::UnexpectedEof => {
                 anyhow!("rank {rank}: rank 0 at {target} closed the rendezvous connection")
@@ -343,7 +366,10 @@ mod tests {
     use std::collections::HashMap;
 
     fn vars(kv: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
-        let m: HashMap<String, String> = kv.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let m: HashMap<String, String> = kv
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
         move |k| m.get(k).cloned()
     }
 
@@ -374,15 +400,30 @@ mod tests {
                 master_port: 29512
             }
         );
-        let solo = DistEnv::from_vars(vars(&[("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")]))
-            .unwrap()
-            .unwrap();
-        assert_eq!((solo.master_addr.as_str(), solo.master_port), ("127.0.0.1", 29500));
+        let solo = DistEnv::from_vars(vars(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("LOCAL_RANK", "0"),
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            (solo.master_addr.as_str(), solo.master_port),
+            ("127.0.0.1", 29500)
+        );
 
         assert!(err(&[("RANK", "0")]).contains("WORLD_SIZE, LOCAL_RANK not set"));
-        assert!(err(&[("RANK", "2"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")]).contains("RANK=2 must be < WORLD_SIZE=2"));
-        assert!(err(&[("RANK", "x"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")]).contains("RANK=\"x\""));
-        assert!(err(&[("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1")]).contains("MASTER_ADDR and MASTER_PORT"));
+        assert!(
+            err(&[("RANK", "2"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")])
+                .contains("RANK=2 must be < WORLD_SIZE=2")
+        );
+        assert!(
+            err(&[("RANK", "x"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")]).contains("RANK=\"x\"")
+        );
+        assert!(
+            err(&[("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1")])
+                .contains("MASTER_ADDR and MASTER_PORT")
+        );
         let bad_port = [
             ("RANK", "1"),
             ("WORLD_SIZE", "2"),
@@ -391,11 +432,18 @@ mod tests {
             ("MASTER_PORT", "70000"),
         ];
         assert!(err(&bad_port).contains("MASTER_PORT=\"70000\""));
-        assert!(err(&[("RANK", "0"), ("WORLD_SIZE", "0"), ("LOCAL_RANK", "0")]).contains("WORLD_SIZE must be >= 1"));
+        assert!(
+            err(&[("RANK", "0"), ("WORLD_SIZE", "0"), ("LOCAL_RANK", "0")])
+                .contains("WORLD_SIZE must be >= 1")
+        );
     }
 
     fn free_port() -> u16 {
-        TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+        TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
     }
 
     fn env(rank: usize, world: usize, port: u16) -> DistEnv {
@@ -409,7 +457,12 @@ mod tests {
         }
     }
 
-    fn spawn_ranks(ranks: &[usize], world: usize, port: u16, timeout: Duration) -> Vec<(usize, Result<[u8; ID_BYTES]>)> {
+    fn spawn_ranks(
+        ranks: &[usize],
+        world: usize,
+        port: u16,
+        timeout: Duration,
+    ) -> Vec<(usize, Result<[u8; ID_BYTES]>)> {
         let id: [u8; ID_BYTES] = std::array::from_fn(|i| (i * 7 + 3) as u8);
         let hs: Vec<_> = ranks
             .iter()
@@ -456,14 +509,22 @@ mod tests {
             "{:#}",
             share_id(&env(1, 2, port), None, Duration::from_millis(300)).unwrap_err()
         );
-        assert!(e.contains("could not reach rank 0's rendezvous at localhost:"), "{e}");
+        assert!(
+            e.contains("could not reach rank 0's rendezvous at localhost:"),
+            "{e}"
+        );
 
         let port = free_port();
         let id = [1u8; ID_BYTES];
-        let server = std::thread::spawn(move || share_id(&env(0, 2, port), Some(&id), Duration::from_secs(10)));
+        let server = std::thread::spawn(move || {
+            share_id(&env(0, 2, port), Some(&id), Duration::from_secs(10))
+        });
         let client = share_id(&env(1, 3, port), None, Duration::from_secs(10));
         let e = format!("{:#}", client.unwrap_err());
-        assert!(e.contains("WORLD_SIZE=3") && e.contains("WORLD_SIZE=2"), "{e}");
+        assert!(
+            e.contains("WORLD_SIZE=3") && e.contains("WORLD_SIZE=2"),
+            "{e}"
+        );
         let e = format!("{:#}", server.join().unwrap().unwrap_err());
         assert!(e.contains("WORLD_SIZE=3"), "{e}");
     }

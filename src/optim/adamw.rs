@@ -215,7 +215,15 @@ impl Optimizer for AdamW {
                         Moments::Host { .. } => bail!("AdamW state/path mismatch"),
                     })
                     .collect::<Result<Vec<_>>>()?;
-                crate::cuda::adamw::step(&rows, stats, amp, &config, lr, inputs.seed)?;
+                crate::cuda::adamw::step(
+                    &rows,
+                    stats,
+                    amp,
+                    &config,
+                    lr,
+                    inputs.seed,
+                    inputs.stochastic_rounding,
+                )?;
                 return Ok(None);
             }
             (Impl::FusedCpu, Some(h)) => work.into_par_iter().try_for_each(|(p, g, s)| {

@@ -87,8 +87,12 @@ pub struct StepInputs<'a> {
     /// The engine's device state `[scale, growth_tracker, hysteresis_left, applied_steps]`
     /// (fused CUDA path only).
     pub amp_state: Option<&'a Tensor>,
-    /// Seed for stochastic rounding of working copies at this step.
+    /// Seed for stochastic rounding of working copies at this step (the engine's boundary
+    /// count, which checkpoints record, so a resumed run rounds the same way).
     pub seed: u64,
+    /// Write bf16/f16 working copies with stochastic rounding instead of round-to-nearest-even
+    /// (fused CUDA path; see [`crate::EngineConfig::stochastic_rounding`]).
+    pub stochastic_rounding: bool,
 }
 
 impl<'a> StepInputs<'a> {
@@ -99,6 +103,7 @@ impl<'a> StepInputs<'a> {
             lr,
             amp_state: None,
             seed: 0,
+            stochastic_rounding: false,
         }
     }
 }

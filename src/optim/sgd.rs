@@ -290,7 +290,15 @@ impl Optimizer for Sgd {
                         first_at,
                     });
                 }
-                crate::cuda::sgd::step(&rows, stats, amp, &config, lr, inputs.seed)?;
+                crate::cuda::sgd::step(
+                    &rows,
+                    stats,
+                    amp,
+                    &config,
+                    lr,
+                    inputs.seed,
+                    inputs.stochastic_rounding,
+                )?;
                 return Ok(None);
             }
             (Impl::FusedCpu, Some(h)) => work.into_par_iter().try_for_each(|(p, g, s)| {
