@@ -309,6 +309,22 @@ impl Engine {
         F: FnOnce(&StepCtx) -> std::result::Result<Tensor, E>,
         E: Into<anyhow::Error>,
     {
+        let result = self.step_inner(weight, forward);
+        #[cfg(feature = "cuda")]
+        if let (Err(e), candle_core::Device::Cuda(d)) = (&result, self.store.device()) {
+            if crate::cuda::memory::is_out_of_memory(e) {
+                let d = d.clone();
+                return result.map_err(|e| crate::cuda::memory::explain_out_of_memory(e, &d));
+            }
+        }
+        result
+    }
+
+    fn step_inner<F, E>(&mut self, weight: f64, forward: F) -> Result<StepReport>
+    where
+        F: FnOnce(&StepCtx) -> std::result::Result<Tensor, E>,
+        E: Into<anyhow::Error>,
+    {
         if !(weight.is_finite() && weight > 0.0) {
             bail!("Engine::step_weighted: weight must be finite and > 0, got {weight}");
         }

@@ -35,6 +35,7 @@ pub mod doctor;
 pub mod engine;
 pub mod grads;
 pub mod loss;
+pub mod models;
 pub mod multi_tensor;
 pub mod nn;
 pub mod ops;

@@ -521,8 +521,12 @@ impl Trainer {
             compute_dtype: Some(engine.store().precision().compute_dtype()),
             fused_optimizer: engine.implementation().is_fused(),
             num_workers: loader.config().num_workers,
-            peak_memory: None,
+            peak_memory: peak_memory(engine.store().device()),
         };
+        if let Some(dir) = c.out_dir.as_deref() {
+            drop(files);
+            write_plots(dir, &profile.phases, steps)?;
+        }
         Ok(FitSummary {
             profile,
             stop,
@@ -551,4 +555,35 @@ fn gpu_name(device: &candle_core::Device) -> Option<String> {
     }
     let _ = device;
     None
+}
+
+/// Peak device memory in use (the allocator's high-water mark) on CUDA; `None` elsewhere.
+fn peak_memory(device: &candle_core::Device) -> Option<u64> {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(d) = device {
+        return crate::cuda::memory::memory_stats(d)
+            .ok()
+            .map(|s| s.peak_allocated);
+    }
+    let _ = device;
+    None
+}
+
+/// `phases.csv`, `loss.png` (train/val loss and lr against step) and `phases.png` (the phase
+/// bar chart) next to the metrics files.
+fn write_plots(dir: &Path, phases: &PhaseTimes, steps: u64) -> Result<()> {
+    use crate::plot::{
+        plot_metrics, plot_phases, read_metrics, write_phases_csv, PhaseBreakdown, PlotOptions,
+    };
+    let breakdown = PhaseBreakdown::from_times(phases, steps);
+    write_phases_csv(&dir.join("phases.csv"), &breakdown)?;
+    let opts = PlotOptions::default();
+    let rows = read_metrics(&dir.join("metrics.csv"))?;
+    if !rows.is_empty() {
+        plot_metrics(&rows, &dir.join("loss.png"), &opts)?;
+    }
+    if steps > 0 {
+        plot_phases(&breakdown, &dir.join("phases.png"), &opts)?;
+    }
+    Ok(())
 }

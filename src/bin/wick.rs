@@ -275,18 +275,29 @@ fn doctor(args: &DoctorArgs) -> Result<()> {
             ready,
             verdict: verdict.clone(),
         };
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&out).context("serialising the doctor report")?
-        );
+        let mut json =
+            serde_json::to_string_pretty(&out).context("serialising the doctor report")?;
+        json.push('\n');
+        emit(&json)?;
     } else {
-        print!("{}", doctor::render_text(&report, &recs));
+        emit(&doctor::render_text(&report, &recs))?;
     }
     if !ready {
         eprintln!("wick doctor: {verdict}");
         std::process::exit(1);
     }
     Ok(())
+}
+
+/// Writes to stdout; a closed pipe (`wick doctor | head`) ends the output quietly instead of
+/// panicking as `print!` does.
+fn emit(text: &str) -> Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|_| out.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e).context("writing to stdout"),
+        _ => Ok(()),
+    }
 }
 
 fn plot(args: &PlotArgs) -> Result<()> {

@@ -10,6 +10,7 @@ pub mod accumulate;
 pub mod adamw;
 pub mod debug;
 pub mod grad_norm;
+pub mod memory;
 pub mod scaler;
 pub mod sgd;
 
