@@ -182,7 +182,9 @@ impl FromStr for GptConfig {
         match s.trim().to_ascii_lowercase().replace('-', "_").as_str() {
             "gptmini" => Ok(Self::gptmini()),
             "gpt2_124m" => Ok(Self::gpt2_124m()),
-            other => anyhow::bail!("unknown GPT model {other:?}: expected \"gptmini\" or \"gpt2_124m\""),
+            other => {
+                anyhow::bail!("unknown GPT model {other:?}: expected \"gptmini\" or \"gpt2_124m\"")
+            }
         }
     }
 }
@@ -202,7 +204,12 @@ pub fn reference_adamw() -> crate::optim::AdamWConfig {
 /// The reference's schedule over `total` steps: linear warmup for `warmup` steps from
 /// `lr / warmup` to `lr`, then cosine to `min_lr` at `total` (`train-char`'s `lr_at`:
 /// `warmup` 100, `lr` 1e-3, `min_lr` 1e-4).
-pub fn reference_schedule(lr: f64, min_lr: f64, warmup: u64, total: u64) -> crate::optim::LrSchedule {
+pub fn reference_schedule(
+    lr: f64,
+    min_lr: f64,
+    warmup: u64,
+    total: u64,
+) -> crate::optim::LrSchedule {
     crate::optim::LrSchedule::WarmupCosine {
         lr,
         min_lr,
@@ -219,8 +226,20 @@ fn gpt2_linear(store: &ParamStore, name: &str, in_dim: usize, out_dim: usize) ->
         mean: 0.0,
         stdev: INIT_STD,
     };
-    param(store, &format!("{name}.weight"), (out_dim, in_dim), normal, Role::Matmul)?;
-    param(store, &format!("{name}.bias"), out_dim, Init::Const(0.0), Role::Matmul)?;
+    param(
+        store,
+        &format!("{name}.weight"),
+        (out_dim, in_dim),
+        normal,
+        Role::Matmul,
+    )?;
+    param(
+        store,
+        &format!("{name}.bias"),
+        out_dim,
+        Init::Const(0.0),
+        Role::Matmul,
+    )?;
     Linear::new(store, name, in_dim, out_dim, true)
 }
 
@@ -231,7 +250,13 @@ fn gpt2_embedding(store: &ParamStore, name: &str, rows: usize, dim: usize) -> Re
         mean: 0.0,
         stdev: INIT_STD,
     };
-    param(store, &format!("{name}.weight"), (rows, dim), normal, Role::Fp32)?;
+    param(
+        store,
+        &format!("{name}.weight"),
+        (rows, dim),
+        normal,
+        Role::Fp32,
+    )?;
     Embedding::new(store, name, rows, dim, INIT_STD)
 }
 
@@ -420,8 +445,7 @@ impl Gpt {
             .to_compute(&self.lnf.forward(&x)?)?
             .reshape((b * t, self.config.d_model))?;
         let w = self.precision.to_compute(self.wte.weight())?; // tied head, (V, C)
-        h.matmul(&w.t()?)?
-            .reshape((b, t, self.config.vocab_size))
+        h.matmul(&w.t()?)?.reshape((b, t, self.config.vocab_size))
     }
 
     /// Mean next-token cross-entropy (f32 scalar) of `ids: (B, T)` against `targets: (B, T)`,

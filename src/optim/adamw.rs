@@ -158,26 +158,17 @@ impl Optimizer for AdamW {
         grads: &[Option<Tensor>],
         inputs: StepInputs,
     ) -> Result<Option<bool>> {
-        if grads.len() != params.len() {
-            bail!(
-                "AdamW::step: {} gradient slots for {} parameters",
-                grads.len(),
-                params.len()
-            );
-        }
-        if self.states.len() < params.len() {
-            self.states.resize_with(params.len(), || None);
-        }
-        // the fused CUDA path decides on the device; the others read found_inf
-        let host = match self.imp {
-            Impl::FusedCuda => None,
-            _ => {
-                let h = inputs.stats.read()?;
-                if h.found_inf {
-                    return Ok(Some(false));
-                }
-                Some(h)
-            }
+        // the fused CUDA path decides on the device; the others read found_inf here
+        let host = match super::begin_step(
+            "AdamW",
+            self.imp,
+            params,
+            grads,
+            &mut self.states,
+            inputs.stats,
+        )? {
+            super::Begin::Skip => return Ok(Some(false)),
+            super::Begin::Run(h) => h,
         };
         for (i, p) in params.iter().enumerate() {
             if grads[i].is_some() && self.states[i].is_none() && !p.options.frozen {
@@ -186,13 +177,7 @@ impl Optimizer for AdamW {
         }
         let config = self.config.clone();
         let lr = inputs.lr;
-        let work: Vec<(&Param, &Tensor, &mut State)> = params
-            .iter()
-            .zip(grads)
-            .zip(self.states.iter_mut())
-            .filter_map(|((p, g), s)| Some((p, g.as_ref()?, s.as_mut()?)))
-            .filter(|(p, _, _)| !p.options.frozen)
-            .collect();
+        let work = super::work_list(params, grads, &mut self.states);
         match (self.imp, host) {
             #[cfg(feature = "cuda")]
             (Impl::FusedCuda, _) => {

@@ -138,6 +138,62 @@ pub trait Optimizer: Send {
     ) -> Result<()>;
 }
 
+/// How a step begins (shared by every optimizer).
+pub(crate) enum Begin {
+    /// found_inf was read on the host: skip everything.
+    Skip,
+    /// Run the update; host stats on the host paths, `None` on the fused CUDA path (which
+    /// reads found_inf and the multiplier on the device).
+    Run(Option<HostStats>),
+}
+
+/// Checks that there is one gradient slot per parameter, grows `states` to the parameter count
+/// and, on the host paths, reads found_inf.
+pub(crate) fn begin_step<S>(
+    name: &str,
+    imp: Impl,
+    params: &[Param],
+    grads: &[Option<Tensor>],
+    states: &mut Vec<Option<S>>,
+    stats: &GradStats,
+) -> Result<Begin> {
+    if grads.len() != params.len() {
+        anyhow::bail!(
+            "{name}::step: {} gradient slots for {} parameters",
+            grads.len(),
+            params.len()
+        );
+    }
+    if states.len() < params.len() {
+        states.resize_with(params.len(), || None);
+    }
+    if imp == Impl::FusedCuda {
+        return Ok(Begin::Run(None));
+    }
+    let h = stats.read()?;
+    Ok(if h.found_inf {
+        Begin::Skip
+    } else {
+        Begin::Run(Some(h))
+    })
+}
+
+/// The (parameter, gradient, state) triples to update: parameters with a gradient and a state
+/// that are not frozen.
+pub(crate) fn work_list<'a, S>(
+    params: &'a [Param],
+    grads: &'a [Option<Tensor>],
+    states: &'a mut [Option<S>],
+) -> Vec<(&'a Param, &'a Tensor, &'a mut S)> {
+    params
+        .iter()
+        .zip(grads)
+        .zip(states.iter_mut())
+        .filter_map(|((p, g), s)| Some((p, g.as_ref()?, s.as_mut()?)))
+        .filter(|(p, _, _)| !p.options.frozen)
+        .collect()
+}
+
 /// Fetches `name` from a state map, checks its shape against `shape`, and moves it to `device`.
 pub(crate) fn state_tensor(
     tensors: &std::collections::HashMap<String, Tensor>,
