@@ -472,3 +472,50 @@ fn sync_probe() -> anyhow::Result<()> {
     })?;
     Ok(())
 }
+
+#[test]
+fn in_place_unscale_and_check_matches_the_cpu() -> anyhow::Result<()> {
+    let dev = gpu();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(8);
+    for dt in [DType::F32, DType::BF16, DType::F16] {
+        let host: Vec<Vec<f32>> = [7usize, 65536 + 5, 300]
+            .iter()
+            .map(|&n| {
+                (0..n)
+                    .map(|_| rng.random_range(-1000.0f32..1000.0))
+                    .collect()
+            })
+            .collect();
+        let grads: Vec<Tensor> = host
+            .iter()
+            .map(|v| {
+                Tensor::new(v.as_slice(), &dev)
+                    .unwrap()
+                    .to_dtype(dt)
+                    .unwrap()
+            })
+            .collect();
+        let refs: Vec<&Tensor> = grads.iter().collect();
+        let found = wick::cuda::grad_norm::unscale_check(&refs, 1.0 / 512.0)?;
+        assert_eq!(
+            found.to_vec1::<f32>()?,
+            vec![0.0],
+            "{dt:?}: no inf in finite gradients"
+        );
+        for (g, v) in grads.iter().zip(&host) {
+            // the CPU reference: round to the storage dtype, scale in f32, round back
+            let want = Tensor::new(v.as_slice(), &Device::Cpu)?
+                .to_dtype(dt)?
+                .to_dtype(DType::F32)?
+                .affine(1.0 / 512.0, 0.0)?
+                .to_dtype(dt)?;
+            assert_eq!(flat(g), flat(&want), "{dt:?}");
+        }
+        let with_inf = Tensor::new(&[1f32, f32::INFINITY, 2.0], &dev)?.to_dtype(dt)?;
+        assert_eq!(
+            wick::cuda::grad_norm::unscale_check(&[&with_inf], 0.5)?.to_vec1::<f32>()?,
+            vec![1.0]
+        );
+    }
+    Ok(())
+}
