@@ -290,12 +290,15 @@ fn causal_mask(t: usize, device: &Device) -> Result<Tensor> {
 /// Causal scaled dot-product attention of `q, k, v: (B, H, T, Dh)` in the compute dtype:
 ///
 /// ```text
-/// scores = q @ k^T                          compute dtype (matmul class)
-/// att    = softmax(scores / sqrt(Dh) + mask)   f32 (wick::ops::softmax_last_dim)
-/// y      = att @ v                          compute dtype, (B, H, T, Dh)
+/// scores = (q / sqrt(Dh)) @ k^T           compute dtype (matmul class)
+/// att    = softmax(scores + mask)         f32 (wick::ops::softmax_last_dim)
+/// y      = att @ v                        compute dtype, (B, H, T, Dh)
 /// ```
 /// `mask` is the `(T, T)` f32 causal mask. The same math as PyTorch's
-/// `scaled_dot_product_attention(q, k, v, is_causal=True)`.
+/// `scaled_dot_product_attention(q, k, v, is_causal=True)`. The scale is applied to `q`
+/// (`T x Dh` elements) rather than to the `T x T` scores, which saves one f32 tensor of scores
+/// per layer; for a power-of-two head width (64 in both reference configurations) the
+/// multiplication is exact, so the scores are bit-identical to scaling afterwards.
 fn causal_attention(
     q: &Tensor,
     k: &Tensor,
@@ -304,10 +307,8 @@ fn causal_attention(
     precision: Precision,
 ) -> Result<Tensor> {
     let dh = q.dim(D::Minus1)?;
-    let scores = q.matmul(&k.t()?)?;
-    let scores = to_f32(&scores)?
-        .affine(1.0 / (dh as f64).sqrt(), 0.0)?
-        .broadcast_add(mask)?;
+    let q = q.affine(1.0 / (dh as f64).sqrt(), 0.0)?;
+    let scores = to_f32(&q.matmul(&k.t()?)?)?.broadcast_add(mask)?;
     let att = crate::ops::softmax_last_dim(&scores)?;
     precision.to_compute(&att)?.matmul(v)
 }
