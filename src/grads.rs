@@ -274,7 +274,7 @@ pub fn clip_factor(norm: f64, max_norm: Option<f64>) -> f64 {
     }
 }
 
-/// Sum of squares and non-finite detection in candle ops. `x - x` is NaN exactly where `x` is
+/// Sum of squares and non-finite detection in candle ops. `0 * x` is NaN exactly where `x` is
 /// inf or NaN, so its sum detects non-finite elements without overflow false positives.
 fn reference_sumsq(bufs: &[&Tensor]) -> Result<(f64, bool)> {
     let mut sumsq = 0f64;
@@ -284,7 +284,7 @@ fn reference_sumsq(bufs: &[&Tensor]) -> Result<(f64, bool)> {
             continue;
         }
         let g = g.to_dtype(DType::F32)?;
-        let nan_probe = (&g - &g)?.sum_all()?.to_scalar::<f32>()?;
+        let nan_probe = g.affine(0.0, 0.0)?.sum_all()?.to_scalar::<f32>()?;
         found_inf |= !nan_probe.is_finite();
         // squares summed in f64, as the fused paths do
         sumsq += g

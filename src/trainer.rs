@@ -240,6 +240,7 @@ impl FitSummary {
 }
 
 /// Hooks the loop calls; all optional.
+#[derive(Default)]
 pub struct Hooks<'a> {
     /// Called after every optimizer step with the engine, the step's report and the loader's
     /// position (the next batch: what a checkpoint stores to resume exactly); return `true` to
@@ -247,12 +248,6 @@ pub struct Hooks<'a> {
     #[allow(clippy::type_complexity)]
     pub after_step:
         Option<Box<dyn FnMut(&mut Engine, &StepReport, &LoaderState) -> Result<bool> + 'a>>,
-}
-
-impl Default for Hooks<'_> {
-    fn default() -> Self {
-        Self { after_step: None }
-    }
 }
 
 /// The fit loop.
