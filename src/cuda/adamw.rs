@@ -1,13 +1,13 @@
 //! Launcher of kernels/adamw.cu: the fused multi-tensor AdamW step.
 
-use super::{addr, dtype_suffix, mt_config, ptx};
+use super::{addr, mt_config, ptx};
 use crate::multi_tensor::{plan, Row as MtRow};
 use crate::optim::AdamWConfig;
 use crate::params::Param;
-use anyhow::{bail, Result};
+use anyhow::Result;
 use candle_core::cuda::cudarc::driver::{DeviceRepr, PushKernelArg};
 use candle_core::cuda::WrapErr;
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use std::collections::BTreeMap;
 
 /// Mirror of `AdamWArgs` in kernels/adamw.cu.
@@ -66,51 +66,16 @@ pub fn step(
     let mut keep = Vec::new();
     let mut groups: BTreeMap<(&'static str, &'static str), Vec<MtRow<5>>> = BTreeMap::new();
     for (i, r) in rows.iter().enumerate() {
-        let g = if r.grad.is_contiguous() {
-            r.grad.clone()
-        } else {
-            r.grad.contiguous()?
-        };
-        if r.param.master.dtype() != DType::F32 {
-            bail!("fused AdamW: master of {} must be f32", r.param.name);
-        }
-        if g.elem_count() != r.param.elem_count() {
-            bail!(
-                "fused AdamW: gradient of {} has {} elements, expected {}",
-                r.param.name,
-                g.elem_count(),
-                r.param.elem_count()
-            );
-        }
-        let w = r.param.working.as_ref().map(|w| w.as_tensor());
-        let wdt = w.map_or(DType::F32, |w| w.dtype());
-        let gs = dtype_suffix(g.dtype())?;
-        let ws = dtype_suffix(wdt)?;
-        // kernels exist for f32 grads with any working copy, and half grads matching it
-        let gs = if gs != "f32" && gs != ws {
-            keep.push(g.to_dtype(DType::F32)?);
-            "f32"
-        } else {
-            gs
-        };
-        let g_addr = if gs == "f32" && g.dtype() != DType::F32 {
-            addr(keep.last().expect("pushed"))?
-        } else {
-            addr(&g)?
-        };
-        groups.entry((gs, ws)).or_default().push(MtRow {
-            addrs: [
-                addr(r.param.master.as_tensor())?,
-                g_addr,
-                addr(r.m)?,
-                addr(r.v)?,
-                w.map(addr).transpose()?.unwrap_or(0),
-            ],
-            numel: r.param.elem_count(),
-            group: i32::from(r.param.options.weight_decay),
-            index: i as i32,
-        });
-        keep.push(g);
+        let o = super::update_operands("AdamW", r.param, r.grad, &mut keep)?;
+        groups
+            .entry((o.grad_suffix, o.working_suffix))
+            .or_default()
+            .push(MtRow {
+                addrs: [o.master, o.grad, addr(r.m)?, addr(r.v)?, o.working],
+                numel: r.param.elem_count(),
+                group: i32::from(r.param.options.weight_decay),
+                index: i as i32,
+            });
     }
     for ((gs, ws), list) in groups {
         let func =

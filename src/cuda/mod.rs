@@ -84,3 +84,60 @@ pub fn dtype_suffix(d: DType) -> Result<&'static str> {
         d => bail!("unsupported dtype {d:?}: wick kernels take f32, bf16 or f16"),
     })
 }
+
+/// The master, gradient and working copy of one parameter as the fused update kernels take
+/// them: kernel-name suffixes `(grad, working)` and device addresses.
+pub struct UpdateOperands {
+    /// Suffix of the gradient dtype the kernel reads (`f32`, `bf16`, `f16`).
+    pub grad_suffix: &'static str,
+    /// Suffix of the working-copy dtype (`f32` when there is none).
+    pub working_suffix: &'static str,
+    /// Address of the fp32 master.
+    pub master: u64,
+    /// Address of the gradient as the kernel reads it.
+    pub grad: u64,
+    /// Address of the working copy, 0 when the parameter has none.
+    pub working: u64,
+}
+
+/// Checks one parameter for a fused update (`who` names the optimizer in errors) and returns
+/// its operands. Kernels exist for f32 gradients with any working copy and for half gradients
+/// of the working copy's dtype; other gradients, and non-contiguous ones, are converted, and the
+/// converted tensor is pushed to `keep`, which must live until the launches are queued.
+pub fn update_operands(
+    who: &str,
+    param: &crate::params::Param,
+    grad: &Tensor,
+    keep: &mut Vec<Tensor>,
+) -> Result<UpdateOperands> {
+    if param.master.dtype() != DType::F32 {
+        bail!("fused {who}: master of {} must be f32", param.name);
+    }
+    if grad.elem_count() != param.elem_count() {
+        bail!(
+            "fused {who}: gradient of {} has {} elements, expected {}",
+            param.name,
+            grad.elem_count(),
+            param.elem_count()
+        );
+    }
+    let w = param.working.as_ref().map(|w| w.as_tensor());
+    let working_suffix = dtype_suffix(w.map_or(DType::F32, |w| w.dtype()))?;
+    let gs = dtype_suffix(grad.dtype())?;
+    let (grad_suffix, g) = if gs != "f32" && gs != working_suffix {
+        ("f32", grad.to_dtype(DType::F32)?)
+    } else if grad.is_contiguous() {
+        (gs, grad.clone())
+    } else {
+        (gs, grad.contiguous()?)
+    };
+    let ops = UpdateOperands {
+        grad_suffix,
+        working_suffix,
+        master: addr(param.master.as_tensor())?,
+        grad: addr(&g)?,
+        working: w.map(addr).transpose()?.unwrap_or(0),
+    };
+    keep.push(g);
+    Ok(ops)
+}

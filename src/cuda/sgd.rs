@@ -1,7 +1,7 @@
 //! Launcher of kernels/sgd.cu: the fused multi-tensor SGD step (momentum, dampening, Nesterov,
 //! coupled weight decay; `torch.optim.SGD` semantics, see [`crate::optim::sgd`]).
 
-use super::{addr, dtype_suffix, mt_config, ptx};
+use super::{addr, mt_config, ptx};
 use crate::multi_tensor::{plan, Row as MtRow};
 use crate::optim::sgd::Coeffs;
 use crate::optim::SgdConfig;
@@ -76,22 +76,7 @@ pub fn step(
     let mut keep = Vec::new();
     let mut groups: BTreeMap<(&'static str, &'static str), Vec<MtRow<5>>> = BTreeMap::new();
     for (i, r) in rows.iter().enumerate() {
-        let g = if r.grad.is_contiguous() {
-            r.grad.clone()
-        } else {
-            r.grad.contiguous()?
-        };
-        if r.param.master.dtype() != DType::F32 {
-            bail!("fused SGD: master of {} must be f32", r.param.name);
-        }
-        if g.elem_count() != r.param.elem_count() {
-            bail!(
-                "fused SGD: gradient of {} has {} elements, expected {}",
-                r.param.name,
-                g.elem_count(),
-                r.param.elem_count()
-            );
-        }
+        let o = super::update_operands("SGD", r.param, r.grad, &mut keep)?;
         let (buf_addr, first_addr) = match (momentum, r.buf, r.first_at) {
             (false, _, _) => (0, 0),
             (true, Some(b), Some(f)) => {
@@ -109,35 +94,15 @@ pub fn step(
             }
             (true, _, _) => bail!("fused SGD: {} has no momentum buffer", r.param.name),
         };
-        let w = r.param.working.as_ref().map(|w| w.as_tensor());
-        let wdt = w.map_or(DType::F32, |w| w.dtype());
-        let gs = dtype_suffix(g.dtype())?;
-        let ws = dtype_suffix(wdt)?;
-        // kernels exist for f32 grads with any working copy, and half grads matching it
-        let gs = if gs != "f32" && gs != ws {
-            keep.push(g.to_dtype(DType::F32)?);
-            "f32"
-        } else {
-            gs
-        };
-        let g_addr = if gs == "f32" && g.dtype() != DType::F32 {
-            addr(keep.last().expect("pushed"))?
-        } else {
-            addr(&g)?
-        };
-        groups.entry((gs, ws)).or_default().push(MtRow {
-            addrs: [
-                addr(r.param.master.as_tensor())?,
-                g_addr,
-                buf_addr,
-                w.map(addr).transpose()?.unwrap_or(0),
-                first_addr,
-            ],
-            numel: r.param.elem_count(),
-            group: i32::from(r.param.options.weight_decay),
-            index: i as i32,
-        });
-        keep.push(g);
+        groups
+            .entry((o.grad_suffix, o.working_suffix))
+            .or_default()
+            .push(MtRow {
+                addrs: [o.master, o.grad, buf_addr, o.working, first_addr],
+                numel: r.param.elem_count(),
+                group: i32::from(r.param.options.weight_decay),
+                index: i as i32,
+            });
     }
     for ((gs, ws), list) in groups {
         let func =
