@@ -213,7 +213,6 @@ fn main() -> Result<()> {
     };
     tc.max_epochs = Some(args.epochs);
     tc.out_dir = args.metrics_dir.clone().or(tc.out_dir);
-    tc.log_every = 1;
     let mut trainer = Trainer::new(tc)?;
     println!(
         "{:?} ({} parameters), {} on {:?}, batch {} = {} x {}, AdamW lr {} ({}), clip {:?}, {} workers",

@@ -58,7 +58,8 @@ pub struct TrainerConfig {
     pub max_steps: Option<u64>,
     /// Evaluate every N optimizer steps; `None`: at the end of every epoch.
     pub eval_every: Option<u64>,
-    /// Log (read the loss back, write a metrics row, update the bar) every N optimizer steps.
+    /// Log (read the summed loss back, write a metrics row, update the bar) every N optimizer
+    /// steps; losses are summed on the device in between.
     pub log_every: u64,
     /// Early stopping on a metric of the evaluation closure.
     pub early_stopping: Option<EarlyStopping>,
@@ -127,7 +128,7 @@ pub struct MetricsRow {
     pub step: u64,
     /// Epoch (0-based).
     pub epoch: u64,
-    /// Mean training loss since the previous row.
+    /// Mean micro-batch training loss since the previous row (every micro-batch counts).
     pub loss: Option<f64>,
     /// Validation loss, when this row carries an evaluation.
     pub val_loss: Option<f64>,
@@ -255,40 +256,47 @@ pub struct Trainer {
     config: TrainerConfig,
 }
 
-struct Window {
-    loss_sum: f64,
+/// Figures accumulated since a mark (the last log row, or the start of the epoch). The summed
+/// micro-batch losses stay on the device: one scalar add per micro-batch, read back only when
+/// the figures are reported, so logging every N steps costs one synchronisation per N steps.
+struct Tally {
+    loss_sum: Option<Tensor>,
     losses: u64,
     samples: u64,
     started: Instant,
 }
 
-/// Per-epoch figures for the end-of-epoch line.
-struct EpochStats {
-    loss_sum: f64,
-    losses: u64,
-    samples: u64,
-    started: Instant,
-}
-
-impl EpochStats {
+impl Tally {
     fn new() -> Self {
         Self {
-            loss_sum: 0.0,
+            loss_sum: None,
             losses: 0,
             samples: 0,
             started: Instant::now(),
         }
     }
-}
 
-impl Window {
-    fn new() -> Self {
-        Self {
-            loss_sum: 0.0,
-            losses: 0,
-            samples: 0,
-            started: Instant::now(),
+    fn add(&mut self, loss: &Tensor, samples: u64) -> Result<()> {
+        self.loss_sum = Some(match self.loss_sum.take() {
+            None => loss.detach(),
+            Some(sum) => (sum + loss.detach())?,
+        });
+        self.losses += 1;
+        self.samples += samples;
+        Ok(())
+    }
+
+    /// Mean micro-batch loss since the mark (a device read).
+    fn mean_loss(&self) -> Result<Option<f64>> {
+        match &self.loss_sum {
+            None => Ok(None),
+            Some(sum) => Ok(Some(sum.to_scalar::<f32>()? as f64 / self.losses as f64)),
         }
+    }
+
+    /// Throughput since the mark, in samples (or tokens, with `scale`) per second.
+    fn rate(&self, scale: f64) -> f64 {
+        self.samples as f64 * scale / self.started.elapsed().as_secs_f64().max(1e-9)
     }
 }
 
@@ -382,7 +390,7 @@ impl Trainer {
         );
         let started = Instant::now();
         let mut phases = PhaseTimes::default();
-        let mut window = Window::new();
+        let mut window = Tally::new();
         let mut stopper = Stopper {
             rule: c.early_stopping.clone(),
             best: None,
@@ -399,7 +407,7 @@ impl Trainer {
             if c.max_epochs.is_some_and(|e| loader.epoch() >= e) {
                 break StopReason::MaxEpochs;
             }
-            let mut epoch_stats = EpochStats::new();
+            let mut epoch_stats = Tally::new();
             loop {
                 let t = Instant::now();
                 let Some(batch) = loader.next_batch()? else {
@@ -410,8 +418,8 @@ impl Trainer {
                 let report = engine.step_weighted(n as f64, |ctx| train_step(ctx, &batch))?;
                 phases.add(&report.times);
                 samples += n;
-                window.samples += n;
-                epoch_stats.samples += n;
+                window.add(report.loss_tensor(), n)?;
+                epoch_stats.add(report.loss_tensor(), n)?;
                 if !report.boundary {
                     continue;
                 }
@@ -419,28 +427,24 @@ impl Trainer {
                 bar.inc(1);
                 let mut row = None;
                 if step % c.log_every == 0 {
-                    let loss = report.loss()? as f64;
-                    window.loss_sum += loss;
-                    window.losses += 1;
-                    epoch_stats.loss_sum += loss;
-                    epoch_stats.losses += 1;
-                    let secs = window.started.elapsed().as_secs_f64().max(1e-9);
-                    let rate = window.samples as f64 * scale / secs;
+                    let loss = window.mean_loss()?;
+                    let rate = window.rate(scale);
                     bar.set_message(format!(
-                        "loss {loss:.4}  lr {:.2e}  {rate:.0} {unit}",
+                        "loss {:.4}  lr {:.2e}  {rate:.0} {unit}",
+                        loss.unwrap_or(f64::NAN),
                         report.lr
                     ));
                     row = Some(MetricsRow {
                         step,
                         epoch: batch.epoch,
-                        loss: Some(window.loss_sum / window.losses as f64),
+                        loss,
                         lr: Some(report.lr),
                         grad_norm: report.grad_norm()?,
                         loss_scale: Some(report.loss_scale()? as f64),
                         samples_per_s: Some(rate),
                         ..Default::default()
                     });
-                    window = Window::new();
+                    window = Tally::new();
                 }
                 let mut stop_now = false;
                 if c.eval_every.is_some_and(|e| step % e == 0) {
@@ -481,16 +485,16 @@ impl Trainer {
                     eval: m.clone(),
                     ..Default::default()
                 };
-                let secs = epoch_stats.started.elapsed().as_secs_f64().max(1e-9);
-                let train_loss = match epoch_stats.losses {
-                    0 => String::new(),
-                    k => format!("train loss {:.4}  ", epoch_stats.loss_sum / k as f64),
+                let secs = epoch_stats.started.elapsed().as_secs_f64();
+                let train_loss = match epoch_stats.mean_loss()? {
+                    None => String::new(),
+                    Some(l) => format!("train loss {l:.4}  "),
                 };
                 let line = format!(
                     "epoch {}: {train_loss}{}  {:.0} {unit}  ({secs:.1} s)",
                     row.epoch,
                     fmt_metrics(&m),
-                    epoch_stats.samples as f64 * scale / secs
+                    epoch_stats.rate(scale)
                 );
                 bar.suspend(|| println!("{line}"));
                 if let Some(f) = files.as_mut() {

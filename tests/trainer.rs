@@ -55,6 +55,7 @@ fn max_steps_with_accumulation_and_metrics_files() -> anyhow::Result<()> {
     };
     let mut trainer = Trainer::new(config)?;
     let batches = RefCell::new(0u32);
+    let losses = RefCell::new(Vec::new());
     let evals = RefCell::new(Vec::new());
     let summary = trainer.fit(
         &mut engine,
@@ -64,7 +65,9 @@ fn max_steps_with_accumulation_and_metrics_files() -> anyhow::Result<()> {
             let (x, y) = b
                 .pair()
                 .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-            loss::cross_entropy(&l2.forward(&l1.forward(&x)?.relu()?)?, &y)
+            let l = loss::cross_entropy(&l2.forward(&l1.forward(&x)?.relu()?)?, &y)?;
+            losses.borrow_mut().push(l.to_scalar::<f32>()? as f64);
+            Ok(l)
         },
         |e| {
             evals.borrow_mut().push(e.boundaries());
@@ -95,6 +98,19 @@ fn max_steps_with_accumulation_and_metrics_files() -> anyhow::Result<()> {
         .map(|l| l.split(',').next().unwrap())
         .collect();
     assert_eq!(steps, ["5", "10", "15", "20"]);
+    // the loss column is the mean over every micro-batch since the previous row
+    let logged: Vec<f64> = lines[1..]
+        .iter()
+        .map(|l| l.split(',').nth(2).unwrap().parse().unwrap())
+        .collect();
+    let losses = losses.borrow();
+    for (row, chunk) in logged.iter().zip(losses.chunks(10)) {
+        let mean = chunk.iter().sum::<f64>() / chunk.len() as f64;
+        assert!(
+            (row - mean).abs() <= 1e-6 * mean,
+            "logged {row}, micro-batch mean {mean}"
+        );
+    }
     let row10: Vec<&str> = lines[2].split(',').collect();
     assert_eq!(
         row10[3],
