@@ -320,11 +320,8 @@ fn main() -> Result<()> {
         .as_ref()
         .map(|d| Checkpointer::new(d, args.keep_last));
     if let (true, Some(c)) = (args.resume, &ckpt) {
-        match c.resume(&mut engine)? {
-            Some((path, extra)) => {
-                let state: LoaderState = serde_json::from_value(extra["loader"].clone())
-                    .context("checkpoint has no loader state")?;
-                loader.load_state(&state)?;
+        match c.resume_with_loader(&mut engine, &mut loader)? {
+            Some((path, _)) => {
                 println!(
                     "resumed from {} at step {}",
                     path.display(),
@@ -394,8 +391,8 @@ fn main() -> Result<()> {
             let Some(c) = &ckpt else { return Ok(false) };
             let step = engine.boundaries();
             if step % save_every == 0 || step >= steps || checkpoint::interrupted() {
-                let extra = serde_json::json!({ "loader": pos, "model": config });
-                let path = c.save(engine, extra)?;
+                let extra = serde_json::json!({ "model": config });
+                let path = c.save_with_loader(engine, pos, extra)?;
                 if checkpoint::interrupted() {
                     println!("interrupted: saved {}", path.display());
                     return Ok(true);

@@ -189,11 +189,8 @@ fn main() -> Result<()> {
         .as_ref()
         .map(|d| Checkpointer::new(d, args.keep_last));
     if let (true, Some(c)) = (args.resume, &ckpt) {
-        match c.resume(&mut engine)? {
-            Some((path, extra)) => {
-                let state: LoaderState = serde_json::from_value(extra["loader"].clone())
-                    .context("checkpoint has no loader state")?;
-                loader.load_state(&state)?;
+        match c.resume_with_loader(&mut engine, &mut loader)? {
+            Some((path, _)) => {
                 println!(
                     "resumed from {} at step {}",
                     path.display(),
@@ -235,7 +232,7 @@ fn main() -> Result<()> {
             let Some(c) = &ckpt else { return Ok(false) };
             let end_of_epoch = engine.boundaries() % batches_per_epoch == 0;
             if end_of_epoch || checkpoint::interrupted() {
-                let path = c.save(engine, serde_json::json!({ "loader": pos }))?;
+                let path = c.save_with_loader(engine, pos, serde_json::Value::Null)?;
                 if checkpoint::interrupted() {
                     println!("interrupted: saved {}", path.display());
                     return Ok(true);

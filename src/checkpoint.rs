@@ -66,6 +66,7 @@
 //! # Ok(()) }
 //! ```
 
+use crate::data::{Collate, DataLoader, Dataset, LoaderState};
 use crate::engine::{Engine, EngineState};
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use candle_core::{DType, Device, Tensor};
@@ -270,6 +271,59 @@ impl Checkpointer {
             Some(path) => {
                 let extra = load(&path, engine)?;
                 Ok(Some((path, extra)))
+            }
+        }
+    }
+
+    /// [`Self::save`] for a run fed by a [`DataLoader`]: records the loader's position under the
+    /// `"loader"` key of `extra` (a JSON object, or null for none), so that
+    /// [`Self::resume_with_loader`] continues with exactly the next batch.
+    ///
+    /// Errors: `extra` is not an object or null; otherwise as [`Self::save`].
+    pub fn save_with_loader(
+        &self,
+        engine: &Engine,
+        loader: &LoaderState,
+        extra: serde_json::Value,
+    ) -> Result<PathBuf> {
+        let mut extra = match extra {
+            serde_json::Value::Null => serde_json::Value::Object(Default::default()),
+            v @ serde_json::Value::Object(_) => v,
+            other => bail!("checkpoint extra must be a JSON object, got {other}"),
+        };
+        extra["loader"] = serde_json::to_value(loader)?;
+        self.save(engine, extra)
+    }
+
+    /// Resumes `engine` and `loader` from the newest checkpoint written by
+    /// [`Self::save_with_loader`]; returns its path and `extra`. `Ok(None)`: no checkpoint yet.
+    /// On error neither the engine nor the loader changes.
+    ///
+    /// Errors: the checkpoint has no loader position, the position does not fit this loader
+    /// (different batch size, dataset length, ...), or anything [`load`] reports.
+    pub fn resume_with_loader<D: Dataset, C: Collate<D::Sample>>(
+        &self,
+        engine: &mut Engine,
+        loader: &mut DataLoader<D, C>,
+    ) -> Result<Option<(PathBuf, serde_json::Value)>> {
+        let Some(path) = self.latest()? else {
+            return Ok(None);
+        };
+        let state = read_state(&path)?;
+        let position: LoaderState = serde_json::from_value(state.extra["loader"].clone())
+            .with_context(|| {
+                format!(
+                    "{}: trainer_state.json has no loader position",
+                    path.display()
+                )
+            })?;
+        let before = loader.state();
+        loader.load_state(&position)?;
+        match load(&path, engine) {
+            Ok(extra) => Ok(Some((path, extra))),
+            Err(e) => {
+                loader.load_state(&before)?;
+                Err(e)
             }
         }
     }

@@ -835,3 +835,51 @@ fn mnist_mlp_save_load_time() -> Result<()> {
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
+
+#[test]
+fn resume_with_loader_restores_the_data_position_or_changes_nothing() -> anyhow::Result<()> {
+    use candle_core::{DType, Device, Module, Tensor};
+    use wick::checkpoint::Checkpointer;
+    use wick::data::{DataLoader, LoaderConfig, TensorDataset};
+    use wick::{loss, nn, Engine, EngineConfig, ParamStore, Precision};
+    let dir = std::env::temp_dir().join(format!("wick-ckpt-loader-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let data = || -> anyhow::Result<TensorDataset> {
+        let x = Tensor::arange(0f32, 64.0, &Device::Cpu)?.reshape((32, 2))?;
+        let y = Tensor::zeros(32, DType::U32, &Device::Cpu)?;
+        Ok(TensorDataset::new(vec![x, y])?)
+    };
+    let build = |seed| -> anyhow::Result<(Engine, nn::Linear)> {
+        let store = ParamStore::new(Precision::Fp32, Device::Cpu, seed);
+        let l = nn::Linear::new(&store, "l", 2, 3, true)?;
+        Ok((Engine::new(store, EngineConfig::adamw(1e-2))?, l))
+    };
+    let (mut engine, l) = build(1)?;
+    let mut loader = DataLoader::new(data()?, LoaderConfig::new(4).with_shuffle(9))?;
+    for _ in 0..3 {
+        let b = loader.next_batch()?.unwrap();
+        let (x, y) = b.pair()?;
+        engine.step(|_| loss::cross_entropy(&l.forward(&x)?, &y))?;
+    }
+    let ck = Checkpointer::new(&dir, 2);
+    ck.save_with_loader(&engine, &loader.state(), serde_json::json!({ "note": "x" }))?;
+    let next = loader.next_batch()?.unwrap().indices;
+
+    let (mut fresh, _) = build(2)?;
+    let mut fresh_loader = DataLoader::new(data()?, LoaderConfig::new(4).with_shuffle(9))?;
+    let (_, extra) = ck
+        .resume_with_loader(&mut fresh, &mut fresh_loader)?
+        .expect("a checkpoint");
+    assert_eq!(extra["note"], "x");
+    assert_eq!(fresh.boundaries(), 3);
+    assert_eq!(fresh_loader.next_batch()?.unwrap().indices, next);
+
+    // a loader with another batch size does not fit: nothing changes
+    let (mut other, _) = build(3)?;
+    let mut wrong = DataLoader::new(data()?, LoaderConfig::new(8).with_shuffle(9))?;
+    let before = wrong.state();
+    assert!(ck.resume_with_loader(&mut other, &mut wrong).is_err());
+    assert_eq!((other.boundaries(), wrong.state()), (0, before));
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
