@@ -194,6 +194,22 @@ pub(crate) fn work_list<'a, S>(
         .collect()
 }
 
+/// The contiguous f32 data of a master weight inside a fused CPU `InplaceOp1` (`who` names the
+/// optimizer in errors).
+pub(crate) fn master_slice<'a>(
+    storage: &'a mut candle_core::CpuStorage,
+    layout: &candle_core::Layout,
+    who: &str,
+) -> candle_core::Result<&'a mut [f32]> {
+    let candle_core::CpuStorage::F32(data) = storage else {
+        candle_core::bail!("fused {who}: master weights must be f32")
+    };
+    let Some((a, b)) = layout.contiguous_offsets() else {
+        candle_core::bail!("fused {who}: master weights must be contiguous")
+    };
+    Ok(&mut data[a..b])
+}
+
 /// Fetches `name` from a state map, checks its shape against `shape`, and moves it to `device`.
 pub(crate) fn state_tensor(
     tensors: &std::collections::HashMap<String, Tensor>,

@@ -453,13 +453,7 @@ impl candle_core::InplaceOp1 for FusedSgd<'_> {
     }
 
     fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
-        let CpuStorage::F32(data) = storage else {
-            candle_core::bail!("fused SGD: master weights must be f32")
-        };
-        let Some((a, b)) = layout.contiguous_offsets() else {
-            candle_core::bail!("fused SGD: master weights must be contiguous")
-        };
-        let p = &mut data[a..b];
+        let p = super::master_slice(storage, layout, "SGD")?;
         let mut guard = self
             .buf
             .lock()
