@@ -516,7 +516,7 @@ impl Trainer {
             tokens_per_sample: c.tokens_per_sample.map(|t| t as u64),
             flops_per_step: c.flops_per_step,
             gpu_name: gpu_name(engine.store().device()),
-            compute_capability: None,
+            compute_capability: compute_capability(engine.store().device()),
             compute_dtype: Some(engine.store().precision().compute_dtype()),
             fused_optimizer: engine.implementation().is_fused(),
             num_workers: loader.config().num_workers,
@@ -551,6 +551,17 @@ fn gpu_name(device: &candle_core::Device) -> Option<String> {
     #[cfg(feature = "cuda")]
     if let candle_core::Device::Cuda(d) = device {
         return d.cuda_stream().context().name().ok();
+    }
+    let _ = device;
+    None
+}
+
+/// The GPU's compute capability (`None` on the CPU), for the bf16 hint.
+fn compute_capability(device: &candle_core::Device) -> Option<(u32, u32)> {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(d) = device {
+        let (major, minor) = d.cuda_stream().context().compute_capability().ok()?;
+        return Some((major as u32, minor as u32));
     }
     let _ = device;
     None
