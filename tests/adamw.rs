@@ -1,54 +1,18 @@
 //! AdamW: fused CPU path vs the candle-op reference path, and both against an independent
 //! scalar f64 implementation of torch.optim.AdamW's update.
 
-use candle_core::{Device, Tensor};
-use candle_nn::Init;
-use rand::{Rng, SeedableRng};
+mod common;
+use candle_core::Tensor;
+use common::{flat, max_rel_err, random_grads};
+use rand::SeedableRng;
 use wick::optim::{AdamW, AdamWConfig, GradStats, Impl, Optimizer, StepInputs};
-use wick::params::{Param, ParamStore, Role};
-use wick::Precision;
+use wick::params::ParamStore;
 
 /// Shapes with an empty tensor, a 1-D tensor and odd sizes (larger than one rayon chunk).
 const SHAPES: &[&[usize]] = &[&[0], &[7], &[13, 17], &[0, 5], &[3, 5, 11], &[40_001]];
 
 fn store(seed: u64) -> anyhow::Result<ParamStore> {
-    let s = ParamStore::new(Precision::Fp32, Device::Cpu, seed);
-    for (i, shape) in SHAPES.iter().enumerate() {
-        s.get_or_init(
-            &format!("p{i}"),
-            shape.to_vec(),
-            Init::Uniform { lo: -1.0, up: 1.0 },
-            Role::Matmul,
-        )?;
-    }
-    Ok(s)
-}
-
-fn random_grads(
-    params: &[Param],
-    rng: &mut rand::rngs::StdRng,
-    scale: f32,
-) -> anyhow::Result<Vec<Option<Tensor>>> {
-    params
-        .iter()
-        .map(|p| {
-            let v: Vec<f32> = (0..p.elem_count())
-                .map(|_| rng.random_range(-1.0f32..1.0) * scale)
-                .collect();
-            Ok(Some(Tensor::from_vec(v, p.master.shape(), &Device::Cpu)?))
-        })
-        .collect()
-}
-
-fn flat(t: &Tensor) -> Vec<f32> {
-    t.flatten_all().unwrap().to_vec1().unwrap()
-}
-
-fn max_rel_err(a: &[f32], b: &[f32]) -> f64 {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| ((x - y).abs() as f64) / (y.abs() as f64).max(1e-3))
-        .fold(0.0, f64::max)
+    common::store(seed, SHAPES)
 }
 
 #[test]

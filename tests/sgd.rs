@@ -2,15 +2,17 @@
 //! implementation of torch.optim.SGD's update; found_inf skips; state round trip; the Engine
 //! trains with `EngineConfig::sgd`.
 
+mod common;
 use candle_core::{Device, Module, Tensor};
-use candle_nn::Init;
+
+use common::{flat, max_rel_err, random_grads};
 use rand::{Rng, SeedableRng};
 use std::collections::HashMap;
 use wick::engine::OptimizerConfig;
 use wick::optim::{
     GradStats, HostStats, Impl, LrSchedule, OptimPath, Optimizer, Sgd, SgdConfig, StepInputs,
 };
-use wick::params::{Param, ParamStore, Role};
+use wick::params::ParamStore;
 use wick::{loss, nn, Engine, EngineConfig, Precision};
 
 /// Shapes with empty tensors, a 1-D tensor, odd sizes and tensors larger than one rayon chunk
@@ -26,44 +28,7 @@ const SHAPES: &[&[usize]] = &[
 ];
 
 fn store(seed: u64) -> anyhow::Result<ParamStore> {
-    let s = ParamStore::new(Precision::Fp32, Device::Cpu, seed);
-    for (i, shape) in SHAPES.iter().enumerate() {
-        s.get_or_init(
-            &format!("p{i}"),
-            shape.to_vec(),
-            Init::Uniform { lo: -1.0, up: 1.0 },
-            Role::Matmul,
-        )?;
-    }
-    Ok(s)
-}
-
-fn random_grads(
-    params: &[Param],
-    rng: &mut rand::rngs::StdRng,
-    scale: f32,
-) -> anyhow::Result<Vec<Option<Tensor>>> {
-    params
-        .iter()
-        .map(|p| {
-            let v: Vec<f32> = (0..p.elem_count())
-                .map(|_| rng.random_range(-1.0f32..1.0) * scale)
-                .collect();
-            Ok(Some(Tensor::from_vec(v, p.master.shape(), &Device::Cpu)?))
-        })
-        .collect()
-}
-
-fn flat(t: &Tensor) -> Vec<f32> {
-    t.flatten_all().unwrap().to_vec1().unwrap()
-}
-
-fn max_rel_err(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| ((x - y).abs() as f64) / (y.abs() as f64).max(1e-3))
-        .fold(0.0, f64::max)
+    common::store(seed, SHAPES)
 }
 
 /// The three configurations of the brief, each with weight decay.
