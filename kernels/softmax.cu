@@ -8,8 +8,12 @@
 // (16-byte loads need D % V == 0 and aligned pointers; the launcher checks). Launchers:
 // src/ops/softmax.rs.
 //
+// Causal variant (causal = 1): the rows are the queries of (.., D, D) scores; query i sees keys
+// j <= i only, as if the scores above the diagonal were -inf (the backward needs no change: y is
+// 0 there, so dx is 0 there).
+//
 // Entry points (TN = dtype of x, y, dy, dx):
-//   softmax_fwd_<TN>[_vec](x, y, rows, D)
+//   softmax_fwd_<TN>[_vec](x, y, rows, D, causal)
 //   softmax_bwd_<TN>[_vec](y, dy, dx, rows, D)
 #include "norm.cuh"   // load_f32 / store_f32 / norm_warp_sum, NORM_THREADS
 
@@ -17,19 +21,24 @@
 __device__ __forceinline__ float sm_rescale(float a, float m) { return a == m ? 1.0f : expf(a - m); }
 
 template <int V, typename T>
-__device__ __forceinline__ void softmax_fwd(const T* __restrict__ x, T* __restrict__ y, int rows, int D) {
+__device__ __forceinline__ void softmax_fwd(const T* __restrict__ x, T* __restrict__ y, int rows, int D,
+                                            int causal) {
     const int lane = threadIdx.x & 31;
     const long row = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (row >= rows) return;
     const T* xr = x + row * D;
     T* yr = y + row * D;
+    // Causal: the row is query i = row % D of a (.., D, D) score matrix; keys j > i are masked
+    // (treated as -inf: never read, written as 0).
+    const int valid = causal ? (int)(row % D) + 1 : D;
     // Running maximum m and sum s of exp(x - m) over this lane's elements.
     float m = -INFINITY, s = 0.0f;
-    for (int c = lane * V; c < D; c += 32 * V) {
+    for (int c = lane * V; c < valid; c += 32 * V) {
         float v[V];
         load_f32<V>(xr + c, v);
 #pragma unroll
         for (int k = 0; k < V; k++) {
+            if (c + k >= valid) continue;
             if (v[k] > m) { s = s * sm_rescale(m, v[k]) + 1.0f; m = v[k]; }   // new maximum: rescale the sum
             else s += sm_rescale(v[k], m);
         }
@@ -46,9 +55,9 @@ __device__ __forceinline__ void softmax_fwd(const T* __restrict__ x, T* __restri
     const float inv = 1.0f / s;                                   // 1 / sum(exp(x - max))
     for (int c = lane * V; c < D; c += 32 * V) {
         float v[V], o[V];
-        load_f32<V>(xr + c, v);
+        if (c < valid) load_f32<V>(xr + c, v);
 #pragma unroll
-        for (int k = 0; k < V; k++) o[k] = expf(v[k] - m) * inv;
+        for (int k = 0; k < V; k++) o[k] = c + k < valid ? expf(v[k] - m) * inv : 0.0f;
         store_f32<V>(yr + c, o);
     }
 }
@@ -83,9 +92,10 @@ __device__ __forceinline__ void softmax_bwd(const T* __restrict__ y, const T* __
 
 #define SOFTMAX_ENTRIES(TN, T)                                                                      \
 extern "C" __global__ void __launch_bounds__(NORM_THREADS) softmax_fwd_##TN(                        \
-    const T* x, T* y, int rows, int D) { softmax_fwd<1>(x, y, rows, D); }                           \
+    const T* x, T* y, int rows, int D, int causal) { softmax_fwd<1>(x, y, rows, D, causal); }       \
 extern "C" __global__ void __launch_bounds__(NORM_THREADS) softmax_fwd_##TN##_vec(                  \
-    const T* x, T* y, int rows, int D) { softmax_fwd<16 / sizeof(T)>(x, y, rows, D); }              \
+    const T* x, T* y, int rows, int D, int causal) {                                                \
+    softmax_fwd<16 / sizeof(T)>(x, y, rows, D, causal); }                                           \
 extern "C" __global__ void __launch_bounds__(NORM_THREADS) softmax_bwd_##TN(                        \
     const T* y, const T* dy, T* dx, int rows, int D) { softmax_bwd<1>(y, dy, dx, rows, D); }        \
 extern "C" __global__ void __launch_bounds__(NORM_THREADS) softmax_bwd_##TN##_vec(                  \

@@ -22,9 +22,9 @@ use crate::params::{Param, ParamStore};
 use crate::precision::Precision;
 use crate::profile::PhaseTimes;
 use crate::scaler::{LossScaler, ScalerConfig, ScalerState};
+use crate::timing::{Mark, StepSpans};
 use anyhow::{bail, Context, Result};
 use candle_core::{backprop::GradStore, DType, Tensor};
-use std::time::Instant;
 
 /// Which optimizer the engine runs.
 #[derive(Debug, Clone, PartialEq)]
@@ -137,8 +137,13 @@ pub struct StepReport {
     pub boundary: bool,
     /// Learning rate of this window's optimizer step.
     pub lr: f64,
-    /// Per-phase wall times of this call (data/h2d are zero: the caller measures them).
+    /// Per-phase host wall times of this call (data/h2d are zero: the caller measures them).
+    /// On CUDA these are the times the host took to *queue* each phase; the GPU's times are in
+    /// [`StepReport::spans`].
     pub times: PhaseTimes,
+    /// The phases as spans on the device timeline (CUDA events on the GPU, wall clocks on the
+    /// CPU); [`StepSpans::resolve`] reads them, waiting for the step's work to finish.
+    pub spans: StepSpans,
 }
 
 #[derive(Debug, Clone)]
@@ -329,10 +334,10 @@ impl Engine {
             bail!("Engine::step_weighted: weight must be finite and > 0, got {weight}");
         }
         let params = self.store.params();
-        let mut times = PhaseTimes::default();
+        let device = self.store.device().clone();
+        let m0 = Mark::now(&device)?;
 
         // forward under the autocast policy
-        let t = Instant::now();
         let ctx = StepCtx {
             store: &self.store,
             micro_step: self.grads.micro_steps(),
@@ -341,19 +346,17 @@ impl Engine {
             .map_err(Into::into)
             .context("the forward closure failed")?;
         let loss = scalar_loss(loss)?;
-        times.forward = t.elapsed();
+        let m1 = Mark::now(&device)?;
 
         // scale the loss, backward
-        let t = Instant::now();
         let loss_scale = self.current_scale()?;
         let grads = self
             .scale_loss(&loss, &loss_scale)?
             .backward()
             .context("backward failed")?;
-        times.backward = t.elapsed();
+        let m2 = Mark::now(&device)?;
 
         // accumulate; at the boundary: unscale and check, clip, update, update the scale
-        let t = Instant::now();
         if self.check_coverage_next {
             self.check_coverage(&params, &grads)?;
         }
@@ -387,14 +390,15 @@ impl Engine {
             self.boundaries += 1;
             stats = Some(s);
         }
-        times.optimizer = t.elapsed();
+        let spans = StepSpans::from_marks([m0, m1, m2, Mark::now(&device)?]);
         Ok(StepReport {
             loss,
             boundary: stats.is_some(),
             stats,
             loss_scale,
             lr,
-            times,
+            times: spans.host(),
+            spans,
         })
     }
 

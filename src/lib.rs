@@ -46,6 +46,7 @@ pub mod plot;
 pub mod precision;
 pub mod profile;
 pub mod scaler;
+pub mod timing;
 pub mod trainer;
 
 pub use engine::{Engine, EngineConfig, StepCtx, StepReport};

@@ -1,5 +1,6 @@
 //! Per-phase step timing: data, host-to-device, forward, backward, optimizer. On the CPU the
-//! phases are timed with wall clocks around each phase.
+//! phases are timed with wall clocks around each phase; on CUDA with events on the compute
+//! stream, read back in batches (see [`crate::timing`]).
 
 use std::fmt::Write as _;
 use std::time::Duration;
@@ -119,6 +120,9 @@ pub struct RunProfile {
     pub num_workers: usize,
     /// Peak device memory in bytes, where the device reports it.
     pub peak_memory: Option<u64>,
+    /// Forward, backward, optimizer and host-to-device were timed with CUDA events on the
+    /// compute stream (data is always the host's wait for the loader).
+    pub device_timed: bool,
 }
 
 /// One bottleneck hint: what was seen and what to change.
@@ -204,6 +208,15 @@ impl RunProfile {
     pub fn report(&self) -> String {
         let secs = self.phases.total().as_secs_f64().max(1e-12);
         let mut s = self.phases.table(self.steps);
+        let _ = writeln!(
+            s,
+            "timing: {}",
+            if self.device_timed {
+                "CUDA events on the compute stream (data: host wait for the loader)"
+            } else {
+                "host wall clock"
+            }
+        );
         let _ = write!(s, "throughput: {:.0} samples/s", self.samples as f64 / secs);
         if let Some(t) = self.tokens_per_sample {
             let _ = write!(s, ", {:.0} tokens/s", (self.samples * t) as f64 / secs);

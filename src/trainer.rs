@@ -12,6 +12,7 @@
 use crate::data::{Batch, Collate, DataLoader, Dataset, LoaderState};
 use crate::engine::{Engine, StepCtx, StepReport};
 use crate::profile::{PhaseTimes, RunProfile};
+use crate::timing::PendingPhases;
 use anyhow::{bail, Context, Result};
 use candle_core::Tensor;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -150,6 +151,9 @@ struct MetricsFiles {
     csv: BufWriter<File>,
     jsonl: BufWriter<File>,
 }
+
+/// Steps whose CUDA-event spans may wait unresolved between log rows (bounds the events held).
+const MAX_PENDING_STEPS: usize = 512;
 
 const CSV_HEADER: &str = "step,epoch,loss,val_loss,lr,grad_norm,loss_scale,samples_per_s";
 
@@ -390,6 +394,9 @@ impl Trainer {
         );
         let started = Instant::now();
         let mut phases = PhaseTimes::default();
+        // CUDA-event spans, resolved at log rows (where the loss is read anyway)
+        let mut pending = PendingPhases::default();
+        let mut device_timed = false;
         let mut window = Tally::new();
         let mut stopper = Stopper {
             rule: c.early_stopping.clone(),
@@ -416,7 +423,8 @@ impl Trainer {
                 phases.data += t.elapsed();
                 let n = batch.len() as u64;
                 let report = engine.step_weighted(n as f64, |ctx| train_step(ctx, &batch))?;
-                phases.add(&report.times);
+                device_timed |= report.spans.forward.is_device();
+                pending.push(batch.h2d.clone(), report.spans.clone());
                 samples += n;
                 window.add(report.loss_tensor(), n)?;
                 epoch_stats.add(report.loss_tensor(), n)?;
@@ -428,6 +436,7 @@ impl Trainer {
                 let mut row = None;
                 if step % c.log_every == 0 {
                     let loss = window.mean_loss()?;
+                    phases.add(&pending.drain()?);
                     let rate = window.rate(scale);
                     bar.set_message(format!(
                         "loss {:.4}  lr {:.2e}  {rate:.0} {unit}",
@@ -445,6 +454,9 @@ impl Trainer {
                         ..Default::default()
                     });
                     window = Tally::new();
+                }
+                if pending.len() >= MAX_PENDING_STEPS {
+                    phases.add(&pending.drain()?);
                 }
                 let mut stop_now = false;
                 if c.eval_every.is_some_and(|e| step % e == 0) {
@@ -508,6 +520,7 @@ impl Trainer {
             }
         };
         bar.finish_and_clear();
+        phases.add(&pending.drain()?);
         let steps = engine.boundaries() - start_step;
         let profile = RunProfile {
             phases,
@@ -521,6 +534,7 @@ impl Trainer {
             fused_optimizer: engine.implementation().is_fused(),
             num_workers: loader.config().num_workers,
             peak_memory: peak_memory(engine.store().device()),
+            device_timed,
         };
         if let Some(dir) = c.out_dir.as_deref() {
             drop(files);

@@ -111,6 +111,36 @@ fn sm_ref(a: &[Tensor]) -> Result<Tensor> {
     candle_nn::ops::softmax(&a[0].to_dtype(DType::F32)?, D::Minus1)
 }
 
+fn causal_fused(a: &[Tensor]) -> Result<Tensor> {
+    ops::causal_softmax_last_dim(&a[0])
+}
+/// softmax(x + mask) in f32 with the `(T, T)` causal mask (-inf above the diagonal).
+fn causal_ref(a: &[Tensor]) -> Result<Tensor> {
+    let t = a[0].dim(D::Minus1)?;
+    let mask: Vec<f32> = (0..t * t)
+        .map(|k| {
+            if k % t > k / t {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let mask = Tensor::from_vec(mask, (t, t), a[0].device())?;
+    candle_nn::ops::softmax(&a[0].to_dtype(DType::F32)?.broadcast_add(&mask)?, D::Minus1)
+}
+/// Per-row cross-entropy through candle's log_softmax and gather, in f32.
+fn ce_ref(x: &Tensor, t: &Tensor) -> Result<Tensor> {
+    let logp = candle_nn::ops::log_softmax(&x.to_dtype(DType::F32)?, D::Minus1)?;
+    logp.gather(&t.unsqueeze(1)?, 1)?.squeeze(1)?.neg()
+}
+/// Class indices in `0..c`, seeded.
+fn targets(n: usize, c: usize, seed: u64, dev: &Device) -> Tensor {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let v: Vec<u32> = (0..n).map(|_| rng.random_range(0..c as u32)).collect();
+    Tensor::from_vec(v, n, dev).unwrap()
+}
+
 /// Error bound relative to the reference's scale: the rounding of the storage dtype plus
 /// margin for f32 summation order.
 fn tol(dtype: DType) -> f32 {
@@ -240,6 +270,77 @@ fn softmax_handles_masked_entries() -> Result<()> {
     let r = rand_t(&[6, 40], -1.0, 1.0, 8, DType::F32, &Device::Cpu);
     let errs = compare("softmax masked", &sm_fused, &sm_ref, &[x], &r)?;
     assert!(errs.iter().all(|e| *e <= 1e-5), "{errs:?}");
+    Ok(())
+}
+
+#[test]
+fn causal_softmax_matches_masked_composed_on_cpu() -> Result<()> {
+    for dtype in DTYPES {
+        for (i, shape) in [&[2usize, 3, 16, 16][..], &[1, 37, 37], &[64, 64], &[1, 1]]
+            .iter()
+            .enumerate()
+        {
+            let x = rand_t(shape, -8.0, 8.0, 400 + i as u64, dtype, &Device::Cpu);
+            let r = rand_t(shape, -1.0, 1.0, 500 + i as u64, DType::F32, &Device::Cpu);
+            let name = format!("causal softmax {dtype:?} {shape:?}");
+            let errs = compare(&name, &causal_fused, &causal_ref, &[x.clone()], &r)?;
+            assert!(errs.iter().all(|e| *e <= tol(dtype)), "{name}: {errs:?}");
+            // above the diagonal: exactly 0 (never read)
+            let y = ops::causal_softmax_last_dim(&x)?.to_dtype(DType::F32)?;
+            let t = shape[shape.len() - 1];
+            let rows: Vec<Vec<f32>> = y.reshape(((), t))?.to_vec2()?;
+            for (r, row) in rows.iter().enumerate() {
+                assert!(
+                    row[r % t + 1..].iter().all(|v| *v == 0.0),
+                    "{name}: row {r}"
+                );
+                let s: f32 = row.iter().sum();
+                assert!((s - 1.0).abs() < 1e-2, "{name}: row {r} sums to {s}");
+            }
+        }
+    }
+    let bad = Tensor::zeros((3, 4), DType::F32, &Device::Cpu)?;
+    let e = ops::causal_softmax_last_dim(&bad).unwrap_err().to_string();
+    assert!(e.contains("(.., T, T)"), "{e}");
+    Ok(())
+}
+
+#[test]
+fn cross_entropy_matches_log_softmax_gather_on_cpu() -> Result<()> {
+    for dtype in DTYPES {
+        for (i, &(n, c)) in [(8usize, 256usize), (5, 37), (3, 5000), (1, 1)]
+            .iter()
+            .enumerate()
+        {
+            let x = rand_t(&[n, c], -6.0, 6.0, 600 + i as u64, dtype, &Device::Cpu);
+            let t = targets(n, c, 700 + i as u64, &Device::Cpu);
+            let r = rand_t(&[n], 0.0, 2.0, 800 + i as u64, DType::F32, &Device::Cpu);
+            let name = format!("cross_entropy {dtype:?} ({n}, {c})");
+            let fused = |a: &[Tensor]| ops::cross_entropy_rows(&a[0], &t);
+            let reference = |a: &[Tensor]| ce_ref(&a[0], &t);
+            let errs = compare_any(&name, &fused, &reference, &[x.clone()], &r)?;
+            assert!(errs.iter().all(|e| *e <= tol(dtype)), "{name}: {errs:?}");
+            let (y, g) = value_and_grads(&fused, &[x], &r)?;
+            assert_eq!((y.dtype(), y.dims()), (DType::F32, &[n][..]), "{name}");
+            assert_eq!(g[0].dtype(), dtype, "{name}: gradient dtype");
+        }
+    }
+    // closed form: uniform logits give ln(C) for every target
+    let x = Tensor::zeros((4, 10), DType::F32, &Device::Cpu)?;
+    let l: Vec<f32> = ops::cross_entropy_rows(&x, &targets(4, 10, 1, &Device::Cpu))?.to_vec1()?;
+    assert!(l.iter().all(|v| (v - 10f32.ln()).abs() < 1e-6), "{l:?}");
+    // bad input
+    let x = Tensor::zeros((2, 3), DType::F32, &Device::Cpu)?;
+    let oob = Tensor::new(&[0u32, 3], &Device::Cpu)?;
+    let e = ops::cross_entropy_rows(&x, &oob).unwrap_err().to_string();
+    assert!(
+        e.contains("target 3 at row 1") && e.contains("3 classes"),
+        "{e}"
+    );
+    let e = ops::cross_entropy_rows(&x, &Tensor::new(&[0u32], &Device::Cpu)?)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("targets must be (N,)"), "{e}");
     Ok(())
 }
 
@@ -540,6 +641,50 @@ mod cuda {
                 check(&name, &sm_fused, &sm_ref, &[x], &r, tol(dtype))?;
             }
         }
+        Ok(())
+    }
+
+    #[test]
+    fn causal_softmax_cuda_matches_cpu() -> Result<()> {
+        for dtype in DTYPES {
+            for (i, shape) in [&[2usize, 3, 64, 64][..], &[1, 37, 37], &[1, 2, 1024, 1024]]
+                .iter()
+                .enumerate()
+            {
+                let x = rand_t(shape, -8.0, 8.0, 3300 + i as u64, dtype, &Device::Cpu);
+                let r = rand_t(shape, -1.0, 1.0, 3400 + i as u64, DType::F32, &Device::Cpu);
+                let name = format!("cuda causal softmax {dtype:?} {shape:?}");
+                check(&name, &causal_fused, &causal_ref, &[x], &r, tol(dtype))?;
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn cross_entropy_cuda_matches_cpu() -> Result<()> {
+        for dtype in DTYPES {
+            for (i, &(n, c)) in [(64usize, 256usize), (7, 37), (33, 50304), (2, 1)]
+                .iter()
+                .enumerate()
+            {
+                let x = rand_t(&[n, c], -6.0, 6.0, 3500 + i as u64, dtype, &Device::Cpu);
+                let t = targets(n, c, 3600 + i as u64, &Device::Cpu);
+                let tg = t.to_device(&gpu())?;
+                let r = rand_t(&[n], 0.0, 2.0, 3700 + i as u64, DType::F32, &Device::Cpu);
+                let name = format!("cuda cross_entropy {dtype:?} ({n}, {c})");
+                let fused = |a: &[Tensor]| {
+                    let t = if a[0].device().is_cuda() { &tg } else { &t };
+                    ops::cross_entropy_rows(&a[0], t)
+                };
+                let reference = |a: &[Tensor]| ce_ref(&a[0], &t);
+                check(&name, &fused, &reference, &[x], &r, tol(dtype))?;
+            }
+        }
+        // an out-of-range target gives NaN on the GPU (no device read to raise an error)
+        let x = Tensor::zeros((2, 3), DType::F32, &gpu())?;
+        let l: Vec<f32> =
+            ops::cross_entropy_rows(&x, &Tensor::new(&[0u32, 3], &gpu())?)?.to_vec1()?;
+        assert!((l[0] - 3f32.ln()).abs() < 1e-6 && l[1].is_nan(), "{l:?}");
         Ok(())
     }
 

@@ -614,14 +614,17 @@ fn bench_step(args: &StepArgs) -> Result<()> {
     }
     dev.synchronize()?;
     let mut phases = PhaseTimes::default();
+    let mut pending = wick::timing::PendingPhases::default();
     let started = Instant::now();
     let mut last = None;
     for _ in 0..args.steps {
         let r = engine.step(|_| gpt.loss(&x, &y))?;
         phases.add(&r.times);
+        pending.push(None, r.spans.clone());
         last = Some(r);
     }
     dev.synchronize()?;
+    let device_phases = dev.is_cuda().then(|| pending.drain()).transpose()?;
     let secs = started.elapsed().as_secs_f64();
     let loss = match &last {
         Some(r) => r.loss()?,
@@ -676,6 +679,12 @@ fn bench_step(args: &StepArgs) -> Result<()> {
             }
         ),
     }
+    if let Some(p) = &device_phases {
+        println!(
+            "\nGPU time per phase (CUDA events on the compute stream):\n{}",
+            p.table(args.steps as u64)
+        );
+    }
     println!(
         "\nhost time per phase (on CUDA: time to queue the work):\n{}",
         phases.table(args.steps as u64)
@@ -696,6 +705,19 @@ fn bench_step(args: &StepArgs) -> Result<()> {
         format!("{key}_tok_per_s"): tok_per_s,
         format!("{key}_peak_GB"): peak.map(|b| b as f64 / 1e9),
         format!("{key}_mfu"): mfu,
+        format!("{key}_phases_ms"): device_phases.map(|p| {
+            let n = steps;
+            serde_json::json!({
+                "forward": p.forward.as_secs_f64() * 1e3 / n,
+                "backward": p.backward.as_secs_f64() * 1e3 / n,
+                "optimizer": p.optimizer.as_secs_f64() * 1e3 / n,
+            })
+        }),
+        format!("{key}_host_ms"): serde_json::json!({
+            "forward": phases.forward.as_secs_f64() * 1e3 / steps,
+            "backward": phases.backward.as_secs_f64() * 1e3 / steps,
+            "optimizer": phases.optimizer.as_secs_f64() * 1e3 / steps,
+        }),
         "params": params,
         "batch": batch,
         "device": args.device,

@@ -68,6 +68,10 @@ use anyhow::{anyhow, bail, ensure, Context, Result};
 use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 
+#[cfg(feature = "cuda")]
+use crate::timing::Mark;
+use crate::timing::Span;
+
 use super::sampler::{batch_count, batch_range, DistributedSampler, Sampler};
 use super::{Collate, Dataset, Stack};
 
@@ -170,6 +174,10 @@ pub struct Batch {
     /// The collated fields, on the loader's device (for [`Stack`]: one `(B, ...)` tensor per
     /// sample field).
     pub tensors: Vec<Tensor>,
+    /// On CUDA with pinned staging: the span on the compute stream from the handover's wait
+    /// for the copy to the end of the device-side copies (the host-to-device time the step
+    /// actually waits for; see [`crate::timing`]). `None` on the CPU.
+    pub h2d: Option<Span>,
 }
 
 impl Batch {
@@ -288,12 +296,18 @@ impl Transfer {
         }
     }
 
-    /// Training-thread side: the batch's tensors, ready for the step.
-    fn finish(&self, payload: Payload) -> Result<Vec<Tensor>> {
+    /// Training-thread side: the batch's tensors, ready for the step, and the span of the
+    /// handover on the compute stream (staged batches only).
+    fn finish(&self, payload: Payload) -> Result<(Vec<Tensor>, Option<Span>)> {
         match payload {
-            Payload::Ready(t) => Ok(t),
+            Payload::Ready(t) => Ok((t, None)),
             #[cfg(feature = "cuda")]
-            Payload::Staged(s) => s.handover(),
+            Payload::Staged(s) => {
+                let device = s.device();
+                let start = Mark::now(&device)?;
+                let tensors = s.handover()?;
+                Ok((tensors, Some(Span::new(start, Mark::now(&device)?))))
+            }
         }
     }
 }
@@ -572,7 +586,7 @@ impl<D: Dataset, C: Collate<D::Sample>> DataLoader<D, C> {
         };
         let tensors = built.and_then(|payload| self.transfer.finish(payload));
         match tensors {
-            Ok(tensors) => {
+            Ok((tensors, h2d)) => {
                 self.batch += 1;
                 if self.config.num_workers > 0 {
                     // Keep the workers busy while the caller computes.
@@ -583,6 +597,7 @@ impl<D: Dataset, C: Collate<D::Sample>> DataLoader<D, C> {
                     index,
                     indices,
                     tensors,
+                    h2d,
                 }))
             }
             Err(e) => {

@@ -189,6 +189,11 @@ impl Stager {
 }
 
 impl Staged {
+    /// The device the batch is going to.
+    pub(crate) fn device(&self) -> Device {
+        Device::Cuda(self.stager.device.clone())
+    }
+
     /// The batch as candle tensors on the device, ordered after the copy by an event (no host
     /// synchronisation). Runs on the training thread: the tensors are allocated on candle's
     /// stream as seen from the calling thread.

@@ -272,45 +272,25 @@ fn param(
         .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
 }
 
-/// The `(T, T)` f32 causal mask: 0 where key `j <= i` (query `i` may look), `-inf` above the
-/// diagonal.
-fn causal_mask(t: usize, device: &Device) -> Result<Tensor> {
-    let v: Vec<f32> = (0..t * t)
-        .map(|k| {
-            if k % t <= k / t {
-                0.0
-            } else {
-                f32::NEG_INFINITY
-            }
-        })
-        .collect();
-    Tensor::from_vec(v, (t, t), device)
-}
-
 /// Causal scaled dot-product attention of `q, k, v: (B, H, T, Dh)` in the compute dtype:
 ///
 /// ```text
 /// scores = (q / sqrt(Dh)) @ k^T           compute dtype (matmul class)
-/// att    = softmax(scores + mask)         f32 (wick::ops::softmax_last_dim)
+/// att    = softmax(scores + mask)         f32 arithmetic, stored in the compute dtype
+///                                         (wick::ops::causal_softmax_last_dim: the mask is
+///                                         applied inside the kernel, keys j > i read as -inf)
 /// y      = att @ v                        compute dtype, (B, H, T, Dh)
 /// ```
-/// `mask` is the `(T, T)` f32 causal mask. The same math as PyTorch's
+/// The same math as PyTorch's
 /// `scaled_dot_product_attention(q, k, v, is_causal=True)`. The scale is applied to `q`
 /// (`T x Dh` elements) rather than to the `T x T` scores, which saves one f32 tensor of scores
 /// per layer; for a power-of-two head width (64 in both reference configurations) the
 /// multiplication is exact, so the scores are bit-identical to scaling afterwards.
-fn causal_attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    mask: &Tensor,
-    precision: Precision,
-) -> Result<Tensor> {
+fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
     let dh = q.dim(D::Minus1)?;
     let q = q.affine(1.0 / (dh as f64).sqrt(), 0.0)?;
-    let scores = to_f32(&q.matmul(&k.t()?)?)?.broadcast_add(mask)?;
-    let att = crate::ops::softmax_last_dim(&scores)?;
-    precision.to_compute(&att)?.matmul(v)
+    let att = crate::ops::causal_softmax_last_dim(&q.matmul(&k.t()?)?)?;
+    att.matmul(v)
 }
 
 /// One pre-LayerNorm transformer block.
@@ -323,7 +303,6 @@ struct Block {
     fc: Linear,
     fc2: Linear,
     n_head: usize,
-    precision: Precision,
 }
 
 impl Block {
@@ -336,12 +315,11 @@ impl Block {
             fc: gpt2_linear(store, &format!("{name}.fc"), c, 4 * c)?,
             fc2: gpt2_linear(store, &format!("{name}.fc2"), 4 * c, c)?,
             n_head,
-            precision: store.precision(),
         })
     }
 
-    /// `x: (B, T, C)` f32 → `(B, T, C)` f32; `mask`: `(T, T)` f32.
-    fn forward(&self, x: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    /// `x: (B, T, C)` f32 → `(B, T, C)` f32.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (b, t, c) = x.dims3()?;
         let (h, dh) = (self.n_head, c / self.n_head);
         let qkv = self.qkv.forward(&self.ln1.forward(x)?)?; // (B, T, 3C)
@@ -351,7 +329,7 @@ impl Block {
                 .transpose(1, 2)?
                 .contiguous()
         };
-        let y = causal_attention(&heads(0)?, &heads(1)?, &heads(2)?, mask, self.precision)?;
+        let y = causal_attention(&heads(0)?, &heads(1)?, &heads(2)?)?;
         let y = y.transpose(1, 2)?.reshape((b, t, c))?;
         let x = (x + to_f32(&self.proj.forward(&y)?)?)?;
         let m = self.fc.forward(&self.ln2.forward(&x)?)?.gelu()?; // tanh approximation
@@ -368,14 +346,14 @@ pub struct Gpt {
     wpe: Embedding,
     blocks: Vec<Block>,
     lnf: LayerNorm,
-    /// `(context_len, context_len)` causal mask on the store's device.
-    mask: Tensor,
+    /// The store's device.
+    device: Device,
     precision: Precision,
 }
 
 impl Gpt {
     /// Creates the parameters in `store` (GPT-2 initialisation, drawn from the store's seeded
-    /// generator) and the causal mask on the store's device.
+    /// generator).
     ///
     /// Errors: an invalid `config` ([`GptConfig::validate`]); a parameter of the same name with
     /// another shape already in the store; device allocation failures.
@@ -394,7 +372,7 @@ impl Gpt {
             wpe,
             blocks,
             lnf,
-            mask: causal_mask(config.context_len, store.device())?,
+            device: store.device().clone(),
             precision: store.precision(),
         })
     }
@@ -433,13 +411,8 @@ impl Gpt {
         }
         let pos = self.wpe.weight().narrow(0, 0, t)?;
         let mut x = to_f32(&self.wte.forward(ids)?)?.broadcast_add(&to_f32(&pos)?)?;
-        let mask = if t == self.config.context_len {
-            self.mask.clone()
-        } else {
-            self.mask.narrow(0, 0, t)?.narrow(1, 0, t)?
-        };
         for block in &self.blocks {
-            x = block.forward(&x, &mask)?;
+            x = block.forward(&x)?;
         }
         let h = self
             .precision
@@ -498,7 +471,7 @@ impl Gpt {
         if !(temperature.is_finite() && temperature >= 0.0) {
             bail!("Gpt::generate: temperature must be finite and >= 0, got {temperature}");
         }
-        let device = self.mask.device().clone();
+        let device = self.device.clone();
         let mut rng = StdRng::seed_from_u64(seed);
         let mut ids = prompt.to_vec();
         let mut out = Vec::with_capacity(max_new_tokens);

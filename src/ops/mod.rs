@@ -6,6 +6,8 @@
 //! | [`layer_norm`] | `y = (x - mean) / sqrt(var + eps) * w + b` | f32, bf16, f16 | x's (or f32: [`layer_norm_with_dtype`]) |
 //! | [`rms_norm`] | `y = x / sqrt(mean(x^2) + eps) * w` | f32, bf16, f16 | x's (or f32: [`rms_norm_with_dtype`]) |
 //! | [`softmax_last_dim`] | `y = exp(x - max) / sum(exp(x - max))` | f32, bf16, f16 | x's |
+//! | [`causal_softmax_last_dim`] | the same over keys `j <= i` of `(.., T, T)` scores, 0 above | f32, bf16, f16 | x's |
+//! | [`cross_entropy_rows`] | `loss = lse(x) - x[t]` per row, `dx = g (softmax(x) - onehot(t))` | f32, bf16, f16 | f32 loss, x's dx |
 //!
 //! Statistics and arithmetic are f32 whatever the storage dtype, as wick's autocast policy asks
 //! for norms and softmax ([`crate::precision`]); storing the output in x's dtype halves the
@@ -33,13 +35,15 @@
 //! # Ok(()) }
 //! ```
 
+mod cross_entropy;
 mod layer_norm;
 mod rms_norm;
 mod softmax;
 
+pub use cross_entropy::cross_entropy_rows;
 pub use layer_norm::{layer_norm, layer_norm_with_dtype};
 pub use rms_norm::{rms_norm, rms_norm_with_dtype};
-pub use softmax::softmax_last_dim;
+pub use softmax::{causal_softmax_last_dim, softmax_last_dim};
 
 use candle_core::{bail, CpuStorage, DType, Layout, Result, Storage, Tensor};
 use half::{bf16, f16};

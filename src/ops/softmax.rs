@@ -32,11 +32,37 @@ pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
     if x.elem_count() == 0 {
         return Ok(x.clone());
     }
-    x.contiguous()?.apply_op1(SoftmaxLastDim)
+    x.contiguous()?.apply_op1(SoftmaxLastDim { causal: false })
 }
 
-/// The forward op (x → y).
-struct SoftmaxLastDim;
+/// Fused, differentiable causal softmax of attention scores: `x: (.., T, T)` holds the scores
+/// of queries `i` (rows) against keys `j` (columns); the result is
+/// `softmax(x + mask)` over the last dimension with `mask[i][j] = -inf` for `j > i`, i.e. what
+/// `scaled_dot_product_attention(..., is_causal=True)` applies before multiplying by V.
+/// The masked scores are never read and the masked outputs are exactly 0, so no mask tensor,
+/// no broadcast add and no f32 copy of the scores are needed: the math is f32 and the result
+/// has x's dtype (f32, bf16 or f16).
+///
+/// Errors (no panics) for a rank < 2 x, non-square last two dimensions, or a dtype other than
+/// f32/bf16/f16. An empty x is returned as is.
+pub fn causal_softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    check_float("causal_softmax_last_dim", "x", x.dtype())?;
+    let dims = x.dims();
+    if dims.len() < 2 || dims[dims.len() - 1] != dims[dims.len() - 2] {
+        bail!(
+            "causal_softmax_last_dim: x must be attention scores (.., T, T), found shape {dims:?}"
+        )
+    }
+    if x.elem_count() == 0 {
+        return Ok(x.clone());
+    }
+    x.contiguous()?.apply_op1(SoftmaxLastDim { causal: true })
+}
+
+/// The forward op (x → y); `causal` masks keys after the query (square last two dims).
+struct SoftmaxLastDim {
+    causal: bool,
+}
 
 /// The backward op ((y, dy) → dx).
 struct SoftmaxBwd;
@@ -56,11 +82,15 @@ macro_rules! with_type {
     };
 }
 
-fn fwd_cpu<T: Elem>(x: &[T], d: usize) -> Vec<T> {
+/// CPU reference. `causal`: row r is query `r % d`, which sees the first `r % d + 1` keys.
+fn fwd_cpu<T: Elem>(x: &[T], d: usize, causal: bool) -> Vec<T> {
     let mut y = vec![T::from32(0.0); x.len()];
     y.par_chunks_mut(d)
         .zip(x.par_chunks(d))
-        .for_each(|(yr, xr)| {
+        .enumerate()
+        .for_each(|(r, (yr, xr))| {
+            let valid = if causal { r % d + 1 } else { d };
+            let (xr, yr) = (&xr[..valid], &mut yr[..valid]);
             let m = xr
                 .iter()
                 .map(|v| v.to32())
@@ -99,7 +129,11 @@ fn last_dim(op: &str, l: &Layout) -> Result<usize> {
 
 impl CustomOp1 for SoftmaxLastDim {
     fn name(&self) -> &'static str {
-        "softmax_last_dim"
+        if self.causal {
+            "causal_softmax_last_dim"
+        } else {
+            "softmax_last_dim"
+        }
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
@@ -108,7 +142,7 @@ impl CustomOp1 for SoftmaxLastDim {
         macro_rules! run {
             ($t:ty) => {{
                 let x = cpu_slice::<$t>(op, "x", s, l)?;
-                <$t as candle_core::WithDType>::to_cpu_storage_owned(fwd_cpu(x, d))
+                <$t as candle_core::WithDType>::to_cpu_storage_owned(fwd_cpu(x, d, self.causal))
             }};
         }
         Ok((with_type!(op, s.dtype(), run), l.shape().clone()))
@@ -120,7 +154,7 @@ impl CustomOp1 for SoftmaxLastDim {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        cuda::fwd(s, l)
+        cuda::fwd(s, l, self.causal)
     }
 
     fn bwd(&self, _x: &Tensor, y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
@@ -189,7 +223,7 @@ mod cuda {
 
     const MODULE: &str = "wick_ops_softmax";
 
-    pub(super) fn fwd(x: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+    pub(super) fn fwd(x: &CudaStorage, l: &Layout, causal: bool) -> Result<(CudaStorage, Shape)> {
         let op = "softmax_last_dim";
         let dev = &x.device;
         let (rows, d) = rows_cols(op, l)?;
@@ -205,9 +239,9 @@ mod cuda {
                 if vec { "_vec" } else { "" }
             );
             let func = dev.get_or_load_custom_func(&kernel, MODULE, crate::cuda::ptx::SOFTMAX)?;
-            let (rows_i, d_i) = (rows as i32, d as i32);
+            let (rows_i, d_i, causal_i) = (rows as i32, d as i32, i32::from(causal));
             let mut lb = func.builder();
-            lb.arg(&xp).arg(&yp).arg(&rows_i).arg(&d_i);
+            lb.arg(&xp).arg(&yp).arg(&rows_i).arg(&d_i).arg(&causal_i);
             // SAFETY: x and y hold rows * d elements of the kernel's dtype.
             unsafe { lb.launch(row_cfg(rows)) }.w()?;
         }
