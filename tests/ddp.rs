@@ -624,7 +624,10 @@ mod nccl_2gpu {
             .and_then(|l| l.local_addr())
             .map(|a| a.port())
             .unwrap_or(29631);
-        let status = std::process::Command::new(env!("CARGO_BIN_EXE_wick"))
+        // WICK_BIN: the wick binary when the test binary runs on another machine than it was
+        // built on (the build path baked in by cargo does not exist there)
+        let wick = std::env::var("WICK_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_wick").into());
+        let status = std::process::Command::new(wick)
             .args([
                 "launch",
                 "--nproc-per-node",

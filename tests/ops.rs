@@ -669,21 +669,20 @@ mod cuda {
             {
                 let x = rand_t(&[n, c], -6.0, 6.0, 3500 + i as u64, dtype, &Device::Cpu);
                 let t = targets(n, c, 3600 + i as u64, &Device::Cpu);
-                let tg = t.to_device(&gpu())?;
                 let r = rand_t(&[n], 0.0, 2.0, 3700 + i as u64, DType::F32, &Device::Cpu);
                 let name = format!("cuda cross_entropy {dtype:?} ({n}, {c})");
-                let fused = |a: &[Tensor]| {
-                    let t = if a[0].device().is_cuda() { &tg } else { &t };
-                    ops::cross_entropy_rows(&a[0], t)
-                };
+                // the targets follow the logits (each Device::new_cuda is a distinct device)
+                let fused =
+                    |a: &[Tensor]| ops::cross_entropy_rows(&a[0], &t.to_device(a[0].device())?);
                 let reference = |a: &[Tensor]| ce_ref(&a[0], &t);
                 check(&name, &fused, &reference, &[x], &r, tol(dtype))?;
             }
         }
         // an out-of-range target gives NaN on the GPU (no device read to raise an error)
-        let x = Tensor::zeros((2, 3), DType::F32, &gpu())?;
+        let dev = gpu();
+        let x = Tensor::zeros((2, 3), DType::F32, &dev)?;
         let l: Vec<f32> =
-            ops::cross_entropy_rows(&x, &Tensor::new(&[0u32, 3], &gpu())?)?.to_vec1()?;
+            ops::cross_entropy_rows(&x, &Tensor::new(&[0u32, 3], &dev)?)?.to_vec1()?;
         assert!((l[0] - 3f32.ln()).abs() < 1e-6 && l[1].is_nan(), "{l:?}");
         Ok(())
     }

@@ -564,9 +564,12 @@ fn bench_step(args: &StepArgs) -> Result<()> {
     use wick::profile::PhaseTimes;
     use wick::{Engine, EngineConfig};
 
+    // under `wick launch` (torchrun's variables): one rank per GPU, DDP over the collective
+    let dist = wick::dist::DistEnv::from_env()?;
+    let (rank, world) = dist.as_ref().map_or((0, 1), |e| (e.rank, e.world_size));
     let dev = match args.device.as_str() {
         "cpu" => Device::Cpu,
-        "cuda" => Device::new_cuda(0).context(
+        "cuda" => Device::new_cuda(dist.as_ref().map_or(0, |e| e.local_rank)).context(
             "--device cuda: no CUDA device (build with --features cuda on a GPU machine)",
         )?,
         other => anyhow::bail!("--device must be cpu or cuda, got {other:?}"),
@@ -594,16 +597,28 @@ fn bench_step(args: &StepArgs) -> Result<()> {
     let mut ec = EngineConfig::adamw(1e-3);
     ec.optimizer = OptimizerConfig::AdamW(reference_adamw());
     let mut engine = Engine::new(store, ec)?;
+    if dist.is_some() {
+        let c = wick::dist::init(&dev).context("joining the process group")?;
+        engine = engine.with_collective(c, wick::dist::DdpConfig::default())?;
+    }
 
-    let mut rng = StdRng::seed_from_u64(args.seed);
+    let mut rng = StdRng::seed_from_u64(args.seed + rank as u64);
     let ids: Vec<u32> = (0..batch * t)
         .map(|_| rng.random_range(0..config.vocab_size as u32))
         .collect();
     let x = Tensor::from_vec(ids, (batch, t), &dev)?;
     let y = x.clone();
 
+    if rank != 0 {
+        // other ranks run the same steps and stay quiet
+        for _ in 0..args.warmup + args.steps {
+            engine.step(|_| gpt.loss(&x, &y))?;
+        }
+        dev.synchronize()?;
+        return Ok(());
+    }
     println!(
-        "GPT {config} ({params} parameters), {} on {:?}, batch {batch} x {t} tokens, fused optimizer: {}",
+        "GPT {config} ({params} parameters), {} on {:?}, batch {batch} x {t} tokens per rank, {world} rank(s), fused optimizer: {}",
         args.precision,
         dev,
         engine.implementation().is_fused()
@@ -633,9 +648,9 @@ fn bench_step(args: &StepArgs) -> Result<()> {
 
     let steps = args.steps as f64;
     let ms_per_step = secs * 1e3 / steps;
-    let tokens = (batch * t) as f64;
+    let tokens = (batch * t * world) as f64; // global, over the ranks
     let tok_per_s = tokens * steps / secs;
-    let flops = config.train_flops(batch * t);
+    let flops = config.train_flops(batch * t * world) / world as f64; // per GPU
     #[allow(unused_mut)]
     let (mut peak, mut gpu): (Option<u64>, Option<String>) = (None, None);
     #[cfg(feature = "cuda")]
@@ -664,8 +679,9 @@ fn bench_step(args: &StepArgs) -> Result<()> {
     }
     match (mfu, peak_rate) {
         (Some(m), Some(p)) => println!(
-            "MFU         {:.1}% (6 x {params} params x {tokens} tokens per step = {:.2} TFLOP; {:?} peak {:.0} TFLOP/s)",
+            "MFU         {:.1}% (6 x {params} params x {} tokens per step per GPU = {:.2} TFLOP; {:?} peak {:.0} TFLOP/s)",
             m * 100.0,
+            batch * t,
             flops / 1e12,
             dtype,
             p / 1e12
@@ -699,7 +715,11 @@ fn bench_step(args: &StepArgs) -> Result<()> {
         Precision::Bf16Mixed => "bf16",
         Precision::F16Mixed => "fp16_scaler",
     };
-    let key = format!("{name}_{tag}");
+    let key = if world > 1 {
+        format!("{name}_{tag}_ddp{world}")
+    } else {
+        format!("{name}_{tag}")
+    };
     let json = serde_json::json!({
         format!("{key}_ms"): ms_per_step,
         format!("{key}_tok_per_s"): tok_per_s,
@@ -720,6 +740,7 @@ fn bench_step(args: &StepArgs) -> Result<()> {
         }),
         "params": params,
         "batch": batch,
+        "world_size": world,
         "device": args.device,
         "gpu": gpu,
         "wick": env!("CARGO_PKG_VERSION"),

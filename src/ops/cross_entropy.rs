@@ -254,22 +254,25 @@ mod cuda {
         let dev = &x.device;
         let (rows, c) = rows_cols(op, lx)?;
         let mut loss = alloc(dev, DType::F32, rows)?;
-        let stream = dev.cuda_stream();
-        let (xp, _gx) = in_ptr(op, "logits", x, lx, &stream)?;
-        let (tp, _gt) = targets_ptr(t, lt, &stream)?;
-        let (lp, _gl) = out_ptr(&mut loss, &stream)?;
-        let vec = vec_ok(c, x.dtype().size_in_bytes(), &[xp]);
-        let kernel = format!(
-            "ce_fwd_{}{}",
-            dtype_name(op, x.dtype())?,
-            if vec { "_vec" } else { "" }
-        );
-        let func = dev.get_or_load_custom_func(&kernel, MODULE, crate::cuda::ptx::CROSS_ENTROPY)?;
-        let (rows_i, c_i) = (rows as i32, c as i32);
-        let mut lb = func.builder();
-        lb.arg(&xp).arg(&tp).arg(&lp).arg(&rows_i).arg(&c_i);
-        // SAFETY: x holds rows * c elements of the kernel's dtype, t and loss `rows` u32 / f32.
-        unsafe { lb.launch(cfg(rows)) }.w()?;
+        {
+            let stream = dev.cuda_stream();
+            let (xp, _gx) = in_ptr(op, "logits", x, lx, &stream)?;
+            let (tp, _gt) = targets_ptr(t, lt, &stream)?;
+            let (lp, _gl) = out_ptr(&mut loss, &stream)?;
+            let vec = vec_ok(c, x.dtype().size_in_bytes(), &[xp]);
+            let kernel = format!(
+                "ce_fwd_{}{}",
+                dtype_name(op, x.dtype())?,
+                if vec { "_vec" } else { "" }
+            );
+            let func =
+                dev.get_or_load_custom_func(&kernel, MODULE, crate::cuda::ptx::CROSS_ENTROPY)?;
+            let (rows_i, c_i) = (rows as i32, c as i32);
+            let mut lb = func.builder();
+            lb.arg(&xp).arg(&tp).arg(&lp).arg(&rows_i).arg(&c_i);
+            // SAFETY: x holds rows * c elements of the kernel's dtype, t and loss `rows` u32 / f32.
+            unsafe { lb.launch(cfg(rows)) }.w()?;
+        }
         Ok((loss, Shape::from(rows)))
     }
 
@@ -285,28 +288,31 @@ mod cuda {
         let dev = &x.device;
         let (rows, c) = rows_cols(op, lx)?;
         let mut dx = alloc(dev, x.dtype(), rows * c)?;
-        let stream = dev.cuda_stream();
-        let (xp, _gx) = in_ptr(op, "logits", x, lx, &stream)?;
-        let (tp, _gt) = targets_ptr(t, lt, &stream)?;
-        let (gp, _gg) = in_ptr(op, "g", g, lg, &stream)?;
-        let (dxp, _gdx) = out_ptr(&mut dx, &stream)?;
-        let vec = vec_ok(c, x.dtype().size_in_bytes(), &[xp, dxp]);
-        let kernel = format!(
-            "ce_bwd_{}{}",
-            dtype_name(op, x.dtype())?,
-            if vec { "_vec" } else { "" }
-        );
-        let func = dev.get_or_load_custom_func(&kernel, MODULE, crate::cuda::ptx::CROSS_ENTROPY)?;
-        let (rows_i, c_i) = (rows as i32, c as i32);
-        let mut lb = func.builder();
-        lb.arg(&xp)
-            .arg(&tp)
-            .arg(&gp)
-            .arg(&dxp)
-            .arg(&rows_i)
-            .arg(&c_i);
-        // SAFETY: x and dx hold rows * c elements of the kernel's dtype, t and g `rows` each.
-        unsafe { lb.launch(cfg(rows)) }.w()?;
+        {
+            let stream = dev.cuda_stream();
+            let (xp, _gx) = in_ptr(op, "logits", x, lx, &stream)?;
+            let (tp, _gt) = targets_ptr(t, lt, &stream)?;
+            let (gp, _gg) = in_ptr(op, "g", g, lg, &stream)?;
+            let (dxp, _gdx) = out_ptr(&mut dx, &stream)?;
+            let vec = vec_ok(c, x.dtype().size_in_bytes(), &[xp, dxp]);
+            let kernel = format!(
+                "ce_bwd_{}{}",
+                dtype_name(op, x.dtype())?,
+                if vec { "_vec" } else { "" }
+            );
+            let func =
+                dev.get_or_load_custom_func(&kernel, MODULE, crate::cuda::ptx::CROSS_ENTROPY)?;
+            let (rows_i, c_i) = (rows as i32, c as i32);
+            let mut lb = func.builder();
+            lb.arg(&xp)
+                .arg(&tp)
+                .arg(&gp)
+                .arg(&dxp)
+                .arg(&rows_i)
+                .arg(&c_i);
+            // SAFETY: x and dx hold rows * c elements of the kernel's dtype, t and g `rows` each.
+            unsafe { lb.launch(cfg(rows)) }.w()?;
+        }
         Ok((dx, lx.shape().clone()))
     }
 }
