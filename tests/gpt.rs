@@ -264,3 +264,97 @@ fn generate_is_seeded_and_greedy_is_deterministic() -> Result<()> {
     assert!(gpt.generate(&[300], 5, 1.0, 0).is_err());
     Ok(())
 }
+
+/// wick's GPT against PyTorch's reference model (`torch_reference.py`'s `GPT`) on a tiny
+/// configuration: the same weights give the same logits, loss and gradients. The fixture
+/// `tests/fixtures/gpt_tiny_torch.json` was written by `scripts/torch_gpt_fixture.py` (fp32 on
+/// the CPU; its provenance field names the torch version); biases and LayerNorm parameters are
+/// random there so that every parameter matters.
+#[test]
+fn forward_loss_and_gradients_match_pytorch() -> Result<()> {
+    use std::collections::HashMap;
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/gpt_tiny_torch.json"
+    ))?;
+    let f: serde_json::Value = serde_json::from_str(&text)?;
+    let cfg = &f["config"];
+    let get = |k: &str| cfg[k].as_u64().unwrap() as usize;
+    let config = GptConfig {
+        vocab_size: get("V"),
+        context_len: get("T"),
+        n_layer: get("L"),
+        n_head: get("h"),
+        d_model: get("d"),
+    };
+    let floats = |v: &serde_json::Value| -> Vec<f32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap() as f32)
+            .collect()
+    };
+    let store = ParamStore::new(Precision::Fp32, Device::Cpu, 0);
+    let gpt = Gpt::new(&store, config)?;
+    let mut weights = HashMap::new();
+    for (name, w) in f["weights"].as_object().unwrap() {
+        let shape: Vec<usize> = w["shape"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d.as_u64().unwrap() as usize)
+            .collect();
+        weights.insert(
+            name.clone(),
+            Tensor::from_vec(floats(&w["data"]), shape, &Device::Cpu)?,
+        );
+    }
+    assert_eq!(
+        weights.len(),
+        store.len(),
+        "every parameter is in the fixture"
+    );
+    store.load_masters(&weights)?;
+    let ids2 = |k: &str| -> Result<Tensor> {
+        let rows: Vec<Vec<u32>> = serde_json::from_value(f[k].clone())?;
+        let (b, t) = (rows.len(), rows[0].len());
+        Ok(Tensor::from_vec(rows.concat(), (b, t), &Device::Cpu)?)
+    };
+    let (ids, targets) = (ids2("ids")?, ids2("targets")?);
+
+    let logits = gpt.forward(&ids)?.flatten_all()?.to_vec1::<f32>()?;
+    let want = floats(&f["logits"]);
+    let max_abs = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let err = logits
+        .iter()
+        .zip(&want)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    println!("logits: max abs error {err:e} (max |logit| {max_abs})");
+    assert_eq!(logits.len(), want.len());
+    assert!(err <= 1e-5 * max_abs.max(1.0), "logits differ by {err}");
+
+    let loss = gpt.loss(&ids, &targets)?;
+    let l = loss.to_scalar::<f32>()?;
+    let want_loss = f["loss"].as_f64().unwrap() as f32;
+    println!("loss: wick {l} torch {want_loss}");
+    assert!((l - want_loss).abs() <= 1e-5 * want_loss.abs());
+
+    let grads = loss.backward()?;
+    for (name, g) in f["grads"].as_object().unwrap() {
+        let p = store.get(name).unwrap();
+        let got = grads
+            .get(p.differentiated())
+            .unwrap()
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let want = floats(g);
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let err = got
+            .iter()
+            .zip(&want)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        println!("grad {name}: max abs error {err:e} (max |g| {scale:e})");
+        assert!(err <= 1e-4 * scale, "{name}: gradient differs by {err}");
+    }
+    Ok(())
+}
