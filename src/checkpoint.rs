@@ -194,10 +194,8 @@ impl Checkpointer {
         // serialise and hash both tensor files in memory first (in parallel): nothing touches
         // the disk on error
         let masters = store.masters();
-        let params = store.params();
         let opt_tensors = engine
-            .optimizer()
-            .state_tensors(&params)
+            .optimizer_state()
             .context("checkpoint save: reading the optimizer state")?;
         let (model, optim) = rayon::join(
             || serialize_tensors(masters, MODEL_FILE),
@@ -617,7 +615,7 @@ pub fn load(path: impl AsRef<Path>, engine: &mut Engine) -> Result<serde_json::V
     // apply: the engine first (atomic: it checks the optimizer map before changing anything),
     // then the masters (checked above, so only a device error can fail there; then roll back)
     let rollback = match engine.state() {
-        Ok(s) => Some((s, engine.optimizer().state_tensors(&params)?)),
+        Ok(s) => Some((s, engine.optimizer_state()?)),
         Err(_) => None,
     };
     engine

@@ -278,7 +278,8 @@ impl Engine {
         if self.grads.micro_steps() != 0 {
             bail!("Engine::with_collective: attach the collective at an accumulation boundary");
         }
-        let ddp = crate::dist::ddp::Ddp::new(collective, config)?;
+        let mut ddp = crate::dist::ddp::Ddp::new(collective, config)?;
+        ddp.shard_owners(&self.store.params())?;
         ddp.broadcast_parameters(&self.store)
             .context("broadcasting the parameters from rank 0")?;
         self.dist = Some(ddp);
@@ -468,7 +469,39 @@ impl Engine {
             seed: self.boundaries,
             stochastic_rounding: self.config.stochastic_rounding,
         };
-        self.optimizer.step(params, self.grads.buffers(), inputs)
+        let zero = self.dist.as_ref().and_then(|d| Some((d, d.owners()?)));
+        let Some((d, owners)) = zero else {
+            return self.optimizer.step(params, self.grads.buffers(), inputs);
+        };
+        // dist: ZeRO-1, update the owned parameters, then every owner broadcasts its own
+        let rank = d.collective().rank();
+        let owned = crate::dist::zero::owned_grads(self.grads.buffers(), owners, rank);
+        let applied = self.optimizer.step(params, &owned, inputs)?;
+        crate::dist::zero::broadcast_owned(d.collective(), params, owners, |p| {
+            if let Some(w) = &p.working {
+                w.set(&p.master.as_tensor().to_dtype(w.dtype())?)?;
+            }
+            Ok(())
+        })?;
+        Ok(applied)
+    }
+
+    /// The optimizer state by name (`"{param}.exp_avg"`, ...), as checkpoints save it. With
+    /// ZeRO-1 every rank gathers the owners' state, so the result is the full state on every
+    /// rank (collective: call it on every rank).
+    pub fn optimizer_state(&self) -> Result<Vec<(String, Tensor)>> {
+        let params = self.store.params();
+        let local = self.optimizer.state_tensors(&params)?;
+        match self.dist.as_ref().and_then(|d| Some((d, d.owners()?))) {
+            Some((d, owners)) => crate::dist::zero::gather_state(
+                d.collective(),
+                &params,
+                owners,
+                local,
+                &["exp_avg", "exp_avg_sq", "step", "momentum_buffer"],
+            ),
+            None => Ok(local),
+        }
     }
 
     fn update_scale(&mut self, stats: &GradStats, applied: Option<bool>) -> Result<()> {
@@ -509,8 +542,31 @@ impl Engine {
         optimizer: &std::collections::HashMap<String, Tensor>,
     ) -> Result<()> {
         let params = self.store.params();
-        self.optimizer
-            .load_state_tensors(&params, optimizer, state.applied_steps)?;
+        match self.dist.as_ref().and_then(|d| Some((d, d.owners()?))) {
+            Some((d, owners)) => {
+                // dist: ZeRO-1 keeps the state of this rank's share only
+                let rank = d.collective().rank();
+                let mine: std::collections::HashMap<String, Tensor> = params
+                    .iter()
+                    .zip(owners)
+                    .filter(|(_, &o)| o == rank)
+                    .flat_map(|(p, _)| {
+                        let prefix = format!("{}.", p.name);
+                        optimizer
+                            .iter()
+                            .filter(move |(k, _)| {
+                                k.strip_prefix(&prefix).is_some_and(|r| !r.contains('.'))
+                            })
+                            .map(|(k, v)| (k.clone(), v.clone()))
+                    })
+                    .collect();
+                self.optimizer
+                    .load_state_tensors(&params, &mine, state.applied_steps)?
+            }
+            None => self
+                .optimizer
+                .load_state_tensors(&params, optimizer, state.applied_steps)?,
+        }
         self.boundaries = state.boundaries;
         self.applied_steps = state.applied_steps;
         self.scaler.load_state(state.scaler);

@@ -240,12 +240,31 @@ struct Run {
     uneven: Option<usize>,
 }
 
+/// What a rank ends with: masters, boundary norms, the moment elements this rank holds, and
+/// the full state as a checkpoint sees it (`Engine::optimizer_state`).
+struct Outcome {
+    masters: Vec<Vec<f32>>,
+    norms: Vec<f64>,
+    local_state_elems: usize,
+    full_state: Vec<(String, Vec<f32>)>,
+}
+
 fn train(
     run: Run,
     rank: usize,
     coll: Option<Box<dyn Collective>>,
     dev: &Device,
 ) -> Result<(Vec<Vec<f32>>, Vec<f64>)> {
+    let o = train_full(run, rank, coll.map(|c| (c, false)), dev)?;
+    Ok((o.masters, o.norms))
+}
+
+fn train_full(
+    run: Run,
+    rank: usize,
+    coll: Option<(Box<dyn Collective>, bool)>,
+    dev: &Device,
+) -> Result<Outcome> {
     // every rank builds the model from the same seed; rank 1 from another seed to show the
     // broadcast from rank 0 makes them equal
     let seed = if coll.is_some() && rank == 1 { 99 } else { 7 };
@@ -255,12 +274,13 @@ fn train(
     cfg.accumulation_steps = run.accumulation;
     cfg.max_grad_norm = run.max_grad_norm;
     let mut engine = Engine::new(store.clone(), cfg)?;
-    if let Some(c) = coll {
+    if let Some((c, zero1)) = coll {
         let small = DdpConfig {
             buckets: BucketConfig {
                 bucket_cap_mb: 0.002,
                 first_bucket_cap_mb: Some(0.0005),
             },
+            zero1,
             ..DdpConfig::default()
         };
         engine = engine.with_collective(c, small)?;
@@ -301,7 +321,73 @@ fn train(
             }
         }
     }
-    Ok((masters(&store), norms))
+    let local_state_elems = engine
+        .optimizer()
+        .state_tensors(&store.params())?
+        .iter()
+        .filter(|(k, _)| k.ends_with(".exp_avg") || k.ends_with(".exp_avg_sq"))
+        .map(|(_, t)| t.elem_count())
+        .sum();
+    let full_state = engine
+        .optimizer_state()?
+        .into_iter()
+        .map(|(k, t)| Ok((k, t.flatten_all()?.to_vec1::<f32>()?)))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Outcome {
+        masters: masters(&store),
+        norms,
+        local_state_elems,
+        full_state,
+    })
+}
+
+/// ZeRO-1 on 2 ranks against DDP on 2 ranks: the same parameters, bit for bit (the owner runs
+/// the same update on the same all-reduced gradient); each rank holds about half the optimizer
+/// state; the gathered state a checkpoint saves is DDP's full state; and loading a full state
+/// into a ZeRO-1 engine keeps this rank's share.
+#[test]
+fn zero1_matches_ddp_and_halves_the_optimizer_state() -> Result<()> {
+    let run = Run {
+        world: 2,
+        global: 16,
+        steps: 12,
+        accumulation: 2,
+        max_grad_norm: Some(0.5),
+        uneven: None,
+    };
+    let ddp: Vec<Outcome> = run_ranks(2, move |r, c| {
+        train_full(run, r, Some((c, false)), &Device::Cpu)
+    })
+    .into_iter()
+    .collect::<Result<_>>()?;
+    let zero: Vec<Outcome> = run_ranks(2, move |r, c| {
+        train_full(run, r, Some((c, true)), &Device::Cpu)
+    })
+    .into_iter()
+    .collect::<Result<_>>()?;
+    let full: usize = ddp[0].local_state_elems;
+    let params: usize = ddp[0].masters.iter().map(|m| m.len()).sum();
+    assert_eq!(
+        full,
+        2 * params,
+        "AdamW keeps exp_avg and exp_avg_sq per element"
+    );
+    for r in 0..2 {
+        assert_eq!(zero[r].masters, ddp[r].masters, "rank {r}: ZeRO-1 != DDP");
+        assert_eq!(zero[r].norms, ddp[r].norms, "rank {r}: norms differ");
+        assert_eq!(
+            zero[r].full_state, ddp[r].full_state,
+            "rank {r}: gathered state differs"
+        );
+        let share = zero[r].local_state_elems as f64 / full as f64;
+        eprintln!(
+            "rank {r}: ZeRO-1 holds {:.1}% of the optimizer state",
+            100.0 * share
+        );
+        assert!((0.3..=0.7).contains(&share), "rank {r}: share {share}");
+    }
+    assert_eq!(zero[0].local_state_elems + zero[1].local_state_elems, full);
+    Ok(())
 }
 
 fn check_equivalence(run: Run) -> Result<()> {
@@ -671,7 +757,22 @@ mod nccl_2gpu {
         let rel = max_rel(&p, &single);
         eprintln!("rank {rank}: max rel error {rel:e} (NCCL, 20 steps) against 1 GPU");
         assert!(rel <= 1e-5, "rank {rank}: max rel error {rel:e}");
-        // 2) an inf on rank 1 only: both ranks skip step 2, same scale, same parameters
+        // 2) ZeRO-1 over NCCL: the DDP parameters bit for bit, about half the optimizer state
+        let ddp = train_full(run, rank, Some((wick::dist::init(&dev)?, false)), &dev)?;
+        let zero = train_full(run, rank, Some((wick::dist::init(&dev)?, true)), &dev)?;
+        assert!(
+            zero.masters == ddp.masters,
+            "rank {rank}: ZeRO-1 differs from DDP"
+        );
+        assert!(
+            zero.full_state == ddp.full_state,
+            "rank {rank}: gathered state differs"
+        );
+        eprintln!(
+            "rank {rank}: ZeRO-1 == DDP after 20 steps; this rank holds {} of {} moment elements",
+            zero.local_state_elems, ddp.local_state_elems
+        );
+        // 3) an inf on rank 1 only: both ranks skip step 2, same scale, same parameters
         let (log, _) = skip_run(rank, wick::dist::init(&dev)?, &dev)?;
         check_skip_log(rank, &log);
         eprintln!("rank {rank}: skip agreement ok");

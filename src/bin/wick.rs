@@ -554,6 +554,10 @@ struct StepArgs {
     /// Seed of the initialisation and of the random tokens.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Under `wick launch`: ZeRO-1 (optimizer state partitioned over the ranks) instead of
+    /// plain DDP.
+    #[arg(long)]
+    zero1: bool,
 }
 
 fn bench_step(args: &StepArgs) -> Result<()> {
@@ -599,7 +603,11 @@ fn bench_step(args: &StepArgs) -> Result<()> {
     let mut engine = Engine::new(store, ec)?;
     if dist.is_some() {
         let c = wick::dist::init(&dev).context("joining the process group")?;
-        engine = engine.with_collective(c, wick::dist::DdpConfig::default())?;
+        let ddp = wick::dist::DdpConfig {
+            zero1: args.zero1,
+            ..wick::dist::DdpConfig::default()
+        };
+        engine = engine.with_collective(c, ddp)?;
     }
 
     let mut rng = StdRng::seed_from_u64(args.seed + rank as u64);
@@ -716,7 +724,8 @@ fn bench_step(args: &StepArgs) -> Result<()> {
         Precision::F16Mixed => "fp16_scaler",
     };
     let key = if world > 1 {
-        format!("{name}_{tag}_ddp{world}")
+        let mode = if args.zero1 { "zero1_" } else { "ddp" };
+        format!("{name}_{tag}_{mode}{world}")
     } else {
         format!("{name}_{tag}")
     };

@@ -102,6 +102,9 @@ pub struct DdpConfig {
     /// step). The all-reduced gradients already agree; this makes the skip decision robust to
     /// anything rank-local (and is required by sharded updates).
     pub agree_found_inf: bool,
+    /// ZeRO-1: each rank keeps the optimizer state of its share of the parameters only and
+    /// updates only those; owners broadcast the updated weights (see [`super::zero`]).
+    pub zero1: bool,
 }
 
 impl Default for DdpConfig {
@@ -109,6 +112,7 @@ impl Default for DdpConfig {
         Self {
             buckets: BucketConfig::default(),
             agree_found_inf: true,
+            zero1: false,
         }
     }
 }
@@ -410,6 +414,8 @@ pub struct Ddp {
     coll: Box<dyn Collective>,
     config: DdpConfig,
     window_weight: f64,
+    /// ZeRO-1: the owner rank of each parameter (store order), set by [`Ddp::shard_owners`].
+    owners: Option<Vec<usize>>,
 }
 
 impl std::fmt::Debug for Ddp {
@@ -445,7 +451,22 @@ impl Ddp {
             coll,
             config,
             window_weight: 0.0,
+            owners: None,
         })
+    }
+
+    /// With ZeRO-1: computes and keeps the owner of each of `params` ([`super::zero::partition`]).
+    pub fn shard_owners(&mut self, params: &[Param]) -> Result<()> {
+        if self.config.zero1 {
+            let numels: Vec<usize> = params.iter().map(|p| p.elem_count()).collect();
+            self.owners = Some(super::zero::partition(&numels, self.coll.world_size())?);
+        }
+        Ok(())
+    }
+
+    /// The ZeRO-1 owner of each parameter (`None` without ZeRO-1).
+    pub fn owners(&self) -> Option<&[usize]> {
+        self.owners.as_deref()
     }
 
     /// The collective.

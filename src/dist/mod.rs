@@ -40,6 +40,7 @@ pub mod local;
 pub mod nccl;
 pub mod rendezvous;
 pub mod watchdog;
+pub mod zero;
 
 pub use ddp::{Bucket, BucketConfig, DdpConfig, ShardLayout};
 pub use local::LocalCollective;
