@@ -69,17 +69,25 @@ pub struct PerfSettings {
     pub reduced_precision_reductions: bool,
     /// Ask for reproducible results (fixed cuBLAS workspace, seeded generators).
     pub deterministic: bool,
+    /// CUDA: bytes the device memory pool keeps reserved across synchronisations
+    /// (`CU_MEMPOOL_ATTR_RELEASE_THRESHOLD`, see [`crate::cuda::memory::set_release_threshold`]
+    /// on CUDA builds). `u64::MAX` keeps freed memory for reuse as PyTorch's caching allocator
+    /// does; `0` (the driver's default) returns it at every synchronisation, so the next step
+    /// maps it again; `None` leaves the pool as it is.
+    pub pool_release_threshold: Option<u64>,
 }
 
 impl Default for PerfSettings {
     /// Seed 0, exact f32 GEMMs, full-precision reductions, not deterministic: candle's and
-    /// PyTorch's defaults for matmuls.
+    /// PyTorch's defaults for matmuls; the CUDA memory pool keeps freed memory (as PyTorch's
+    /// caching allocator).
     fn default() -> Self {
         PerfSettings {
             seed: 0,
             tf32: false,
             reduced_precision_reductions: false,
             deterministic: false,
+            pool_release_threshold: Some(u64::MAX),
         }
     }
 }
@@ -111,7 +119,8 @@ impl PerfSettings {
     }
 
     /// Applies the settings: stores the seed process-wide, seeds the CUDA generator of
-    /// `device`, and sets candle's cuBLAS precision switches (CUDA builds only).
+    /// `device`, and sets candle's cuBLAS precision switches and the memory pool's release
+    /// threshold (CUDA builds only).
     pub fn apply(&self, device: &Device) -> Result<()> {
         SEED.store(self.seed, Ordering::Relaxed);
         SEEDED.store(true, Ordering::Release);
@@ -127,6 +136,10 @@ impl PerfSettings {
             candle_core::cuda::set_gemm_reduced_precision_f32(self.tf32);
             candle_core::cuda::set_gemm_reduced_precision_bf16(self.reduced_precision_reductions);
             candle_core::cuda::set_gemm_reduced_precision_f16(self.reduced_precision_reductions);
+            if let (Some(bytes), Device::Cuda(d)) = (self.pool_release_threshold, device) {
+                crate::cuda::memory::set_release_threshold(d, bytes)
+                    .context("setting the CUDA memory pool's release threshold")?;
+            }
         }
         Ok(())
     }
@@ -149,6 +162,12 @@ impl PerfSettings {
             on(self.reduced_precision_reductions),
             on(self.deterministic)
         );
+        match self.pool_release_threshold {
+            _ if !cfg!(feature = "cuda") => {}
+            Some(u64::MAX) => s.push_str(" | CUDA memory pool keeps freed memory"),
+            Some(b) => s.push_str(&format!(" | CUDA memory pool release threshold {b} B")),
+            None => {}
+        }
         #[cfg(feature = "cuda")]
         {
             s.push_str(&format!(

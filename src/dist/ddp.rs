@@ -594,6 +594,25 @@ impl Ddp {
         };
         let mut reduced: Vec<Option<Tensor>> = vec![None; params.len()];
         let mut total_weight: Option<Tensor> = None;
+        #[cfg(feature = "cuda")]
+        if params.first().is_some_and(|p| p.master.device().is_cuda()) {
+            // pack each bucket with the multi-tensor accumulate kernel (one launch per gradient
+            // dtype and 24 tensors) instead of a cast and a copy per parameter
+            for (bi, b) in buckets.iter().enumerate() {
+                let dev = params[idx[b.members[0]]].master.device().clone();
+                let flat =
+                    self.pack_bucket(params, grads.buffers(), &idx, b, bi == 0, &dev, scale)?;
+                if bi == 0 {
+                    flat.slice_set(&Tensor::new(&[weight as f32], &dev)?, 0, b.numel)?;
+                }
+                let sum = self
+                    .coll
+                    .all_reduce_sum(&flat)
+                    .with_context(|| format!("all-reduce of gradient bucket {bi}"))?;
+                self.unpack_bucket(params, &idx, b, bi, sum, &mut total_weight, &mut reduced)?;
+            }
+            return self.install(params, grads, reduced);
+        }
         {
             let bufs = grads.buffers();
             for (bi, b) in buckets.iter().enumerate() {
@@ -622,21 +641,85 @@ impl Ddp {
                     total_weight = Some(sum.narrow(0, b.numel, 1)?);
                     sum = sum.narrow(0, 0, b.numel)?;
                 }
-                let w = total_weight
-                    .as_ref()
-                    .context("the weight sum rides in bucket 0")?;
-                let avg = sum.broadcast_div(w)?;
-                for (&m, &off) in b.members.iter().zip(&b.offsets) {
-                    let p = &params[idx[m]];
-                    reduced[idx[m]] = Some(
-                        avg.narrow(0, off, p.elem_count())?
-                            .reshape(p.master.dims())?,
-                    );
-                }
+                self.unpack_bucket(params, &idx, b, bi, sum, &mut total_weight, &mut reduced)?;
             }
         }
-        // install: the reduced gradients with normaliser 1 (GradBuffers' single-micro-batch
-        // path keeps them as they are); parameters outside the reduction keep their buffers
+        self.install(params, grads, reduced)
+    }
+
+    /// CUDA: one f32 buffer holding the bucket's gradients (times `scale` when given) and, for
+    /// bucket 0, one more element for the weight sum; a parameter without a gradient is zeros.
+    #[cfg(feature = "cuda")]
+    #[allow(clippy::too_many_arguments)]
+    fn pack_bucket(
+        &self,
+        params: &[Param],
+        bufs: &[Option<Tensor>],
+        idx: &[usize],
+        b: &Bucket,
+        first: bool,
+        dev: &Device,
+        scale: Option<f64>,
+    ) -> Result<Tensor> {
+        let flat = Tensor::zeros(b.numel + usize::from(first), DType::F32, dev)?;
+        let k = b.members.len();
+        let (mut views, mut fresh, mut incoming) = (vec![None; k], vec![None; k], vec![None; k]);
+        for (j, (&m, &off)) in b.members.iter().zip(&b.offsets).enumerate() {
+            let n = params[idx[m]].elem_count();
+            if let Some(g) = bufs.get(idx[m]).and_then(|x| x.as_ref()) {
+                views[j] = Some(flat.narrow(0, off, n)?);
+                incoming[j] = Some(g.flatten_all()?);
+            }
+        }
+        // `fresh` all None: every view is written as 0 + scale * g
+        crate::cuda::accumulate::accumulate(
+            &mut views,
+            &mut fresh,
+            &incoming,
+            scale.unwrap_or(1.0) as f32,
+        )?;
+        Ok(flat)
+    }
+
+    /// Splits an all-reduced bucket back into per-parameter gradients divided by the global
+    /// weight (which bucket 0 carries in its last element).
+    #[allow(clippy::too_many_arguments)]
+    fn unpack_bucket(
+        &self,
+        params: &[Param],
+        idx: &[usize],
+        b: &Bucket,
+        bi: usize,
+        mut sum: Tensor,
+        total_weight: &mut Option<Tensor>,
+        reduced: &mut [Option<Tensor>],
+    ) -> Result<()> {
+        if bi == 0 {
+            *total_weight = Some(sum.narrow(0, b.numel, 1)?);
+            sum = sum.narrow(0, 0, b.numel)?;
+        }
+        let w = total_weight
+            .as_ref()
+            .context("the weight sum rides in bucket 0")?;
+        let avg = sum.broadcast_div(w)?;
+        for (&m, &off) in b.members.iter().zip(&b.offsets) {
+            let p = &params[idx[m]];
+            reduced[idx[m]] = Some(
+                avg.narrow(0, off, p.elem_count())?
+                    .reshape(p.master.dims())?,
+            );
+        }
+        Ok(())
+    }
+
+    /// Installs the reduced gradients with normaliser 1 (GradBuffers' single-micro-batch path
+    /// keeps them as they are); parameters outside the reduction keep their buffers.
+    fn install(
+        &self,
+        params: &[Param],
+        grads: &mut GradBuffers,
+        mut reduced: Vec<Option<Tensor>>,
+    ) -> Result<()> {
         let mut store = GradStore::default();
         for (i, p) in params.iter().enumerate() {
             let g = match reduced[i].take() {
