@@ -240,6 +240,7 @@ mod tests {
             tf32: true,
             reduced_precision_reductions: false,
             deterministic: true,
+            pool_release_threshold: None,
         };
         p.apply(&Device::Cpu).unwrap();
         assert_eq!(global_seed(), Some(1234));
