@@ -180,6 +180,10 @@ impl Checkpointer {
     /// before are still complete; a partial `.tmp-*` directory may remain and is removed by a
     /// later save. A failure to prune old checkpoints is logged (`tracing::warn`), not returned.
     ///
+    /// Data parallel ([`Engine::with_collective`]): call it on every rank at the same step;
+    /// the state is gathered on every rank (with ZeRO-1 this is a collective) and rank 0
+    /// writes; the other ranks return the same path without touching the disk.
+    ///
     /// Steps are ordered by number: after resuming from an older checkpoint than the newest in
     /// `DIR`, the newer ones (from the abandoned run) stay the [`latest`] until this run passes
     /// them; a warning is logged. Use a fresh directory, or delete them, to branch a run.
@@ -197,6 +201,10 @@ impl Checkpointer {
         let opt_tensors = engine
             .optimizer_state()
             .context("checkpoint save: reading the optimizer state")?;
+        // data parallel: every rank gathers (ZeRO-1's state is a collective), rank 0 writes
+        if engine.collective().is_some_and(|c| c.rank() != 0) {
+            return Ok(self.dir.join(step_dir_name(step)));
+        }
         let (model, optim) = rayon::join(
             || serialize_tensors(masters, MODEL_FILE),
             || serialize_tensors(opt_tensors, OPTIMIZER_FILE),

@@ -633,14 +633,10 @@ impl Ddp {
                     parts.push(Tensor::new(&[weight as f32], &dev)?);
                 }
                 let flat = Tensor::cat(&parts, 0)?;
-                let mut sum = self
+                let sum = self
                     .coll
                     .all_reduce_sum(&flat)
                     .with_context(|| format!("all-reduce of gradient bucket {bi}"))?;
-                if bi == 0 {
-                    total_weight = Some(sum.narrow(0, b.numel, 1)?);
-                    sum = sum.narrow(0, 0, b.numel)?;
-                }
                 self.unpack_bucket(params, &idx, b, bi, sum, &mut total_weight, &mut reduced)?;
             }
         }
