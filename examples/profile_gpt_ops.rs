@@ -1,0 +1,253 @@
+//! Where a GPT training step spends GPU time, op by op: each piece of one transformer block
+//! (and the embedding, head and loss) is run alone at the model's real shapes, forward then
+//! forward + backward, timed with CUDA events over `--iters` repetitions, and the per-step total
+//! is estimated as `n_layer x block + the rest`. Compare the estimate with `wick bench step`
+//! to see what the graph adds around the ops.
+//!
+//! ```text
+//! cargo run --release --features cuda --example profile_gpt_ops -- --model gptmini
+//! ```
+//! Prints a table (ms per call, forward and forward + backward) and one JSON line.
+
+use anyhow::Result;
+use candle_core::{DType, Device, Module, Tensor, Var};
+use clap::Parser;
+use wick::models::GptConfig;
+use wick::timing::{Mark, Span};
+use wick::{loss, nn, ops, ParamStore, Precision};
+
+#[derive(Parser)]
+struct Args {
+    /// "gptmini" or "gpt2_124m".
+    #[arg(long, default_value = "gptmini")]
+    model: GptConfig,
+    /// Sequences per step (default: the reference batch).
+    #[arg(long)]
+    batch: Option<usize>,
+    /// Timed repetitions per op.
+    #[arg(long, default_value_t = 10)]
+    iters: usize,
+}
+
+/// GPU ms per call of `f` (CUDA events around `iters` calls after 2 warm-up calls).
+fn time(dev: &Device, iters: usize, f: &dyn Fn() -> Result<()>) -> Result<f64> {
+    for _ in 0..2 {
+        f()?;
+    }
+    dev.synchronize()?;
+    let a = Mark::now(dev)?;
+    for _ in 0..iters {
+        f()?;
+    }
+    let b = Mark::now(dev)?;
+    Ok(Span::new(a, b).resolve()?.as_secs_f64() * 1e3 / iters as f64)
+}
+
+fn var(shape: &[usize], dtype: DType, dev: &Device) -> Result<Var> {
+    let t = Tensor::randn(0f32, 1.0, shape, dev)?.to_dtype(dtype)?;
+    Ok(Var::from_tensor(&t)?)
+}
+
+struct Row {
+    name: &'static str,
+    per_layer: bool,
+    fwd: f64,
+    fwd_bwd: f64,
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let dev = Device::new_cuda(0)?;
+    let c = args.model;
+    let (b, t, d, h) = (
+        args.batch.unwrap_or_else(|| c.reference_batch_size()),
+        c.context_len,
+        c.d_model,
+        c.n_head,
+    );
+    let dh = d / h;
+    let bf = DType::BF16;
+    let store = ParamStore::new(Precision::Bf16Mixed, dev.clone(), 0);
+    let ln = nn::LayerNorm::new(&store, "ln", d, 1e-5)?;
+    let qkv = nn::Linear::new(&store, "qkv", d, 3 * d, true)?;
+    let proj = nn::Linear::new(&store, "proj", d, d, true)?;
+    let fc = nn::Linear::new(&store, "fc", d, 4 * d, true)?;
+    let fc2 = nn::Linear::new(&store, "fc2", 4 * d, d, true)?;
+    let wte = nn::Embedding::new(&store, "wte", c.vocab_size, d, 0.02)?;
+
+    let x32 = var(&[b, t, d], DType::F32, &dev)?;
+    let xbf = var(&[b, t, d], bf, &dev)?;
+    let qkv_out = var(&[b, t, 3 * d], bf, &dev)?;
+    let heads = [
+        var(&[b, h, t, dh], bf, &dev)?,
+        var(&[b, h, t, dh], bf, &dev)?,
+        var(&[b, h, t, dh], bf, &dev)?,
+    ];
+    let scores = var(&[b, h, t, t], bf, &dev)?;
+    let hidden = var(&[b, t, 4 * d], bf, &dev)?;
+    let flat = var(&[b * t, d], bf, &dev)?;
+    let logits = var(&[b * t, c.vocab_size], bf, &dev)?;
+    let ids = Tensor::zeros((b, t), DType::U32, &dev)?;
+    let targets = Tensor::zeros(b * t, DType::U32, &dev)?;
+
+    type Op<'a> = Box<dyn Fn() -> candle_core::Result<Tensor> + 'a>;
+    let cases: Vec<(&'static str, bool, Op)> = vec![
+        (
+            "layernorm (f32 in, f32 out)",
+            true,
+            Box::new(|| ln.forward(x32.as_tensor())),
+        ),
+        (
+            "qkv linear (cast + matmul + bias)",
+            true,
+            Box::new(|| qkv.forward(xbf.as_tensor())),
+        ),
+        (
+            "split heads (3 narrow+transpose copies)",
+            true,
+            Box::new(|| {
+                let parts: Vec<Tensor> = (0..3)
+                    .map(|i| {
+                        qkv_out
+                            .narrow(2, i * d, d)?
+                            .reshape((b, t, h, dh))?
+                            .transpose(1, 2)?
+                            .contiguous()
+                    })
+                    .collect::<candle_core::Result<_>>()?;
+                Tensor::cat(&parts, 0)
+            }),
+        ),
+        (
+            "q scale + q k^T",
+            true,
+            Box::new(|| {
+                let q = heads[0].affine(1.0 / (dh as f64).sqrt(), 0.0)?;
+                q.matmul(&heads[1].t()?)
+            }),
+        ),
+        (
+            "causal softmax",
+            true,
+            Box::new(|| ops::causal_softmax_last_dim(scores.as_tensor())),
+        ),
+        (
+            "att v",
+            true,
+            Box::new(|| scores.matmul(heads[2].as_tensor())),
+        ),
+        (
+            "merge heads (transpose copy)",
+            true,
+            Box::new(|| heads[0].transpose(1, 2)?.reshape((b, t, d))),
+        ),
+        (
+            "proj linear",
+            true,
+            Box::new(|| proj.forward(xbf.as_tensor())),
+        ),
+        (
+            "residual (bf16 -> f32 cast + add)",
+            true,
+            Box::new(|| x32.as_tensor() + xbf.to_dtype(DType::F32)?),
+        ),
+        ("fc linear", true, Box::new(|| fc.forward(xbf.as_tensor()))),
+        ("gelu (tanh)", true, Box::new(|| hidden.gelu())),
+        (
+            "fc2 linear",
+            true,
+            Box::new(|| fc2.forward(hidden.as_tensor())),
+        ),
+        (
+            "embedding + positions",
+            false,
+            Box::new(|| {
+                wte.forward(&ids)?
+                    .to_dtype(DType::F32)?
+                    .broadcast_add(&x32.narrow(0, 0, 1)?)
+            }),
+        ),
+        (
+            "tied head matmul",
+            false,
+            Box::new(|| flat.matmul(&wte_weight(&store)?.t()?)),
+        ),
+        (
+            "cross-entropy",
+            false,
+            Box::new(|| loss::cross_entropy(logits.as_tensor(), &targets)),
+        ),
+        (
+            "bias-style sum over rows (candle sum_keepdim(0))",
+            true,
+            Box::new(|| qkv_out.reshape((b * t, 3 * d))?.sum_keepdim(0)),
+        ),
+        (
+            "the same sum as a matmul (ones @ x)",
+            true,
+            Box::new(|| {
+                let ones = Tensor::ones((1, b * t), bf, &dev)?;
+                ones.matmul(&qkv_out.reshape((b * t, 3 * d))?)
+            }),
+        ),
+    ];
+
+    let mut rows = Vec::new();
+    for (name, per_layer, op) in &cases {
+        let fwd = time(&dev, args.iters, &|| {
+            op()?;
+            Ok(())
+        })?;
+        let fwd_bwd = time(&dev, args.iters, &|| {
+            // backward from y itself (candle seeds it with ones): no reduction to a scalar,
+            // whose one-block candle kernel would dominate the figures
+            let _g = op()?.backward()?;
+            Ok(())
+        })?;
+        rows.push(Row {
+            name,
+            per_layer: *per_layer,
+            fwd,
+            fwd_bwd,
+        });
+    }
+    println!(
+        "GPT {c}, batch {b} x {t}, bf16-mixed; GPU ms per call (CUDA events, {} calls)",
+        args.iters
+    );
+    println!(
+        "{:<42}{:>10}{:>12}{:>14}",
+        "op", "fwd", "fwd+bwd", "per step"
+    );
+    let mut total = 0.0;
+    for r in &rows {
+        let n = if r.per_layer { c.n_layer as f64 } else { 1.0 };
+        total += n * r.fwd_bwd;
+        println!(
+            "{:<42}{:>10.3}{:>12.3}{:>14.3}",
+            r.name,
+            r.fwd,
+            r.fwd_bwd,
+            n * r.fwd_bwd
+        );
+    }
+    println!("{:<42}{:>36.3}", "estimated step (ops alone)", total);
+    let json = serde_json::json!({
+        "model": c,
+        "batch": b,
+        "ops_ms": rows.iter().map(|r| serde_json::json!({
+            "op": r.name, "per_layer": r.per_layer, "fwd": r.fwd, "fwd_bwd": r.fwd_bwd
+        })).collect::<Vec<_>>(),
+        "estimated_step_ms": total,
+    });
+    println!("{json}");
+    Ok(())
+}
+
+/// The embedding table's working copy (bf16), as the tied head uses it.
+fn wte_weight(store: &ParamStore) -> candle_core::Result<Tensor> {
+    let p = store
+        .get("wte.weight")
+        .ok_or_else(|| candle_core::Error::Msg("wte.weight missing".into()))?;
+    Ok(p.differentiated().clone())
+}
