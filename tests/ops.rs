@@ -129,6 +129,13 @@ fn causal_ref(a: &[Tensor]) -> Result<Tensor> {
     let mask = Tensor::from_vec(mask, (t, t), a[0].device())?;
     candle_nn::ops::softmax(&a[0].to_dtype(DType::F32)?.broadcast_add(&mask)?, D::Minus1)
 }
+fn gelu_fused(a: &[Tensor]) -> Result<Tensor> {
+    ops::gelu_tanh(&a[0])
+}
+/// candle's composed, differentiable GELU (tanh approximation), in f32.
+fn gelu_ref(a: &[Tensor]) -> Result<Tensor> {
+    a[0].to_dtype(DType::F32)?.gelu()
+}
 /// Per-row cross-entropy through candle's log_softmax and gather, in f32.
 fn ce_ref(x: &Tensor, t: &Tensor) -> Result<Tensor> {
     let logp = candle_nn::ops::log_softmax(&x.to_dtype(DType::F32)?, D::Minus1)?;
@@ -302,6 +309,81 @@ fn causal_softmax_matches_masked_composed_on_cpu() -> Result<()> {
     let bad = Tensor::zeros((3, 4), DType::F32, &Device::Cpu)?;
     let e = ops::causal_softmax_last_dim(&bad).unwrap_err().to_string();
     assert!(e.contains("(.., T, T)"), "{e}");
+    Ok(())
+}
+
+#[test]
+fn gelu_matches_candles_composed_gelu_on_cpu() -> Result<()> {
+    for dtype in DTYPES {
+        for (i, shape) in [&[4usize, 96][..], &[3, 37], &[1]].iter().enumerate() {
+            let x = rand_t(shape, -6.0, 6.0, 900 + i as u64, dtype, &Device::Cpu);
+            let r = rand_t(shape, -1.0, 1.0, 950 + i as u64, DType::F32, &Device::Cpu);
+            let name = format!("gelu {dtype:?} {shape:?}");
+            let errs = compare(&name, &gelu_fused, &gelu_ref, &[x], &r)?;
+            assert!(errs.iter().all(|e| *e <= tol(dtype)), "{name}: {errs:?}");
+        }
+    }
+    // closed form: gelu(0) = 0, gelu'(0) = 0.5; large |x|: x or 0
+    let x = Var::new(&[0f32, 10.0, -10.0], &Device::Cpu)?;
+    let y = ops::gelu_tanh(x.as_tensor())?;
+    assert_eq!(y.to_vec1::<f32>()?, vec![0.0, 10.0, -0.0]);
+    let g = y.sum_all()?.backward()?;
+    let dx = g.get(&x).unwrap().to_vec1::<f32>()?;
+    assert_eq!(dx, vec![0.5, 1.0, 0.0]);
+    Ok(())
+}
+
+/// candle's composition for the heads: narrow, reshape, transpose, contiguous.
+fn split_ref(qkv: &Tensor, h: usize) -> Result<Tensor> {
+    let (b, t, c3) = qkv.dims3()?;
+    let c = c3 / 3;
+    let parts = (0..3)
+        .map(|i| {
+            qkv.narrow(2, i * c, c)?
+                .reshape((b, t, h, c / h))?
+                .transpose(1, 2)?
+                .contiguous()
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Tensor::stack(&parts, 0)
+}
+fn merge_ref(y: &Tensor) -> Result<Tensor> {
+    let (b, h, t, dh) = y.dims4()?;
+    y.transpose(1, 2)?.reshape((b, t, h * dh))
+}
+
+#[test]
+fn split_and_merge_heads_match_the_composed_copies_on_cpu() -> Result<()> {
+    for dtype in DTYPES {
+        for &(b, t, h, dh) in &[
+            (2usize, 5usize, 3usize, 4usize),
+            (1, 1, 1, 1),
+            (3, 7, 2, 64),
+        ] {
+            let qkv = rand_t(&[b, t, 3 * h * dh], -1.0, 1.0, 11, dtype, &Device::Cpu);
+            let r = rand_t(&[3, b, h, t, dh], -1.0, 1.0, 12, DType::F32, &Device::Cpu);
+            let name = format!("split_heads {dtype:?} ({b}, {t}, 3x{h}x{dh})");
+            let fused = |a: &[Tensor]| ops::split_heads(&a[0], h);
+            let reference = |a: &[Tensor]| split_ref(&a[0], h);
+            let errs = compare(&name, &fused, &reference, &[qkv], &r)?;
+            assert!(
+                errs.iter().all(|e| *e == 0.0),
+                "{name}: a copy must be exact: {errs:?}"
+            );
+            let y = rand_t(&[b, h, t, dh], -1.0, 1.0, 13, dtype, &Device::Cpu);
+            let r = rand_t(&[b, t, h * dh], -1.0, 1.0, 14, DType::F32, &Device::Cpu);
+            let name = format!("merge_heads {dtype:?} ({b}, {h}, {t}, {dh})");
+            let fused = |a: &[Tensor]| ops::merge_heads(&a[0]);
+            let errs = compare(&name, &fused, &|a: &[Tensor]| merge_ref(&a[0]), &[y], &r)?;
+            assert!(
+                errs.iter().all(|e| *e == 0.0),
+                "{name}: a copy must be exact: {errs:?}"
+            );
+        }
+    }
+    let bad = Tensor::zeros((2, 3, 10), DType::F32, &Device::Cpu)?;
+    assert!(ops::split_heads(&bad, 2).is_err());
+    assert!(ops::merge_heads(&bad).is_err());
     Ok(())
 }
 
@@ -655,6 +737,60 @@ mod cuda {
                 let r = rand_t(shape, -1.0, 1.0, 3400 + i as u64, DType::F32, &Device::Cpu);
                 let name = format!("cuda causal softmax {dtype:?} {shape:?}");
                 check(&name, &causal_fused, &causal_ref, &[x], &r, tol(dtype))?;
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn split_and_merge_heads_cuda_match_cpu() -> Result<()> {
+        for dtype in DTYPES {
+            // Dh 64 (16-byte units), Dh 3 (2-byte units for half, 4 for f32), GPT-2 shapes
+            for &(b, t, h, dh) in &[
+                (2usize, 5usize, 3usize, 64usize),
+                (3, 7, 2, 3),
+                (4, 1024, 12, 64),
+            ] {
+                let qkv = rand_t(&[b, t, 3 * h * dh], -1.0, 1.0, 21, dtype, &Device::Cpu);
+                let r = rand_t(&[3, b, h, t, dh], -1.0, 1.0, 22, DType::F32, &Device::Cpu);
+                let name = format!("cuda split_heads {dtype:?} ({b}, {t}, 3x{h}x{dh})");
+                let fused = |a: &[Tensor]| ops::split_heads(&a[0], h);
+                check(
+                    &name,
+                    &fused,
+                    &|a: &[Tensor]| split_ref(&a[0], h),
+                    &[qkv],
+                    &r,
+                    0.0,
+                )?;
+                let y = rand_t(&[b, h, t, dh], -1.0, 1.0, 23, dtype, &Device::Cpu);
+                let r = rand_t(&[b, t, h * dh], -1.0, 1.0, 24, DType::F32, &Device::Cpu);
+                let name = format!("cuda merge_heads {dtype:?} ({b}, {h}, {t}, {dh})");
+                let fused = |a: &[Tensor]| ops::merge_heads(&a[0]);
+                check(
+                    &name,
+                    &fused,
+                    &|a: &[Tensor]| merge_ref(&a[0]),
+                    &[y],
+                    &r,
+                    0.0,
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn gelu_cuda_matches_cpu() -> Result<()> {
+        for dtype in DTYPES {
+            for (i, shape) in [&[64usize, 256, 1536][..], &[7, 37], &[1]]
+                .iter()
+                .enumerate()
+            {
+                let x = rand_t(shape, -6.0, 6.0, 3800 + i as u64, dtype, &Device::Cpu);
+                let r = rand_t(shape, -1.0, 1.0, 3900 + i as u64, DType::F32, &Device::Cpu);
+                let name = format!("cuda gelu {dtype:?} {shape:?}");
+                check(&name, &gelu_fused, &gelu_ref, &[x], &r, tol(dtype))?;
             }
         }
         Ok(())

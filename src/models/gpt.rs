@@ -320,19 +320,13 @@ impl Block {
 
     /// `x: (B, T, C)` f32 → `(B, T, C)` f32.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let (b, t, c) = x.dims3()?;
-        let (h, dh) = (self.n_head, c / self.n_head);
+        let h = self.n_head;
         let qkv = self.qkv.forward(&self.ln1.forward(x)?)?; // (B, T, 3C)
-        let heads = |i: usize| -> Result<Tensor> {
-            qkv.narrow(2, i * c, c)?
-                .reshape((b, t, h, dh))?
-                .transpose(1, 2)?
-                .contiguous()
-        };
-        let y = causal_attention(&heads(0)?, &heads(1)?, &heads(2)?)?;
-        let y = y.transpose(1, 2)?.reshape((b, t, c))?;
+        let heads = crate::ops::split_heads(&qkv, h)?; // (3, B, H, T, Dh), one copy
+        let y = causal_attention(&heads.get(0)?, &heads.get(1)?, &heads.get(2)?)?;
+        let y = crate::ops::merge_heads(&y)?; // (B, T, C), one copy
         let x = (x + to_f32(&self.proj.forward(&y)?)?)?;
-        let m = self.fc.forward(&self.ln2.forward(&x)?)?.gelu()?; // tanh approximation
+        let m = crate::ops::gelu_tanh(&self.fc.forward(&self.ln2.forward(&x)?)?)?; // fused, tanh approximation
         x + to_f32(&self.fc2.forward(&m)?)?
     }
 }

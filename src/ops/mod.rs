@@ -7,6 +7,8 @@
 //! | [`rms_norm`] | `y = x / sqrt(mean(x^2) + eps) * w` | f32, bf16, f16 | x's (or f32: [`rms_norm_with_dtype`]) |
 //! | [`softmax_last_dim`] | `y = exp(x - max) / sum(exp(x - max))` | f32, bf16, f16 | x's |
 //! | [`causal_softmax_last_dim`] | the same over keys `j <= i` of `(.., T, T)` scores, 0 above | f32, bf16, f16 | x's |
+//! | [`gelu_tanh`] | `y = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))` (elementwise) | f32, bf16, f16 | x's |
+//! | [`split_heads`] / [`merge_heads`] | `(B, T, 3C) → (3, B, H, T, Dh)` / `(B, H, T, Dh) → (B, T, C)` row copies | any | x's |
 //! | [`cross_entropy_rows`] | `loss = lse(x) - x[t]` per row, `dx = g (softmax(x) - onehot(t))` | f32, bf16, f16 | f32 loss, x's dx |
 //!
 //! Statistics and arithmetic are f32 whatever the storage dtype, as wick's autocast policy asks
@@ -36,11 +38,15 @@
 //! ```
 
 mod cross_entropy;
+mod gelu;
+mod heads;
 mod layer_norm;
 mod rms_norm;
 mod softmax;
 
 pub use cross_entropy::cross_entropy_rows;
+pub use gelu::gelu_tanh;
+pub use heads::{merge_heads, split_heads};
 pub use layer_norm::{layer_norm, layer_norm_with_dtype};
 pub use rms_norm::{rms_norm, rms_norm_with_dtype};
 pub use softmax::{causal_softmax_last_dim, softmax_last_dim};
