@@ -85,9 +85,16 @@ impl Linear {
 }
 
 impl Module for Linear {
-    /// `x: (.., in)` of any float dtype; returns `(.., out)` in the compute dtype.
+    /// `x: (.., in)` of any float dtype; returns `(.., out)` in the compute dtype. The matmul
+    /// is candle-nn's (a 2-D GEMM for contiguous input); the bias goes through the fused
+    /// [`crate::ops::bias_add`] (one vectorised kernel forward, a GEMM column sum backward).
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.inner.forward(&self.precision.to_compute(x)?)
+        let x = self.precision.to_compute(x)?;
+        let y = candle_nn::Linear::new(self.inner.weight().clone(), None).forward(&x)?;
+        match self.inner.bias() {
+            Some(b) => crate::ops::bias_add(&y, b),
+            None => Ok(y),
+        }
     }
 }
 

@@ -333,6 +333,39 @@ fn gelu_matches_candles_composed_gelu_on_cpu() -> Result<()> {
     Ok(())
 }
 
+fn bias_fused(a: &[Tensor]) -> Result<Tensor> {
+    ops::bias_add(&a[0], &a[1])
+}
+fn bias_ref(a: &[Tensor]) -> Result<Tensor> {
+    a[0].to_dtype(DType::F32)?
+        .broadcast_add(&a[1].to_dtype(DType::F32)?)
+}
+
+#[test]
+fn bias_add_matches_broadcast_add_on_cpu() -> Result<()> {
+    for dtype in DTYPES {
+        for (i, shape) in [&[4usize, 96][..], &[2, 3, 37], &[1, 8]].iter().enumerate() {
+            let c = *shape.last().unwrap();
+            let x = rand_t(shape, -2.0, 2.0, 1100 + i as u64, dtype, &Device::Cpu);
+            let b = rand_t(&[c], -2.0, 2.0, 1150 + i as u64, dtype, &Device::Cpu);
+            let r = rand_t(shape, -1.0, 1.0, 1180 + i as u64, DType::F32, &Device::Cpu);
+            let name = format!("bias_add {dtype:?} {shape:?}");
+            let errs = compare(&name, &bias_fused, &bias_ref, &[x, b], &r)?;
+            // db sums up to 6 rows of bf16 gradients: allow the sum's rounding
+            assert!(
+                errs.iter().all(|e| *e <= 2.0 * tol(dtype)),
+                "{name}: {errs:?}"
+            );
+        }
+    }
+    let x = Tensor::zeros((2, 3), DType::F32, &Device::Cpu)?;
+    let e = ops::bias_add(&x, &Tensor::zeros(4, DType::F32, &Device::Cpu)?)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("b must be (C,)"), "{e}");
+    Ok(())
+}
+
 /// candle's composition for the heads: narrow, reshape, transpose, contiguous.
 fn split_ref(qkv: &Tensor, h: usize) -> Result<Tensor> {
     let (b, t, c3) = qkv.dims3()?;
@@ -775,6 +808,30 @@ mod cuda {
                     &r,
                     0.0,
                 )?;
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn bias_add_cuda_matches_cpu() -> Result<()> {
+        for dtype in DTYPES {
+            for (i, shape) in [&[16384usize, 1152][..], &[7, 37], &[3, 5, 8]]
+                .iter()
+                .enumerate()
+            {
+                let c = *shape.last().unwrap();
+                let x = rand_t(shape, -2.0, 2.0, 4100 + i as u64, dtype, &Device::Cpu);
+                let b = rand_t(&[c], -2.0, 2.0, 4150 + i as u64, dtype, &Device::Cpu);
+                let r = rand_t(shape, -1.0, 1.0, 4180 + i as u64, DType::F32, &Device::Cpu);
+                let name = format!("cuda bias_add {dtype:?} {shape:?}");
+                // db of 16384 rows: relative to its scale, the half dtypes' rounding of the sum
+                let bound = if dtype == DType::F32 {
+                    1e-4
+                } else {
+                    tol(dtype)
+                };
+                check(&name, &bias_fused, &bias_ref, &[x, b], &r, bound)?;
             }
         }
         Ok(())
