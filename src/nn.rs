@@ -195,8 +195,10 @@ impl Embedding {
 
 impl Module for Embedding {
     /// `ids`: u32 of any shape `(..)`; returns `(.., dim)`.
+    /// `ids` (u32, any shape) → `(ids.dims().., dim)`; the fused [`crate::ops::embedding`]
+    /// (scatter-add backward).
     fn forward(&self, ids: &Tensor) -> Result<Tensor> {
-        self.inner.forward(ids)
+        crate::ops::embedding(ids, self.inner.embeddings())
     }
 }
 

@@ -366,6 +366,35 @@ fn bias_add_matches_broadcast_add_on_cpu() -> Result<()> {
     Ok(())
 }
 
+#[test]
+fn embedding_matches_index_select_on_cpu() -> Result<()> {
+    for dtype in DTYPES {
+        // repeated ids: the scatter-add must sum them
+        let ids = Tensor::new(&[[3u32, 1, 3, 0], [2, 3, 3, 1]], &Device::Cpu)?;
+        let table = rand_t(&[5, 8], -1.0, 1.0, 1200, dtype, &Device::Cpu);
+        let r = rand_t(&[2, 4, 8], -1.0, 1.0, 1201, DType::F32, &Device::Cpu);
+        let name = format!("embedding {dtype:?}");
+        let fused = |a: &[Tensor]| ops::embedding(&ids, &a[0]);
+        let reference = |a: &[Tensor]| {
+            let flat = ids.flatten_all()?;
+            a[0].to_dtype(DType::F32)?
+                .index_select(&flat, 0)?
+                .reshape((2, 4, 8))
+        };
+        let errs = compare_any(&name, &fused, &reference, &[table], &r)?;
+        assert!(errs.iter().all(|e| *e <= tol(dtype)), "{name}: {errs:?}");
+    }
+    let table = Tensor::zeros((3, 2), DType::F32, &Device::Cpu)?;
+    let e = ops::embedding(&Tensor::new(&[0u32, 3], &Device::Cpu)?, &table)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("id 3 at position 1") && e.contains("3 rows"),
+        "{e}"
+    );
+    Ok(())
+}
+
 /// candle's composition for the heads: narrow, reshape, transpose, contiguous.
 fn split_ref(qkv: &Tensor, h: usize) -> Result<Tensor> {
     let (b, t, c3) = qkv.dims3()?;
@@ -832,6 +861,29 @@ mod cuda {
                     tol(dtype)
                 };
                 check(&name, &bias_fused, &bias_ref, &[x, b], &r, bound)?;
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn embedding_cuda_matches_cpu() -> Result<()> {
+        for dtype in DTYPES {
+            for &(v, c, n) in &[
+                (256usize, 384usize, 4096usize),
+                (50304, 64, 1000),
+                (7, 3, 50),
+            ] {
+                let mut rng = rand::rngs::StdRng::seed_from_u64(v as u64);
+                // few distinct ids in the small table: many atomic adds into one row
+                let ids: Vec<u32> = (0..n).map(|_| rng.random_range(0..v as u32)).collect();
+                let ids = Tensor::from_vec(ids, n, &Device::Cpu)?;
+                let table = rand_t(&[v, c], -1.0, 1.0, 4300, dtype, &Device::Cpu);
+                let r = rand_t(&[n, c], -1.0, 1.0, 4301, DType::F32, &Device::Cpu);
+                let name = format!("cuda embedding {dtype:?} ({v}, {c}) x {n}");
+                let fused = |a: &[Tensor]| ops::embedding(&ids.to_device(a[0].device())?, &a[0]);
+                let reference = |a: &[Tensor]| a[0].to_dtype(DType::F32)?.index_select(&ids, 0);
+                check(&name, &fused, &reference, &[table], &r, tol(dtype))?;
             }
         }
         Ok(())

@@ -403,8 +403,11 @@ impl Gpt {
                 self.config.context_len
             );
         }
-        let pos = self.wpe.weight().narrow(0, 0, t)?;
-        let mut x = to_f32(&self.wte.forward(ids)?)?.broadcast_add(&to_f32(&pos)?)?;
+        // token rows plus position rows: the positions are a bias over the flattened (T*C)
+        let c = self.config.d_model;
+        let pos = to_f32(&self.wpe.weight().narrow(0, 0, t)?)?.flatten_all()?;
+        let tok = to_f32(&self.wte.forward(ids)?)?.reshape((b, t * c))?;
+        let mut x = crate::ops::bias_add(&tok, &pos)?.reshape((b, t, c))?;
         for block in &self.blocks {
             x = block.forward(&x)?;
         }

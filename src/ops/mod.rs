@@ -8,6 +8,7 @@
 //! | [`softmax_last_dim`] | `y = exp(x - max) / sum(exp(x - max))` | f32, bf16, f16 | x's |
 //! | [`causal_softmax_last_dim`] | the same over keys `j <= i` of `(.., T, T)` scores, 0 above | f32, bf16, f16 | x's |
 //! | [`bias_add`] | `y = x + b` over the last dim; `db` = column sum | f32, bf16, f16 | x's |
+//! | [`embedding`] | `y = table[ids]`; `dtable` scatter-added in f32 | f32, bf16, f16 table | table's |
 //! | [`gelu_tanh`] | `y = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))` (elementwise) | f32, bf16, f16 | x's |
 //! | [`split_heads`] / [`merge_heads`] | `(B, T, 3C) → (3, B, H, T, Dh)` / `(B, H, T, Dh) → (B, T, C)` row copies | any | x's |
 //! | [`cross_entropy_rows`] | `loss = lse(x) - x[t]` per row, `dx = g (softmax(x) - onehot(t))` | f32, bf16, f16 | f32 loss, x's dx |
@@ -40,6 +41,7 @@
 
 mod bias;
 mod cross_entropy;
+mod embedding;
 mod gelu;
 mod heads;
 mod layer_norm;
@@ -48,6 +50,7 @@ mod softmax;
 
 pub use bias::bias_add;
 pub use cross_entropy::cross_entropy_rows;
+pub use embedding::embedding;
 pub use gelu::gelu_tanh;
 pub use heads::{merge_heads, split_heads};
 pub use layer_norm::{layer_norm, layer_norm_with_dtype};
