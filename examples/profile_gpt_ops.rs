@@ -103,20 +103,9 @@ fn main() -> Result<()> {
             Box::new(|| qkv.forward(xbf.as_tensor())),
         ),
         (
-            "split heads (3 narrow+transpose copies)",
+            "split heads (wick::ops::split_heads)",
             true,
-            Box::new(|| {
-                let parts: Vec<Tensor> = (0..3)
-                    .map(|i| {
-                        qkv_out
-                            .narrow(2, i * d, d)?
-                            .reshape((b, t, h, dh))?
-                            .transpose(1, 2)?
-                            .contiguous()
-                    })
-                    .collect::<candle_core::Result<_>>()?;
-                Tensor::cat(&parts, 0)
-            }),
+            Box::new(|| ops::split_heads(qkv_out.as_tensor(), h)),
         ),
         (
             "q scale + q k^T",
@@ -137,9 +126,9 @@ fn main() -> Result<()> {
             Box::new(|| scores.matmul(heads[2].as_tensor())),
         ),
         (
-            "merge heads (transpose copy)",
+            "merge heads (wick::ops::merge_heads)",
             true,
-            Box::new(|| heads[0].transpose(1, 2)?.reshape((b, t, d))),
+            Box::new(|| ops::merge_heads(heads[0].as_tensor())),
         ),
         (
             "proj linear",
@@ -152,7 +141,11 @@ fn main() -> Result<()> {
             Box::new(|| x32.as_tensor() + xbf.to_dtype(DType::F32)?),
         ),
         ("fc linear", true, Box::new(|| fc.forward(xbf.as_tensor()))),
-        ("gelu (tanh)", true, Box::new(|| hidden.gelu())),
+        (
+            "gelu (wick::ops::gelu_tanh)",
+            true,
+            Box::new(|| ops::gelu_tanh(hidden.as_tensor())),
+        ),
         (
             "fc2 linear",
             true,

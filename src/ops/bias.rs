@@ -8,8 +8,9 @@
 //! candle's `broadcast_add` runs a strided-index kernel forward (0.45 ms for gptmini's
 //! 16384 x 1536 bf16 MLP activations on an H200, about 9x the cost of the 16-byte-vector
 //! kernel here), and its backward reduces the rows with one thread block per column reading a
-//! strided column. Here the column sum is a `ones(1, N) @ dy` GEMM in the half dtypes (cuBLAS,
-//! f32 accumulation; exact ones) and candle's `sum` in f32 (a TF32 GEMM would round dy).
+//! strided column. Here the column sum is a `ones(1, N) @ dy` GEMM for half dtypes on CUDA
+//! (cuBLAS, f32 accumulation; exact ones) and an f32 `sum` otherwise (a TF32 GEMM would round
+//! f32 dy; candle's CPU half GEMM accumulates in the half dtype).
 //! Kernels: `kernels/bias.cu`.
 
 use super::{check_float, cpu_slice, Elem};
@@ -111,11 +112,16 @@ impl CustomOp2 for BiasAdd {
         let c = b.dim(0)?;
         let rows = dy.elem_count() / c.max(1);
         let dy2 = dy.reshape((rows, c))?;
+        // CUDA, half dtypes: cuBLAS GEMM (f32 accumulation); elsewhere an f32 sum (candle's CPU
+        // half GEMM accumulates in the half dtype, and a TF32 GEMM would round f32 inputs)
         let db = match dy.dtype() {
-            DType::BF16 | DType::F16 => Tensor::ones((1, rows), dy.dtype(), dy.device())?
-                .matmul(&dy2)?
-                .reshape(c)?,
-            _ => dy2.sum(0)?,
+            DType::BF16 | DType::F16 if dy.device().is_cuda() => {
+                Tensor::ones((1, rows), dy.dtype(), dy.device())?
+                    .matmul(&dy2)?
+                    .reshape(c)?
+            }
+            DType::F32 => dy2.sum(0)?,
+            _ => dy2.to_dtype(DType::F32)?.sum(0)?,
         };
         let db = if db.dtype() == b.dtype() {
             db
