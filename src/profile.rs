@@ -123,6 +123,8 @@ pub struct RunProfile {
     /// Forward, backward, optimizer and host-to-device were timed with CUDA events on the
     /// compute stream (data is always the host's wait for the loader).
     pub device_timed: bool,
+    /// Batches reached the GPU through the loader's pinned staging (`with_device`).
+    pub staged_h2d: bool,
 }
 
 /// One bottleneck hint: what was seen and what to change.
@@ -158,7 +160,7 @@ impl RunProfile {
                 action: format!(
                     "raise LoaderConfig::with_workers (now {}) and keep prefetch_factor >= 2{}",
                     self.num_workers,
-                    if self.gpu_name.is_some() {
+                    if self.gpu_name.is_some() && !self.staged_h2d {
                         "; pass with_device so batches are staged in pinned memory"
                     } else {
                         ""
@@ -275,6 +277,13 @@ mod tests {
             "{hints:?}"
         );
         assert!(hints.iter().any(|h| h.action.contains("bf16-mixed")));
+        // pinned staging is suggested only when batches did not come through it
+        assert!(hints[0].action.contains("with_device"), "{hints:?}");
+        let staged = RunProfile {
+            staged_h2d: true,
+            ..p.clone()
+        };
+        assert!(!staged.hints()[0].action.contains("with_device"));
         assert!(
             !hints.iter().any(|h| h.action.contains("OptimPath::Fused")),
             "optimizer share is 10%"

@@ -397,6 +397,7 @@ impl Trainer {
         // CUDA-event spans, resolved at log rows (where the loss is read anyway)
         let mut pending = PendingPhases::default();
         let mut device_timed = false;
+        let mut staged_h2d = false;
         let mut window = Tally::new();
         let mut stopper = Stopper {
             rule: c.early_stopping.clone(),
@@ -424,6 +425,7 @@ impl Trainer {
                 let n = batch.len() as u64;
                 let report = engine.step_weighted(n as f64, |ctx| train_step(ctx, &batch))?;
                 device_timed |= report.spans.forward.is_device();
+                staged_h2d |= batch.h2d.is_some();
                 pending.push(batch.h2d.clone(), report.spans.clone());
                 samples += n;
                 window.add(report.loss_tensor(), n)?;
@@ -535,6 +537,7 @@ impl Trainer {
             num_workers: loader.config().num_workers,
             peak_memory: peak_memory(engine.store().device()),
             device_timed,
+            staged_h2d,
         };
         if let Some(dir) = c.out_dir.as_deref() {
             drop(files);
