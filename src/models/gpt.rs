@@ -6,7 +6,7 @@
 //! ids (B, T) ─ wte ─┐
 //!                   + wpe[0..T]                     residual stream x: (B, T, C), f32
 //! for each of L blocks (pre-LayerNorm):
-//!   x = x + proj(causal_attention(qkv(ln1(x))))     H heads of C / H, softmax in f32
+//!   x = x + proj(causal_attention(qkv(ln1(x))))     H heads of C / H, softmax math in f32
 //!   x = x + fc2(gelu_tanh(fc(ln2(x))))              MLP 4C
 //! logits = lnf(x) @ wte^T                           head tied to the token embedding, (B, T, V)
 //! ```
@@ -18,7 +18,11 @@
 //! reference)
 //! - matmul-class ops (the four linear layers of a block, `q @ k^T`, `att @ v`, the head) run in
 //!   the compute dtype, on the parameters' working copies;
-//! - LayerNorm statistics and output, the attention softmax, the loss: f32;
+//! - LayerNorm statistics and output, the loss: f32; the attention softmax computes in f32 and
+//!   stores its probabilities in the compute dtype (the next matmul's input, as SDPA's
+//!   flash/efficient kernels do);
+//! - fused ops (`crate::ops`): LayerNorm, causal softmax, GELU, bias add, head split/merge,
+//!   embedding and cross-entropy are one graph node each with their own backward kernel;
 //! - the token and position tables are differentiated as fp32 masters (embedding is not on
 //!   autocast's cast lists, so PyTorch looks them up in f32); the tied head casts the token table
 //!   to the compute dtype, differentiably, as autocast does;
