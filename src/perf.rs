@@ -70,7 +70,7 @@ pub struct PerfSettings {
     /// Ask for reproducible results (fixed cuBLAS workspace, seeded generators).
     pub deterministic: bool,
     /// CUDA: bytes the device memory pool keeps reserved across synchronisations
-    /// (`CU_MEMPOOL_ATTR_RELEASE_THRESHOLD`, see [`crate::cuda::memory::set_release_threshold`]
+    /// (`CU_MEMPOOL_ATTR_RELEASE_THRESHOLD`, see `wick::cuda::memory::set_release_threshold`
     /// on CUDA builds). `u64::MAX` keeps freed memory for reuse as PyTorch's caching allocator
     /// does; `0` (the driver's default) returns it at every synchronisation, so the next step
     /// maps it again; `None` leaves the pool as it is.

@@ -163,9 +163,9 @@ impl LrSchedule {
     /// Parses a schedule spec `name[:key=value,...]` with base learning rate `lr` (a `lr=` key
     /// in the spec overrides it). Names and keys (defaults in brackets):
     /// - `constant`
-    /// - `cosine` (or `warmup_cosine`): `total` (required), `warmup` [0], `min_lr` [0]
-    /// - `step` (or `step_decay`): `size` (or `step_size`, required), `gamma` [0.1, as StepLR]
-    /// - `linear` (or `linear_decay`): `total` (required), `warmup` [0], `end_lr` [0]
+    /// - `cosine` (or `warmup_cosine`): `total` (required), `warmup` (default 0), `min_lr` (default 0)
+    /// - `step` (or `step_decay`): `size` (or `step_size`, required), `gamma` (default 0.1, as StepLR)
+    /// - `linear` (or `linear_decay`): `total` (required), `warmup` (default 0), `end_lr` (default 0)
     ///
     /// The result is validated. Errors name the unknown schedule or key, the missing key, or
     /// the value that does not parse, and list what is accepted.

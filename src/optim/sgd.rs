@@ -18,7 +18,7 @@
 //! none, as in PyTorch. A step with found_inf changes nothing.
 //!
 //! Every implementation (candle reference, fused CPU, fused CUDA in kernels/sgd.cu) performs
-//! the same f32 operations in the same order on the same f32 constants ([`Coeffs`]), so the
+//! the same f32 operations in the same order on the same f32 constants (`Coeffs`), so the
 //! fused CPU path reproduces the reference bit for bit.
 
 use super::{Impl, Optimizer, StepInputs};
