@@ -358,3 +358,41 @@ fn forward_loss_and_gradients_match_pytorch() -> Result<()> {
     }
     Ok(())
 }
+
+/// 50 bf16-mixed steps of the tiny configuration on fresh batches of a structured byte
+/// sequence (each byte is the previous one plus 1 or 2, modulo 256, at random: a next-token
+/// distribution with entropy ln 2 = 0.69 nats, against ln 256 = 5.55 for a uniform guess) lower
+/// the held-out loss from about 5.55 to under 3: the model learns the rule, not a batch.
+#[test]
+fn fifty_steps_on_fresh_batches_lower_the_held_out_loss() -> Result<()> {
+    let mut rng = StdRng::seed_from_u64(11);
+    let mut seq = |b: usize, t: usize| -> Result<(Tensor, Tensor)> {
+        let mut rows = Vec::with_capacity(b * (t + 1));
+        for _ in 0..b {
+            let mut v: u32 = rng.random_range(0..256);
+            for _ in 0..=t {
+                rows.push(v);
+                v = (v + rng.random_range(1..=2)) % 256;
+            }
+        }
+        let all = Tensor::from_vec(rows, (b, t + 1), &Device::Cpu)?;
+        Ok((all.narrow(1, 0, t)?, all.narrow(1, 1, t)?.contiguous()?))
+    };
+    let store = ParamStore::new(Precision::Bf16Mixed, Device::Cpu, 0);
+    let gpt = Gpt::new(&store, tiny())?;
+    let mut config = EngineConfig::adamw(3e-3);
+    config.max_grad_norm = Some(1.0);
+    let mut engine = Engine::new(store, config)?;
+    let (hx, hy) = seq(8, 32)?;
+    let held_out = |g: &Gpt| -> Result<f32> { Ok(g.loss(&hx, &hy)?.to_scalar::<f32>()?) };
+    let before = held_out(&gpt)?;
+    for _ in 0..50 {
+        let (x, y) = seq(8, 32)?;
+        engine.step(|_| gpt.loss(&x, &y))?;
+    }
+    let after = held_out(&gpt)?;
+    eprintln!("held-out loss: {before:.3} before, {after:.3} after 50 steps");
+    assert!((before - 256f32.ln()).abs() < 0.3, "init loss {before}");
+    assert!(after < 3.0, "held-out loss after 50 steps: {after}");
+    Ok(())
+}
