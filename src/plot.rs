@@ -18,8 +18,8 @@
 //! Text (titles, tick labels, legends) needs a TrueType font. plotters is built here without
 //! font-kit (no fontconfig or freetype); instead a `.ttf`/`.otf` file is read at run time:
 //! `$WICK_PLOT_FONT` if set, else a common system font (DejaVu Sans, Liberation Sans, Noto
-//! Sans...) under `/usr/share/fonts`. Without one the plots are drawn without any text, and
-//! [`PlotReport::font`] is `None` so the caller can say so.
+//! Sans...) under `/usr/share/fonts`, else DejaVu Sans embedded in the binary (crate `dejavu`),
+//! so plots have text on machines without fonts too.
 
 use anyhow::{anyhow, bail, Context, Result};
 use plotters::coord::Shift;
@@ -241,8 +241,9 @@ pub struct PlotReport {
     pub path: PathBuf,
     /// Picture size in pixels.
     pub size: (u32, u32),
-    /// The font file used for text, or `None` when the picture has no text (no font found, or
-    /// labels switched off).
+    /// The font file used for text ([`EMBEDDED_FONT`] when no system font was found and the
+    /// embedded DejaVu Sans was used), or `None` when the picture has no text (labels switched
+    /// off, or the font could not be registered).
     pub font: Option<PathBuf>,
     /// Number of data points (or bars) drawn.
     pub points: usize,
@@ -350,10 +351,17 @@ fn font() -> Option<&'static Path> {
                 return Some(p);
             }
         }
-        None
+        // no usable system font (GPU containers often have none): the embedded DejaVu Sans
+        plotters::style::register_font(FAMILY, FontStyle::Normal, dejavu::sans::regular())
+            .ok()
+            .map(|_| PathBuf::from(EMBEDDED_FONT))
     })
     .as_deref()
 }
+
+/// What [`PlotReport::font`] names when the embedded DejaVu Sans (crate `dejavu` 2.37) drew
+/// the text because no system font file was found.
+pub const EMBEDDED_FONT: &str = "<embedded DejaVu Sans 2.37>";
 
 fn check_size(size: (u32, u32)) -> Result<()> {
     if size.0 < 200 || size.1 < 200 || size.0 > 16384 || size.1 > 16384 {
