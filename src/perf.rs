@@ -202,7 +202,7 @@ impl PerfSettings {
                 Err(_) => {}
             }
             if cfg!(feature = "cuda") {
-                s.push_str(" | note: CUDA index_add/scatter_add stay non-deterministic");
+                s.push_str(" | CUDA embedding backward: ordered index_add (slower)");
             }
         }
         s

@@ -9,7 +9,8 @@
 //! H200 (`profile_gpt_ops`, with the positions). Here the backward is one thread per element of
 //! dy with an `atomicAdd` into an f32 table: fast, but the order of the additions into one row
 //! is not fixed on the GPU, so the last bits of a row's sum can change between runs (the CPU
-//! path adds in row order). Kernels: `kernels/embedding.cu`.
+//! path adds in row order). With `PerfSettings::deterministic` the CUDA backward uses candle's
+//! `index_add` instead (fixed order, slower). Kernels: `kernels/embedding.cu`.
 
 use super::{check_float, cpu_slice, Elem};
 use candle_core::backend::BackendStorage;
@@ -139,7 +140,18 @@ impl CustomOp2 for Embedding {
         } else {
             dy.to_dtype(table.dtype())?.contiguous()?
         };
-        let d = ids.apply_op2_no_bwd(&dy, &EmbeddingBwd { vocab: self.vocab })?;
+        let d = if dy.device().is_cuda() && crate::perf::deterministic() {
+            // PerfSettings::deterministic: candle's index_add adds each column's ids in order
+            // (slow, but the same bits every run)
+            let c = dy.dim(1)?;
+            Tensor::zeros((self.vocab, c), DType::F32, dy.device())?.index_add(
+                ids,
+                &dy.to_dtype(DType::F32)?,
+                0,
+            )?
+        } else {
+            ids.apply_op2_no_bwd(&dy, &EmbeddingBwd { vocab: self.vocab })?
+        };
         let d = if d.dtype() == table.dtype() {
             d
         } else {
