@@ -55,21 +55,6 @@ struct CrossEntropy;
 /// The backward op ((x, t, g) → dx).
 struct CrossEntropyBwd;
 
-/// Runs `$body!(T)` for the supported logits dtypes.
-macro_rules! with_type {
-    ($op:expr, $dt:expr, $body:ident) => {
-        match $dt {
-            DType::F32 => $body!(f32),
-            DType::BF16 => $body!(bf16),
-            DType::F16 => $body!(f16),
-            d => bail!(
-                "{}: dtype {d:?} is not supported; use f32, bf16 or f16",
-                $op
-            ),
-        }
-    };
-}
-
 /// `lse` of one row, f32, the kernel's formula (max first, then the sum of exponentials).
 fn row_lse<T: Elem>(xr: &[T]) -> f32 {
     let m = xr

@@ -36,20 +36,6 @@ pub fn gelu_tanh(x: &Tensor) -> Result<Tensor> {
 struct Gelu;
 struct GeluBwd;
 
-macro_rules! with_type {
-    ($op:expr, $dt:expr, $body:ident) => {
-        match $dt {
-            DType::F32 => $body!(f32),
-            DType::BF16 => $body!(bf16),
-            DType::F16 => $body!(f16),
-            d => bail!(
-                "{}: dtype {d:?} is not supported; use f32, bf16 or f16",
-                $op
-            ),
-        }
-    };
-}
-
 fn fwd_one(a: f32) -> f32 {
     let t = (K0 * (a + K1 * a * a * a)).tanh();
     0.5 * a * (1.0 + t)

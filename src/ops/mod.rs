@@ -39,6 +39,23 @@
 //! # Ok(()) }
 //! ```
 
+/// Runs `$body!(T)` with `T` the Rust type of a fused op's storage dtype (f32, bf16 or f16);
+/// an error naming `$op` for any other dtype. Used by the op modules below (`DType`, `bf16`
+/// and `f16` must be in scope there).
+macro_rules! with_type {
+    ($op:expr, $dt:expr, $body:ident) => {
+        match $dt {
+            DType::F32 => $body!(f32),
+            DType::BF16 => $body!(bf16),
+            DType::F16 => $body!(f16),
+            d => candle_core::bail!(
+                "{}: dtype {d:?} is not supported; use f32, bf16 or f16",
+                $op
+            ),
+        }
+    };
+}
+
 mod bias;
 mod cross_entropy;
 mod embedding;

@@ -67,21 +67,6 @@ struct SoftmaxLastDim {
 /// The backward op ((y, dy) → dx).
 struct SoftmaxBwd;
 
-/// Runs `$body!(T)` for the supported storage dtypes.
-macro_rules! with_type {
-    ($op:expr, $dt:expr, $body:ident) => {
-        match $dt {
-            DType::F32 => $body!(f32),
-            DType::BF16 => $body!(bf16),
-            DType::F16 => $body!(f16),
-            d => bail!(
-                "{}: dtype {d:?} is not supported; use f32, bf16 or f16",
-                $op
-            ),
-        }
-    };
-}
-
 /// CPU reference. `causal`: row r is query `r % d`, which sees the first `r % d + 1` keys.
 fn fwd_cpu<T: Elem>(x: &[T], d: usize, causal: bool) -> Vec<T> {
     let mut y = vec![T::from32(0.0); x.len()];
