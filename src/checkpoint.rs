@@ -181,8 +181,8 @@ impl Checkpointer {
     /// later save. A failure to prune old checkpoints is logged (`tracing::warn`), not returned.
     ///
     /// Data parallel ([`Engine::with_collective`]): call it on every rank at the same step;
-    /// the state is gathered on every rank (with ZeRO-1 this is a collective) and rank 0
-    /// writes; the other ranks return the same path without touching the disk.
+    /// the state is gathered on every rank (with ZeRO-1 this is a collective), rank 0 writes,
+    /// and every rank waits for rank 0's result: all return the path, or all return an error.
     ///
     /// Steps are ordered by number: after resuming from an older checkpoint than the newest in
     /// `DIR`, the newer ones (from the abandoned run) stay the [`latest`] until this run passes
@@ -201,10 +201,29 @@ impl Checkpointer {
         let opt_tensors = engine
             .optimizer_state()
             .context("checkpoint save: reading the optimizer state")?;
-        // data parallel: every rank gathers (ZeRO-1's state is a collective), rank 0 writes
-        if engine.collective().is_some_and(|c| c.rank() != 0) {
-            return Ok(self.dir.join(step_dir_name(step)));
-        }
+        // data parallel: every rank gathers (ZeRO-1's state is a collective), rank 0 writes,
+        // then every rank learns whether the write succeeded
+        let written = if engine.collective().is_some_and(|c| c.rank() != 0) {
+            Ok(self.dir.join(step_dir_name(step)))
+        } else {
+            self.write(engine, state, masters, opt_tensors, extra, started)
+        };
+        agree_across_ranks(engine, written.is_ok(), "writing the checkpoint (rank 0)")?;
+        written
+    }
+
+    /// Serialises, writes atomically and prunes (see [`Self::save`]).
+    fn write(
+        &self,
+        engine: &Engine,
+        state: EngineState,
+        masters: Vec<(String, Tensor)>,
+        opt_tensors: Vec<(String, Tensor)>,
+        extra: serde_json::Value,
+        started: Instant,
+    ) -> Result<PathBuf> {
+        let store = engine.store();
+        let step = state.boundaries;
         let (model, optim) = rayon::join(
             || serialize_tensors(masters, MODEL_FILE),
             || serialize_tensors(opt_tensors, OPTIMIZER_FILE),
@@ -324,7 +343,25 @@ impl Checkpointer {
                 )
             })?;
         let before = loader.state();
-        loader.load_state(&position)?;
+        // data parallel: rank 0 saved its own position; every rank stands at the same batch,
+        // so each restores it under its own rank (the world size must match: a different one
+        // shards the epoch differently and is refused)
+        let position = if engine.collective().is_some() {
+            LoaderState {
+                rank: before.rank,
+                ..position
+            }
+        } else {
+            position
+        };
+        let restored = loader.load_state(&position);
+        if let Err(e) =
+            agree_across_ranks(engine, restored.is_ok(), "restoring the loader position")
+        {
+            loader.load_state(&before)?;
+            return Err(e);
+        }
+        restored?;
         match load(&path, engine) {
             Ok(extra) => Ok(Some((path, extra))),
             Err(e) => {
@@ -508,6 +545,64 @@ pub fn read_state(path: impl AsRef<Path>) -> Result<TrainerState> {
 pub fn load(path: impl AsRef<Path>, engine: &mut Engine) -> Result<serde_json::Value> {
     let started = Instant::now();
     let path = path.as_ref();
+    // read and validate everything first; under data parallelism every rank then agrees before
+    // anything collective runs (a rank that failed alone would leave the others waiting)
+    let checked = validate(path, engine);
+    agree_across_ranks(engine, checked.is_ok(), "reading the checkpoint")?;
+    let Validated {
+        state,
+        model,
+        optim,
+        model_file,
+        optim_file,
+    } = checked?;
+
+    // apply: the engine first (atomic: it checks the optimizer map before changing anything),
+    // then the masters (checked above, so only a device error can fail there; then roll back)
+    let rollback = match engine.state() {
+        Ok(s) => Some((s, engine.optimizer_state()?)),
+        Err(_) => None,
+    };
+    engine
+        .load_state(&state.engine, &optim)
+        .with_context(|| format!("checkpoint {}", optim_file.display()))?;
+    if let Err(e) = engine.store().load_masters(&model) {
+        let restored = match rollback {
+            Some((s, o)) => {
+                let o: HashMap<String, Tensor> = o.into_iter().collect();
+                engine.load_state(&s, &o).is_ok()
+            }
+            None => false,
+        };
+        return Err(e.context(format!(
+            "checkpoint {}: writing the master weights failed ({})",
+            model_file.display(),
+            if restored {
+                "engine state rolled back; the masters may be partly overwritten"
+            } else {
+                "the engine may be partly restored: load again"
+            }
+        )));
+    }
+    tracing::info!(
+        "checkpoint {} loaded in {:.3} s",
+        path.display(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(state.extra)
+}
+
+/// A checkpoint read from disk and checked against the engine, not applied yet.
+struct Validated {
+    state: TrainerState,
+    model: HashMap<String, Tensor>,
+    optim: HashMap<String, Tensor>,
+    model_file: PathBuf,
+    optim_file: PathBuf,
+}
+
+/// Reads and checks the checkpoint at `path` against `engine` (see [`load`]); changes nothing.
+fn validate(path: &Path, engine: &Engine) -> Result<Validated> {
     let state = read_state(path)?;
     let running = optimizer_name(engine);
     ensure!(
@@ -619,40 +714,35 @@ pub fn load(path: impl AsRef<Path>, engine: &mut Engine) -> Result<serde_json::V
             pshape
         );
     }
+    Ok(Validated {
+        state,
+        model,
+        optim,
+        model_file,
+        optim_file,
+    })
+}
 
-    // apply: the engine first (atomic: it checks the optimizer map before changing anything),
-    // then the masters (checked above, so only a device error can fail there; then roll back)
-    let rollback = match engine.state() {
-        Ok(s) => Some((s, engine.optimizer_state()?)),
-        Err(_) => None,
+/// Under data parallelism (a collective of world size > 1 attached to `engine`): every rank
+/// reports whether its part of `what` succeeded (an all-reduce MAX of a failure flag, which is
+/// also a barrier). A rank whose own part failed gets `Ok` here and returns its own error; the
+/// others get an error saying another rank failed. Without a collective: `Ok`.
+fn agree_across_ranks(engine: &Engine, ok: bool, what: &str) -> Result<()> {
+    let Some(c) = engine.collective().filter(|c| c.world_size() > 1) else {
+        return Ok(());
     };
-    engine
-        .load_state(&state.engine, &optim)
-        .with_context(|| format!("checkpoint {}", optim_file.display()))?;
-    if let Err(e) = engine.store().load_masters(&model) {
-        let restored = match rollback {
-            Some((s, o)) => {
-                let o: HashMap<String, Tensor> = o.into_iter().collect();
-                engine.load_state(&s, &o).is_ok()
-            }
-            None => false,
-        };
-        return Err(e.context(format!(
-            "checkpoint {}: writing the master weights failed ({})",
-            model_file.display(),
-            if restored {
-                "engine state rolled back; the masters may be partly overwritten"
-            } else {
-                "the engine may be partly restored: load again"
-            }
-        )));
-    }
-    tracing::info!(
-        "checkpoint {} loaded in {:.3} s",
-        path.display(),
-        started.elapsed().as_secs_f64()
+    let flag = Tensor::new(&[if ok { 0f32 } else { 1f32 }], engine.store().device())?;
+    let failed = c
+        .all_reduce_max(&flag)
+        .with_context(|| format!("checkpoint: agreeing across ranks on {what}"))?
+        .to_vec1::<f32>()?[0];
+    ensure!(
+        failed == 0.0 || !ok,
+        "checkpoint: {what} failed on another rank (rank {} of {} is fine here); see that rank's error",
+        c.rank(),
+        c.world_size()
     );
-    Ok(state.extra)
+    Ok(())
 }
 
 // ---------------------------------------------------------------------------------------------

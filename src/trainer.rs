@@ -430,6 +430,9 @@ impl Trainer {
                 samples += n;
                 window.add(report.loss_tensor(), n)?;
                 epoch_stats.add(report.loss_tensor(), n)?;
+                if pending.len() >= MAX_PENDING_STEPS {
+                    phases.add(&pending.drain()?);
+                }
                 if !report.boundary {
                     continue;
                 }
@@ -456,9 +459,6 @@ impl Trainer {
                         ..Default::default()
                     });
                     window = Tally::new();
-                }
-                if pending.len() >= MAX_PENDING_STEPS {
-                    phases.add(&pending.drain()?);
                 }
                 let mut stop_now = false;
                 if c.eval_every.is_some_and(|e| step % e == 0) {

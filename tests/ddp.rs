@@ -868,3 +868,91 @@ fn zero1_checkpoint_resumes_on_one_rank() -> Result<()> {
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }
+
+/// Data-parallel checkpoints with a loader: 2 ranks (DDP, each with its DistributedSampler
+/// shard of an MNIST-like tensor dataset) train 3 batches and save with `save_with_loader`
+/// (rank 0 writes once, both ranks wait for it); two fresh ranks resume with
+/// `resume_with_loader`, each at its own rank's position, and their next 3 steps give the
+/// same parameters as the uninterrupted run's steps 4-6. ZeRO-1 with stochastic rounding is
+/// refused.
+#[test]
+fn data_parallel_checkpoint_with_loader_resumes_on_every_rank() -> Result<()> {
+    use wick::checkpoint::Checkpointer;
+    use wick::data::{DataLoader, LoaderConfig, TensorDataset};
+    let dir = std::env::temp_dir().join(format!("wick-ddp-loader-ckpt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let dataset = || -> Result<TensorDataset> {
+        let (x, y) = global_batch(128, 0); // 64 samples per rank: 8 batches of 8
+        Ok(TensorDataset::new(vec![x, y])?)
+    };
+    // phase: 0 = uninterrupted 6 steps, 1 = 3 steps then save, 2 = resume then 3 steps
+    let run = |phase: u8, dir: std::path::PathBuf| {
+        run_ranks(2, move |rank, c| -> Result<Vec<Vec<f32>>> {
+            let store = ParamStore::new(Precision::Fp32, Device::Cpu, 7);
+            let m = Mlp::new(&store, 24)?;
+            let mut e = Engine::new(store.clone(), EngineConfig::adamw(3e-3))?
+                .with_collective(c, DdpConfig::default())?;
+            let cfg = LoaderConfig::new(8)
+                .with_shuffle(3)
+                .with_distributed(DistributedSampler::new(rank, 2)?);
+            let mut loader = DataLoader::new(dataset()?, cfg)?;
+            let ck = Checkpointer::new(&dir, 0);
+            if phase == 2 {
+                let got = ck.resume_with_loader(&mut e, &mut loader)?;
+                assert!(got.is_some(), "rank {rank}: nothing to resume");
+                assert_eq!(loader.state().rank, rank);
+            }
+            let steps = if phase == 0 { 6 } else { 3 };
+            for _ in 0..steps {
+                let b = loader.next_batch()?.expect("a batch");
+                let (x, y) = b.pair()?;
+                e.step_weighted(b.len() as f64, |_| loss::cross_entropy(&m.forward(&x)?, &y))?;
+            }
+            if phase == 1 {
+                let p = ck.save_with_loader(&e, &loader.state(), serde_json::json!({}))?;
+                assert!(
+                    p.exists(),
+                    "rank {rank}: {} exists once save returns",
+                    p.display()
+                );
+            }
+            Ok(masters(&store))
+        })
+        .into_iter()
+        .collect::<Result<Vec<_>>>()
+    };
+    let straight = run(0, dir.clone())?;
+    run(1, dir.clone())?;
+    assert_eq!(
+        std::fs::read_dir(&dir)?.count(),
+        1,
+        "one checkpoint, written by rank 0"
+    );
+    let resumed = run(2, dir.clone())?;
+    assert_eq!(
+        resumed, straight,
+        "resumed ranks end where the uninterrupted run ends"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+
+    // ZeRO-1 with stochastic rounding would desynchronise the working copies: refused
+    let refused = run_ranks(1, |_, c| -> Result<()> {
+        let store = ParamStore::new(Precision::Bf16Mixed, Device::Cpu, 7);
+        let _m = Mlp::new(&store, 8)?;
+        let mut cfg = EngineConfig::adamw(1e-3);
+        cfg.stochastic_rounding = true;
+        let zero = DdpConfig {
+            zero1: true,
+            ..DdpConfig::default()
+        };
+        match Engine::new(store, cfg)?.with_collective(c, zero) {
+            Ok(_) => anyhow::bail!("ZeRO-1 with stochastic rounding was accepted"),
+            Err(e) => {
+                assert!(e.to_string().contains("stochastic rounding"), "{e}");
+                Ok(())
+            }
+        }
+    });
+    refused.into_iter().collect::<Result<Vec<_>>>()?;
+    Ok(())
+}

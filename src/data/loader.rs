@@ -176,7 +176,8 @@ pub struct Batch {
     pub tensors: Vec<Tensor>,
     /// On CUDA with pinned staging: the span on the compute stream from the handover's wait
     /// for the copy to the end of the device-side copies (the host-to-device time the step
-    /// actually waits for; see [`crate::timing`]). `None` on the CPU.
+    /// actually waits for; see [`crate::timing`]). `None` without pinned staging (CPU loaders,
+    /// or a device other than CUDA).
     pub h2d: Option<Span>,
 }
 

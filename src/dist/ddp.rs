@@ -24,15 +24,15 @@
 //! **found_inf agreement**: every rank must skip the same steps, or the replicas diverge.
 //! After an all-reduce every rank holds the same sums (an inf or NaN anywhere reaches every
 //! rank), and [`agree_found_inf`] / [`Ddp::agree_stats`] make it explicit with an all-reduce MAX
-//! of the local flag, which is also what keeps ZeRO-1 correct, where each rank only inspects
-//! its own shard of the gradient.
+//! of the local flag, which keeps the skip decision common even if something rank-local
+//! (a sharded update, a rank-local check) were to differ.
 //!
-//! **ZeRO-1** (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
-//! Parameter Models", SC 2020, stage 1 = optimizer-state partitioning, `P_os`): the parameters
-//! are seen as one flat vector (store order) padded to `world_size` equal shards
-//! ([`ShardLayout`]); gradients are reduce-scattered, rank `r` updates the masters and moments of
-//! its shard only, and the updated shards are all-gathered. [`ShardLayout::param_slices`] says
-//! which slice of which parameter each rank owns.
+//! **ZeRO-1** in the engine is [`super::zero`]: optimizer state partitioned by whole parameters
+//! (PyTorch's `ZeroRedundancyOptimizer` scheme) after this module's all-reduce. The flat-shard
+//! arithmetic here ([`ShardLayout`]: the parameters as one flat vector padded to `world_size`
+//! equal shards, [`reduce_scatter_average`], [`all_gather_unpad`]; Rajbhandari et al., "ZeRO",
+//! SC 2020) is the reduce-scatter / all-gather variant, tested on its own; the fused kernels
+//! would need per-shard slices of parameters to use it.
 
 use super::{Collective, ReduceOp};
 use crate::grads::{GradBuffers, GradStats, HostStats};

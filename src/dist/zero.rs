@@ -15,7 +15,9 @@
 //!          → working copies refreshed from the masters
 //! ```
 //! Optimizer-state memory per rank is about `1 / world_size` of the full state (2 × 4 bytes
-//! per parameter for AdamW). Communication per step is the all-reduce (2 × the gradient bytes
+//! per parameter for AdamW) when the collective is attached before the first step (state that
+//! exists already stays). Not combined with stochastic rounding (the engine refuses it: only
+//! the owner would round stochastically). Communication per step is the all-reduce (2 × the gradient bytes
 //! on the wire, as DDP) plus one broadcast of the masters (4 bytes per parameter); the
 //! flat-shard variant (reduce-scatter + all-gather, [`super::ddp::ShardLayout`]) would need a
 //! per-shard slice of every parameter in the fused kernels.

@@ -384,7 +384,8 @@ impl Gpt {
     /// `1 <= T <= context_len`. Position `t`'s logits depend on `ids[.., ..=t]` only.
     ///
     /// Errors: `ids` not rank 2, not integer, empty, or longer than the context; an id
-    /// `>= vocab_size` (reported by the embedding lookup).
+    /// `>= vocab_size` (an error on the CPU; on CUDA, where checking would need a device read,
+    /// that position's embedding row is NaN, and so is the loss).
     pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
         let (b, t) = match ids.dims() {
             &[b, t] => (b, t),

@@ -41,7 +41,7 @@ pub fn cross_entropy_rows(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let targets = match targets.dtype() {
         DType::U32 => targets.contiguous()?,
         DType::I64 | DType::U8 => targets.to_dtype(DType::U32)?,
-        d => bail!("{op}: targets must hold class indices (u32 or i64), found {d:?}"),
+        d => bail!("{op}: targets must hold class indices (u32, i64 or u8), found {d:?}"),
     };
     if n == 0 {
         return Tensor::zeros(0, DType::F32, logits.device());

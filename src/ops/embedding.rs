@@ -35,7 +35,7 @@ pub fn embedding(ids: &Tensor, table: &Tensor) -> Result<Tensor> {
     let ids = match ids.dtype() {
         DType::U32 => ids.contiguous()?,
         DType::I64 | DType::U8 => ids.to_dtype(DType::U32)?,
-        d => bail!("{op}: ids must be integer token ids (u32 or i64), found {d:?}"),
+        d => bail!("{op}: ids must be integer token ids (u32, i64 or u8), found {d:?}"),
     };
     let mut out_dims = ids.dims().to_vec();
     out_dims.push(c);
@@ -203,7 +203,9 @@ impl CustomOp2 for EmbeddingBwd {
 mod cuda {
     use crate::ops::cuda::{alloc, dtype_name, in_ptr, out_ptr, zeros_f32};
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda::cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda::cudarc::driver::{
+        CudaStream, DevicePtr, LaunchConfig, PushKernelArg, SyncOnDrop,
+    };
     use candle_core::cuda::WrapErr;
     use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape};
 
@@ -217,16 +219,21 @@ mod cuda {
         }
     }
 
-    fn ids_ptr(s: &CudaStorage, l: &Layout) -> Result<u64> {
+    /// Device address of the ids and the guard that orders the read (keep it until after the
+    /// launch).
+    fn ids_ptr<'a>(
+        s: &'a CudaStorage,
+        l: &Layout,
+        stream: &'a CudaStream,
+    ) -> Result<(u64, SyncOnDrop<'a>)> {
         let Some((o1, _)) = l.contiguous_offsets() else {
             bail!("embedding: ids must be contiguous (internal error)")
         };
         if s.dtype() != DType::U32 {
             bail!("embedding: ids must be u32 (internal error)")
         }
-        let stream = s.device.cuda_stream();
-        let (p, _g) = s.as_cuda_slice::<u32>()?.device_ptr(&stream);
-        Ok(p + 4 * o1 as u64)
+        let (p, g) = s.as_cuda_slice::<u32>()?.device_ptr(stream);
+        Ok((p + 4 * o1 as u64, g))
     }
 
     pub(super) fn fwd(
@@ -243,7 +250,7 @@ mod cuda {
         let mut y = alloc(dev, table.dtype(), rows * c)?;
         {
             let stream = dev.cuda_stream();
-            let ip = ids_ptr(ids, li)?;
+            let (ip, _gi) = ids_ptr(ids, li, &stream)?;
             let (tp, _gt) = in_ptr(op, "table", table, lt, &stream)?;
             let (yp, _gy) = out_ptr(&mut y, &stream)?;
             let name = format!("emb_fwd_{}", dtype_name(op, table.dtype())?);
@@ -276,7 +283,7 @@ mod cuda {
         let mut d = zeros_f32(dev, vocab * c)?;
         {
             let stream = dev.cuda_stream();
-            let ip = ids_ptr(ids, li)?;
+            let (ip, _gi) = ids_ptr(ids, li, &stream)?;
             let (gp, _gg) = in_ptr(op, "dy", dy, ld, &stream)?;
             let (dp, _gd) = out_ptr(&mut d, &stream)?;
             let name = format!("emb_bwd_{}", dtype_name(op, dy.dtype())?);
