@@ -503,7 +503,7 @@ impl Engine {
                 &params,
                 owners,
                 local,
-                &["exp_avg", "exp_avg_sq", "step", "momentum_buffer"],
+                self.optimizer.state_suffixes(),
             ),
             None => Ok(local),
         }

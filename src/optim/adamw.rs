@@ -254,6 +254,10 @@ impl Optimizer for AdamW {
         Ok(out)
     }
 
+    fn state_suffixes(&self) -> &'static [&'static str] {
+        &["exp_avg", "exp_avg_sq", "step"]
+    }
+
     fn load_state_tensors(
         &mut self,
         params: &[Param],

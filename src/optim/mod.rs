@@ -127,6 +127,11 @@ pub trait Optimizer: Send {
     /// Optimizer state by name (`"{param}.exp_avg"`, ...), for checkpoints and tests.
     fn state_tensors(&self, params: &[Param]) -> Result<Vec<(String, Tensor)>>;
 
+    /// Every suffix a name from [`Self::state_tensors`] can have after `"{param}."`; a tensor
+    /// named `step` has one element, the others have the parameter's shape. Used to gather
+    /// sharded state (ZeRO-1) without knowing the optimizer.
+    fn state_suffixes(&self) -> &'static [&'static str];
+
     /// Restores state saved by [`Self::state_tensors`] (tensors on any device; copied to the
     /// parameters' device). `applied_steps` is the engine's count of applied steps, used where a
     /// per-parameter step is absent. Errors name the missing tensor or the shape mismatch.

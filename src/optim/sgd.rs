@@ -330,6 +330,10 @@ impl Optimizer for Sgd {
         Ok(out)
     }
 
+    fn state_suffixes(&self) -> &'static [&'static str] {
+        &["momentum_buffer", "step"]
+    }
+
     fn load_state_tensors(
         &mut self,
         params: &[Param],
