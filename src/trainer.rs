@@ -415,6 +415,10 @@ impl Trainer {
             if c.max_epochs.is_some_and(|e| loader.epoch() >= e) {
                 break StopReason::MaxEpochs;
             }
+            // a run resumed at (or past) its last step trains nothing more
+            if c.max_steps.is_some_and(|m| engine.boundaries() >= m) {
+                break StopReason::MaxSteps;
+            }
             let mut epoch_stats = Tally::new();
             loop {
                 let t = Instant::now();

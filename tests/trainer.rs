@@ -80,6 +80,22 @@ fn max_steps_with_accumulation_and_metrics_files() -> anyhow::Result<()> {
     )?;
     assert_eq!(summary.stop, StopReason::MaxSteps);
     assert_eq!((summary.steps, engine.boundaries()), (20, 20));
+    // fitting again (a run resumed at its last step) trains nothing more
+    let again = Trainer::new(TrainerConfig {
+        max_epochs: None,
+        max_steps: Some(20),
+        progress: false,
+        ..TrainerConfig::default()
+    })?
+    .fit(
+        &mut engine,
+        &mut loader,
+        |_, _| -> candle_core::Result<Tensor> { panic!("no step may run") },
+        |_| Ok(Metrics::new()),
+        Hooks::default(),
+    )?;
+    assert_eq!((again.stop, again.steps), (StopReason::MaxSteps, 0));
+    assert_eq!(engine.boundaries(), 20);
     assert_eq!(
         *batches.borrow(),
         40,
