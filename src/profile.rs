@@ -158,7 +158,7 @@ impl RunProfile {
             h.push(Hint {
                 finding: format!("data loading takes {:.0}% of the step", 100.0 * data),
                 action: format!(
-                    "raise LoaderConfig::with_workers (now {}) and keep prefetch_factor >= 2{}",
+                    "raise LoaderConfig::with_workers (now {}; --workers in the examples) and keep prefetch_factor >= 2{}",
                     self.num_workers,
                     if self.gpu_name.is_some() && !self.staged_h2d {
                         "; pass with_device so batches are staged in pinned memory"

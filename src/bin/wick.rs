@@ -539,7 +539,7 @@ struct StepArgs {
     /// Precision: "32", "bf16-mixed" or "16-mixed".
     #[arg(long, default_value = "bf16-mixed")]
     precision: Precision,
-    /// cpu or cuda (default: cuda in a build with the cuda feature).
+    /// cpu or cuda (the default is cuda in builds with the cuda feature, cpu otherwise).
     #[arg(long, default_value = BENCH_STEP_DEVICE)]
     device: String,
     /// Timed steps.
