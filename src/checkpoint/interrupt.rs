@@ -1,0 +1,48 @@
+//! Ctrl-C (SIGINT/SIGTERM/SIGHUP) handling: a flag the training loop polls to save and stop.
+
+use super::*;
+
+// ---------------------------------------------------------------------------------------------
+// Ctrl-C
+
+pub(super) static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+pub(super) static HANDLER: std::sync::OnceLock<std::result::Result<(), String>> =
+    std::sync::OnceLock::new();
+
+/// Installs a handler for SIGINT (Ctrl-C), SIGTERM and SIGHUP that sets the flag read by
+/// [`interrupted`]; a second signal exits the process at once with status 130. Call it once
+/// before training (later calls are no-ops returning the first call's outcome). The training
+/// loop polls [`interrupted`] at a step boundary, saves a checkpoint and stops.
+///
+/// Errors: another signal handler was already installed through the `ctrlc` crate, or the
+/// operating system refused.
+pub fn install_interrupt_handler() -> Result<()> {
+    HANDLER
+        .get_or_init(|| {
+            ctrlc::set_handler(|| {
+                if INTERRUPTED.swap(true, Ordering::SeqCst) {
+                    std::process::exit(130);
+                }
+                eprintln!("\ninterrupt: saving a checkpoint at the next step boundary (again to quit now)");
+            })
+            .map_err(|e| e.to_string())
+        })
+        .clone()
+        .map_err(|e| anyhow!("installing the Ctrl-C handler: {e}"))
+}
+
+/// True once SIGINT/SIGTERM/SIGHUP arrived after [`install_interrupt_handler`] (or after
+/// [`request_interrupt`]).
+pub fn interrupted() -> bool {
+    INTERRUPTED.load(Ordering::SeqCst)
+}
+
+/// Sets the interrupt flag by hand (e.g. from a time limit or a test).
+pub fn request_interrupt() {
+    INTERRUPTED.store(true, Ordering::SeqCst);
+}
+
+/// Clears the interrupt flag (e.g. after saving, to continue).
+pub fn clear_interrupt() {
+    INTERRUPTED.store(false, Ordering::SeqCst);
+}
