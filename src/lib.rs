@@ -25,6 +25,8 @@
 //! unscale, norm, clipping), [`optim`], [`engine`] (one training step), [`coverage`] (which
 //! parameters received no gradient, and why), [`profile`] (per-phase timing), [`data`].
 
+#![warn(missing_docs)]
+
 pub mod checkpoint;
 pub mod coverage;
 #[cfg(feature = "cuda")]

@@ -47,16 +47,22 @@ impl<const D: usize> Meta<D> {
 /// group attribute and index in the caller's list.
 #[derive(Clone, Copy, Debug)]
 pub struct Row<const D: usize> {
+    /// Device addresses, one per list (0 = absent).
     pub addrs: [u64; D],
+    /// Elements in the tensor.
     pub numel: usize,
+    /// Per-tensor attribute the kernel reads (e.g. weight-decay group, "first" flag).
     pub group: i32,
+    /// Index of the tensor in the caller's list.
     pub index: i32,
 }
 
 /// One launch: the table and the number of blocks it uses.
 #[derive(Clone, Copy, Debug)]
 pub struct Launch<const D: usize> {
+    /// The address table passed to the kernel by value.
     pub meta: Meta<D>,
+    /// Thread blocks of this launch (one chunk each).
     pub blocks: u32,
     /// Blocks of all earlier launches (offset into per-block outputs).
     pub block_offset: u32,

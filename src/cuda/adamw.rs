@@ -28,9 +28,13 @@ unsafe impl DeviceRepr for AdamWArgs {}
 
 /// One parameter of the step: master, gradient (f32/bf16/f16) and the two f32 moments.
 pub struct Row<'a> {
+    /// The parameter (its f32 master is updated, its working copy written).
     pub param: &'a Param,
+    /// Its gradient buffer, contiguous.
     pub grad: &'a Tensor,
+    /// First moment (`exp_avg`), f32, the parameter's shape.
     pub m: &'a Tensor,
+    /// Second moment (`exp_avg_sq`), f32, the parameter's shape.
     pub v: &'a Tensor,
 }
 

@@ -34,9 +34,13 @@ unsafe impl DeviceRepr for SgdArgs {}
 /// momentum buffer and its `(1,)` f32 `first_at` marker (see `Buffer::Device` in
 /// src/optim/sgd.rs).
 pub struct Row<'a> {
+    /// The parameter (its f32 master is updated, its working copy written).
     pub param: &'a Param,
+    /// Its gradient buffer, contiguous.
     pub grad: &'a Tensor,
+    /// The momentum buffer (f32, the parameter's shape), with momentum.
     pub buf: Option<&'a Tensor>,
+    /// The `(1,)` f32 marker of the step at which the buffer starts, with momentum.
     pub first_at: Option<&'a Tensor>,
 }
 

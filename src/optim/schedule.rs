@@ -23,7 +23,10 @@ use std::str::FromStr;
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
 pub enum LrSchedule {
     /// `lr` at every step.
-    Constant { lr: f64 },
+    Constant {
+        /// The learning rate.
+        lr: f64,
+    },
     /// Linear warmup from 0 to `lr` over `warmup` steps (step `s < warmup` gets
     /// `lr * (s + 1) / warmup`), then cosine decay to `min_lr` at `total` steps, constant after
     /// (nanoGPT's `get_lr`):
@@ -33,13 +36,24 @@ pub enum LrSchedule {
     /// s >= total:           min_lr
     /// ```
     WarmupCosine {
+        /// Peak learning rate (reached at the end of the warmup).
         lr: f64,
+        /// Learning rate at and after `total`.
         min_lr: f64,
+        /// Warmup steps.
         warmup: u64,
+        /// Step at which the cosine reaches `min_lr`.
         total: u64,
     },
     /// Step decay (`torch.optim.lr_scheduler.StepLR`): `lr * gamma^floor(s / step_size)`.
-    StepDecay { lr: f64, step_size: u64, gamma: f64 },
+    StepDecay {
+        /// Initial learning rate.
+        lr: f64,
+        /// Steps between decays.
+        step_size: u64,
+        /// Multiplier at each decay.
+        gamma: f64,
+    },
     /// Linear warmup (as [`LrSchedule::WarmupCosine`]), then linear decay to `end_lr` at
     /// `total` steps, constant after:
     /// ```text
@@ -48,9 +62,13 @@ pub enum LrSchedule {
     /// s >= total:           end_lr
     /// ```
     LinearDecay {
+        /// Peak learning rate (reached at the end of the warmup).
         lr: f64,
+        /// Learning rate at and after `total`.
         end_lr: f64,
+        /// Warmup steps.
         warmup: u64,
+        /// Step at which the decay reaches `end_lr`.
         total: u64,
     },
 }
