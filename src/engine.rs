@@ -278,9 +278,15 @@ impl Engine {
         if self.grads.micro_steps() != 0 {
             bail!("Engine::with_collective: attach the collective at an accumulation boundary");
         }
-        if config.zero1 && self.config.stochastic_rounding {
+        if config.zero1
+            && self.config.stochastic_rounding
+            && collective.world_size() > 1
+            && self.store.precision().is_mixed()
+        {
             bail!(
-                "Engine::with_collective: ZeRO-1 with stochastic rounding would give the ranks                  different working copies (only a parameter's owner rounds stochastically); turn                  one of them off"
+                "Engine::with_collective: ZeRO-1 with stochastic rounding would give the ranks \
+                 different working copies (only a parameter's owner rounds stochastically); \
+                 turn one of them off"
             );
         }
         let mut ddp = crate::dist::ddp::Ddp::new(collective, config)?;

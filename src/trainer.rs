@@ -372,6 +372,20 @@ impl Trainer {
         E: FnMut(&mut Engine) -> Result<Metrics>,
     {
         let c = self.config.clone();
+        if c.max_steps.is_some_and(|m| engine.boundaries() >= m) {
+            // a run resumed at its last step: nothing to train, and the metrics files of the
+            // run stay as they are
+            return Ok(FitSummary {
+                stop: StopReason::MaxSteps,
+                steps: 0,
+                samples: 0,
+                elapsed: Duration::ZERO,
+                phases: PhaseTimes::default(),
+                last_eval: None,
+                best: None,
+                profile: RunProfile::default(),
+            });
+        }
         let mut files = c.out_dir.as_deref().map(MetricsFiles::create).transpose()?;
         let accum = engine.config().accumulation_steps as u64;
         let start_step = engine.boundaries();

@@ -936,7 +936,7 @@ fn data_parallel_checkpoint_with_loader_resumes_on_every_rank() -> Result<()> {
     let _ = std::fs::remove_dir_all(&dir);
 
     // ZeRO-1 with stochastic rounding would desynchronise the working copies: refused
-    let refused = run_ranks(1, |_, c| -> Result<()> {
+    let refused = run_ranks(2, |_, c| -> Result<()> {
         let store = ParamStore::new(Precision::Bf16Mixed, Device::Cpu, 7);
         let _m = Mlp::new(&store, 8)?;
         let mut cfg = EngineConfig::adamw(1e-3);
@@ -954,5 +954,48 @@ fn data_parallel_checkpoint_with_loader_resumes_on_every_rank() -> Result<()> {
         }
     });
     refused.into_iter().collect::<Result<Vec<_>>>()?;
+    Ok(())
+}
+
+/// Ranks that see different newest checkpoints (rank 0 one at step 2, rank 1 none: e.g.
+/// node-local disks) all get an error from `resume`, instead of one rank loading while the
+/// other starts fresh and the two waiting on each other's collectives.
+#[test]
+fn ranks_that_see_different_checkpoints_all_refuse_to_resume() -> Result<()> {
+    use wick::checkpoint::Checkpointer;
+    let base = std::env::temp_dir().join(format!("wick-split-ckpt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    {
+        let store = ParamStore::new(Precision::Fp32, Device::Cpu, 7);
+        let m = Mlp::new(&store, 8)?;
+        let mut e = Engine::new(store, EngineConfig::adamw(1e-3))?;
+        let (x, y) = global_batch(8, 0);
+        for _ in 0..2 {
+            e.step(|_| loss::cross_entropy(&m.forward(&x)?, &y))?;
+        }
+        Checkpointer::new(base.join("rank0"), 0).save(&e, serde_json::json!({}))?;
+    }
+    let b2 = base.clone();
+    let out = run_ranks(2, move |rank, c| -> Result<String> {
+        let store = ParamStore::new(Precision::Fp32, Device::Cpu, 7);
+        let _m = Mlp::new(&store, 8)?;
+        let mut e = Engine::new(store, EngineConfig::adamw(1e-3))?
+            .with_collective(c, DdpConfig::default())?;
+        let ck = Checkpointer::new(b2.join(format!("rank{rank}")), 0);
+        match ck.resume(&mut e) {
+            Ok(_) => anyhow::bail!("rank {rank} resumed"),
+            Err(err) => Ok(format!("{err:#}")),
+        }
+    });
+    for (rank, r) in out.into_iter().enumerate() {
+        let msg = r?;
+        assert!(
+            msg.contains("different newest checkpoints")
+                && msg.contains("none")
+                && msg.contains("step 2"),
+            "rank {rank}: {msg}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&base);
     Ok(())
 }

@@ -1,4 +1,6 @@
 //! Ctrl-C (SIGINT/SIGTERM/SIGHUP) handling: a flag the training loop polls to save and stop.
+//! The flag is per process: under data parallelism decide with [`interrupted_on_any_rank`],
+//! so that every rank saves (a collective) at the same step.
 
 use super::*;
 
@@ -45,4 +47,18 @@ pub fn request_interrupt() {
 /// Clears the interrupt flag (e.g. after saving, to continue).
 pub fn clear_interrupt() {
     INTERRUPTED.store(false, Ordering::SeqCst);
+}
+
+/// [`interrupted`] agreed across ranks: true on every rank when any rank was interrupted (an
+/// all-reduce MAX of the flag; call it on every rank at the same step). Without a collective
+/// (or world size 1): [`interrupted`].
+///
+/// Errors: the collective fails.
+pub fn interrupted_on_any_rank(engine: &Engine) -> Result<bool> {
+    let local = interrupted();
+    let Some(c) = engine.collective().filter(|c| c.world_size() > 1) else {
+        return Ok(local);
+    };
+    let flag = Tensor::new(&[f32::from(u8::from(local))], engine.store().device())?;
+    Ok(c.all_reduce_max(&flag)?.to_vec1::<f32>()?[0] > 0.0)
 }

@@ -80,6 +80,10 @@ pub fn read_state(path: impl AsRef<Path>) -> Result<TrainerState> {
 /// tensor belongs to a parameter. Errors name the file and what is wrong (missing tensor,
 /// unexpected tensor, shape or dtype mismatch, truncated or corrupt file, checksum mismatch,
 /// wrong version); the engine is then unchanged. The checkpoint on disk is only read.
+///
+/// Data parallel ([`Engine::with_collective`]): a collective call; every rank calls it with
+/// the same checkpoint. The ranks agree after validating and after applying: all succeed, or
+/// all return an error (the engine state rolled back).
 pub fn load(path: impl AsRef<Path>, engine: &mut Engine) -> Result<serde_json::Value> {
     let started = Instant::now();
     let path = path.as_ref();
@@ -96,31 +100,39 @@ pub fn load(path: impl AsRef<Path>, engine: &mut Engine) -> Result<serde_json::V
     } = checked?;
 
     // apply: the engine first (atomic: it checks the optimizer map before changing anything),
-    // then the masters (checked above, so only a device error can fail there; then roll back)
+    // then the masters (checked above, so only a device error can fail there). The rollback
+    // snapshot is this rank's own optimizer state (under ZeRO-1 its share, no gathering).
     let rollback = match engine.state() {
-        Ok(s) => Some((s, engine.optimizer_state()?)),
+        Ok(s) => Some((
+            s,
+            engine
+                .optimizer()
+                .state_tensors(&engine.store().params())?
+                .into_iter()
+                .collect::<HashMap<String, Tensor>>(),
+        )),
         Err(_) => None,
     };
-    engine
-        .load_state(&state.engine, &optim)
-        .with_context(|| format!("checkpoint {}", optim_file.display()))?;
-    if let Err(e) = engine.store().load_masters(&model) {
-        let restored = match rollback {
-            Some((s, o)) => {
-                let o: HashMap<String, Tensor> = o.into_iter().collect();
-                engine.load_state(&s, &o).is_ok()
-            }
+    let applied = apply(engine, &state, &optim, &model, &optim_file, &model_file);
+    // under data parallelism: every rank succeeded, or every rank rolls its engine state back
+    if let Err(e) = agree_across_ranks(engine, applied.is_ok(), "applying the checkpoint") {
+        if let Some((s, o)) = &rollback {
+            let _ = engine.load_state(s, o);
+        }
+        return Err(e.context(
+            "engine state rolled back; the masters hold the checkpoint's values: load again",
+        ));
+    }
+    if let Err(e) = applied {
+        let restored = match &rollback {
+            Some((s, o)) => engine.load_state(s, o).is_ok(),
             None => false,
         };
-        return Err(e.context(format!(
-            "checkpoint {}: writing the master weights failed ({})",
-            model_file.display(),
-            if restored {
-                "engine state rolled back; the masters may be partly overwritten"
-            } else {
-                "the engine may be partly restored: load again"
-            }
-        )));
+        return Err(e.context(if restored {
+            "engine state rolled back; the masters may be partly overwritten"
+        } else {
+            "the engine may be partly restored: load again"
+        }));
     }
     tracing::info!(
         "checkpoint {} loaded in {:.3} s",
@@ -128,6 +140,26 @@ pub fn load(path: impl AsRef<Path>, engine: &mut Engine) -> Result<serde_json::V
         started.elapsed().as_secs_f64()
     );
     Ok(state.extra)
+}
+
+/// Loads the engine state, then the masters.
+fn apply(
+    engine: &mut Engine,
+    state: &TrainerState,
+    optim: &HashMap<String, Tensor>,
+    model: &HashMap<String, Tensor>,
+    optim_file: &Path,
+    model_file: &Path,
+) -> Result<()> {
+    engine
+        .load_state(&state.engine, optim)
+        .with_context(|| format!("checkpoint {}", optim_file.display()))?;
+    engine.store().load_masters(model).with_context(|| {
+        format!(
+            "checkpoint {}: writing the master weights failed",
+            model_file.display()
+        )
+    })
 }
 
 /// A checkpoint read from disk and checked against the engine, not applied yet.

@@ -86,7 +86,10 @@ mod interrupt;
 mod load;
 
 use files::*;
-pub use interrupt::{clear_interrupt, install_interrupt_handler, interrupted, request_interrupt};
+pub use interrupt::{
+    clear_interrupt, install_interrupt_handler, interrupted, interrupted_on_any_rank,
+    request_interrupt,
+};
 use load::agree_across_ranks;
 pub use load::{load, read_state};
 
@@ -300,13 +303,56 @@ impl Checkpointer {
     /// [`load`]; the newest checkpoint failing to load is an error, never a silent fallback to
     /// an older one.
     pub fn resume(&self, engine: &mut Engine) -> Result<Option<(PathBuf, serde_json::Value)>> {
-        match self.latest()? {
+        match self.agreed_latest(engine)? {
             None => Ok(None),
             Some(path) => {
                 let extra = load(&path, engine)?;
                 Ok(Some((path, extra)))
             }
         }
+    }
+
+    /// [`Self::latest`], checked across ranks under data parallelism: every rank must see the
+    /// same newest step (or none), else every rank gets an error (ranks resuming from
+    /// different steps, or some starting fresh, would diverge or wait on each other).
+    fn agreed_latest(&self, engine: &Engine) -> Result<Option<PathBuf>> {
+        let found = self.latest();
+        agree_across_ranks(engine, found.is_ok(), "finding the latest checkpoint")?;
+        let found = found?;
+        let Some(c) = engine.collective().filter(|c| c.world_size() > 1) else {
+            return Ok(found);
+        };
+        // step + 1 (0: none); exact in f32 below 2^24 steps
+        let step = found
+            .as_deref()
+            .and_then(|p| {
+                p.file_name()?
+                    .to_str()?
+                    .strip_prefix(STEP_PREFIX)?
+                    .parse::<u64>()
+                    .ok()
+            })
+            .map_or(0.0, |s| s as f32 + 1.0);
+        let t = Tensor::new(&[step, -step], engine.store().device())?;
+        let m = c.all_reduce_max(&t)?.to_vec1::<f32>()?;
+        let (max, min) = (m[0], -m[1]);
+        let show = |v: f32| {
+            if v == 0.0 {
+                "none".to_string()
+            } else {
+                format!("step {}", v as u64 - 1)
+            }
+        };
+        ensure!(
+            max == min,
+            "checkpoint resume: the ranks see different newest checkpoints in {} (rank {}: {};              across ranks from {} to {}); put the checkpoint directory on storage every rank              reads",
+            self.dir.display(),
+            c.rank(),
+            show(step),
+            show(min),
+            show(max)
+        );
+        Ok(found)
     }
 
     /// [`Self::save`] for a run fed by a [`DataLoader`]: records the loader's position under the
@@ -340,22 +386,26 @@ impl Checkpointer {
         engine: &mut Engine,
         loader: &mut DataLoader<D, C>,
     ) -> Result<Option<(PathBuf, serde_json::Value)>> {
-        let Some(path) = self.latest()? else {
+        let Some(path) = self.agreed_latest(engine)? else {
             return Ok(None);
         };
-        let state = read_state(&path)?;
-        let position: LoaderState = serde_json::from_value(state.extra["loader"].clone())
-            .with_context(|| {
-                format!(
-                    "{}: trainer_state.json has no loader position",
-                    path.display()
-                )
-            })?;
+        let position = read_state(&path).and_then(|state| {
+            serde_json::from_value::<LoaderState>(state.extra["loader"].clone()).with_context(
+                || {
+                    format!(
+                        "{}: trainer_state.json has no loader position",
+                        path.display()
+                    )
+                },
+            )
+        });
+        agree_across_ranks(engine, position.is_ok(), "reading the loader position")?;
+        let position = position?;
         let before = loader.state();
         // data parallel: rank 0 saved its own position; every rank stands at the same batch,
         // so each restores it under its own rank (the world size must match: a different one
         // shards the epoch differently and is refused)
-        let position = if engine.collective().is_some() {
+        let position = if before.world_size > 1 {
             LoaderState {
                 rank: before.rank,
                 ..position

@@ -128,7 +128,7 @@ pub fn gather_state(
         let names: Vec<(String, &Param, Vec<usize>)> = params
             .iter()
             .zip(owner)
-            .filter(|(p, &o)| o == r && !p.options.frozen)
+            .filter(|(_, &o)| o == r)
             .flat_map(|(p, _)| {
                 suffixes
                     .iter()
@@ -149,10 +149,16 @@ pub fn gather_state(
                         flags.push(1f32);
                         data.push(t.to_dtype(DType::F32)?.flatten_all()?);
                     }
-                    Some(t) => bail!(
-                        "ZeRO-1: optimizer state {n} has shape {:?}, expected {shape:?}",
-                        t.dims()
-                    ),
+                    Some(t) => {
+                        // flag 2: every rank fails after the broadcast (failing here alone
+                        // would leave the other ranks waiting in it)
+                        tracing::error!(
+                            "ZeRO-1: optimizer state {n} has shape {:?}, expected {shape:?}",
+                            t.dims()
+                        );
+                        flags.push(2f32);
+                        data.push(Tensor::zeros(k, DType::F32, p.master.device())?);
+                    }
                     None => {
                         flags.push(0f32);
                         data.push(Tensor::zeros(k, DType::F32, p.master.device())?);
@@ -180,6 +186,14 @@ pub fn gather_state(
             .broadcast(&Tensor::cat(&parts, 0)?, r)
             .with_context(|| format!("ZeRO-1: gathering rank {r}'s optimizer state"))?;
         let flags = got.narrow(0, 0, names.len())?.to_vec1::<f32>()?;
+        if let Some(i) = flags.iter().position(|f| *f == 2.0) {
+            bail!(
+                "ZeRO-1: rank {r} holds optimizer state {} with an unexpected shape (expected \
+                 {:?}); see that rank's log",
+                names[i].0,
+                names[i].2
+            );
+        }
         let mut off = names.len();
         for ((n, _, shape), f) in names.iter().zip(flags) {
             let k: usize = shape.iter().product();

@@ -49,6 +49,24 @@ pub fn bias_add(x: &Tensor, b: &Tensor) -> Result<Tensor> {
 
 struct BiasAdd;
 
+/// True when candle's cuBLAS switch makes `dtype` GEMMs accumulate in that dtype
+/// (`PerfSettings::reduced_precision_reductions`): the column sum then takes the f32 path.
+fn half_gemm_reduces_in_half(dtype: DType) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        match dtype {
+            DType::F16 => candle_core::cuda::gemm_reduced_precision_f16(),
+            DType::BF16 => candle_core::cuda::gemm_reduced_precision_bf16(),
+            _ => false,
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = dtype;
+        false
+    }
+}
+
 fn fwd_cpu<T: Elem>(x: &[T], b: &[T]) -> Vec<T> {
     let c = b.len();
     let mut y = vec![T::from32(0.0); x.len()];
@@ -115,7 +133,9 @@ impl CustomOp2 for BiasAdd {
         // CUDA, half dtypes: cuBLAS GEMM (f32 accumulation); elsewhere an f32 sum (candle's CPU
         // half GEMM accumulates in the half dtype, and a TF32 GEMM would round f32 inputs)
         let db = match dy.dtype() {
-            DType::BF16 | DType::F16 if dy.device().is_cuda() => {
+            DType::BF16 | DType::F16
+                if dy.device().is_cuda() && !half_gemm_reduces_in_half(dy.dtype()) =>
+            {
                 Tensor::ones((1, rows), dy.dtype(), dy.device())?
                     .matmul(&dy2)?
                     .reshape(c)?

@@ -143,9 +143,13 @@ impl CustomOp2 for Embedding {
         let d = if dy.device().is_cuda() && crate::perf::deterministic() {
             // PerfSettings::deterministic: candle's index_add adds each column's ids in order
             // (slow, but the same bits every run)
+            // candle's index_add skips u32::MAX and asserts on other out-of-range ids: map
+            // those to u32::MAX so that they contribute nothing, as the fused kernel does
             let c = dy.dim(1)?;
+            let skip = Tensor::full(u32::MAX, ids.shape(), ids.device())?;
+            let ids = ids.ge(self.vocab as u32)?.where_cond(&skip, ids)?;
             Tensor::zeros((self.vocab, c), DType::F32, dy.device())?.index_add(
-                ids,
+                &ids,
                 &dy.to_dtype(DType::F32)?,
                 0,
             )?
