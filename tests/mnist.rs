@@ -94,9 +94,7 @@ fn truncated_and_empty_files_are_clear_errors() {
     write_idx(&dir.join("t10k-labels-idx1-ubyte"), &header(2049, &[0]));
     let err = format!(
         "{:#}",
-        wick::data::mnist::load_dir(&dir)
-            .err()
-            .expect("truncated file must fail")
+        wick::data::mnist::load_dir(&dir).expect_err("truncated file must fail")
     );
     assert!(
         err.contains("train-images-idx3-ubyte") && err.contains("truncated"),
@@ -109,9 +107,7 @@ fn truncated_and_empty_files_are_clear_errors() {
     write_idx(&dir.join("train-images-idx3-ubyte"), &imgs);
     let err = format!(
         "{:#}",
-        wick::data::mnist::load_dir(&dir)
-            .err()
-            .expect("empty split must fail")
+        wick::data::mnist::load_dir(&dir).expect_err("empty split must fail")
     );
     assert!(
         err.contains("t10k-images-idx3-ubyte") && err.contains("empty"),

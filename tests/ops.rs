@@ -290,7 +290,13 @@ fn causal_softmax_matches_masked_composed_on_cpu() -> Result<()> {
             let x = rand_t(shape, -8.0, 8.0, 400 + i as u64, dtype, &Device::Cpu);
             let r = rand_t(shape, -1.0, 1.0, 500 + i as u64, DType::F32, &Device::Cpu);
             let name = format!("causal softmax {dtype:?} {shape:?}");
-            let errs = compare(&name, &causal_fused, &causal_ref, &[x.clone()], &r)?;
+            let errs = compare(
+                &name,
+                &causal_fused,
+                &causal_ref,
+                std::slice::from_ref(&x),
+                &r,
+            )?;
             assert!(errs.iter().all(|e| *e <= tol(dtype)), "{name}: {errs:?}");
             // above the diagonal: exactly 0 (never read)
             let y = ops::causal_softmax_last_dim(&x)?.to_dtype(DType::F32)?;
@@ -462,7 +468,7 @@ fn cross_entropy_matches_log_softmax_gather_on_cpu() -> Result<()> {
             let name = format!("cross_entropy {dtype:?} ({n}, {c})");
             let fused = |a: &[Tensor]| ops::cross_entropy_rows(&a[0], &t);
             let reference = |a: &[Tensor]| ce_ref(&a[0], &t);
-            let errs = compare_any(&name, &fused, &reference, &[x.clone()], &r)?;
+            let errs = compare_any(&name, &fused, &reference, std::slice::from_ref(&x), &r)?;
             assert!(errs.iter().all(|e| *e <= tol(dtype)), "{name}: {errs:?}");
             let (y, g) = value_and_grads(&fused, &[x], &r)?;
             assert_eq!((y.dtype(), y.dims()), (DType::F32, &[n][..]), "{name}");
