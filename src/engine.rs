@@ -137,10 +137,6 @@ pub struct StepReport {
     pub boundary: bool,
     /// Learning rate of this window's optimizer step.
     pub lr: f64,
-    /// Per-phase host wall times of this call (data/h2d are zero: the caller measures them).
-    /// On CUDA these are the times the host took to *queue* each phase; the GPU's times are in
-    /// [`StepReport::spans`].
-    pub times: PhaseTimes,
     /// The phases as spans on the device timeline (CUDA events on the GPU, wall clocks on the
     /// CPU); [`StepSpans::resolve`] reads them, waiting for the step's work to finish.
     pub spans: StepSpans,
@@ -153,6 +149,13 @@ enum ScaleValue {
 }
 
 impl StepReport {
+    /// Per-phase host wall times of this call (data/h2d are zero: the caller measures them).
+    /// On CUDA these are the times the host took to *queue* each phase; the GPU's times are in
+    /// [`StepReport::spans`].
+    pub fn times(&self) -> PhaseTimes {
+        self.spans.host()
+    }
+
     /// The unscaled loss of this micro-batch (reads the value back from the device).
     pub fn loss(&self) -> Result<f32> {
         Ok(self.loss.to_scalar::<f32>()?)
@@ -297,6 +300,13 @@ impl Engine {
         Ok(self)
     }
 
+    /// With ZeRO-1: the data-parallel state and each parameter's owner rank (a function of
+    /// the field, so that the optimizer can be borrowed beside it).
+    fn zero1(dist: &Option<crate::dist::ddp::Ddp>) -> Option<(&crate::dist::ddp::Ddp, &[usize])> {
+        let d = dist.as_ref()?;
+        Some((d, d.owners()?))
+    }
+
     /// The attached process group, if any.
     pub fn collective(&self) -> Option<&dyn crate::dist::Collective> {
         self.dist.as_ref().map(|d| d.collective())
@@ -409,7 +419,6 @@ impl Engine {
             stats,
             loss_scale,
             lr,
-            times: spans.host(),
             spans,
         })
     }
@@ -480,8 +489,7 @@ impl Engine {
             seed: self.boundaries,
             stochastic_rounding: self.config.stochastic_rounding,
         };
-        let zero = self.dist.as_ref().and_then(|d| Some((d, d.owners()?)));
-        let Some((d, owners)) = zero else {
+        let Some((d, owners)) = Self::zero1(&self.dist) else {
             return self.optimizer.step(params, self.grads.buffers(), inputs);
         };
         // dist: ZeRO-1, update the owned parameters, then every owner broadcasts its own
@@ -503,7 +511,7 @@ impl Engine {
     pub fn optimizer_state(&self) -> Result<Vec<(String, Tensor)>> {
         let params = self.store.params();
         let local = self.optimizer.state_tensors(&params)?;
-        match self.dist.as_ref().and_then(|d| Some((d, d.owners()?))) {
+        match Self::zero1(&self.dist) {
             Some((d, owners)) => crate::dist::zero::gather_state(
                 d.collective(),
                 &params,
@@ -553,7 +561,7 @@ impl Engine {
         optimizer: &std::collections::HashMap<String, Tensor>,
     ) -> Result<()> {
         let params = self.store.params();
-        match self.dist.as_ref().and_then(|d| Some((d, d.owners()?))) {
+        match Self::zero1(&self.dist) {
             Some((d, owners)) => {
                 // dist: ZeRO-1 keeps the state of this rank's share only
                 let rank = d.collective().rank();

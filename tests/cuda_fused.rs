@@ -389,7 +389,9 @@ fn the_fused_step_never_waits_for_the_device() -> anyhow::Result<()> {
     for r in &reports {
         eprintln!(
             "  host times: forward {:?} backward {:?} optimizer {:?}",
-            r.times.forward, r.times.backward, r.times.optimizer
+            r.times().forward,
+            r.times().backward,
+            r.times().optimizer
         );
     }
     assert!(

@@ -642,7 +642,7 @@ fn bench_step(args: &StepArgs) -> Result<()> {
     let mut last = None;
     for _ in 0..args.steps {
         let r = engine.step(|_| gpt.loss(&x, &y))?;
-        phases.add(&r.times);
+        phases.add(&r.times());
         pending.push(None, r.spans.clone());
         last = Some(r);
     }

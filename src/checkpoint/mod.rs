@@ -402,17 +402,6 @@ impl Checkpointer {
         agree_across_ranks(engine, position.is_ok(), "reading the loader position")?;
         let position = position?;
         let before = loader.state();
-        // data parallel: rank 0 saved its own position; every rank stands at the same batch,
-        // so each restores it under its own rank (the world size must match: a different one
-        // shards the epoch differently and is refused)
-        let position = if before.world_size > 1 {
-            LoaderState {
-                rank: before.rank,
-                ..position
-            }
-        } else {
-            position
-        };
         let restored = loader.load_state(&position);
         if let Err(e) =
             agree_across_ranks(engine, restored.is_ok(), "restoring the loader position")

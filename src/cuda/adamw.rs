@@ -1,14 +1,12 @@
 //! Launcher of kernels/adamw.cu: the fused multi-tensor AdamW step.
 
-use super::{addr, mt_config, ptx};
-use crate::multi_tensor::{plan, Row as MtRow};
+use super::{addr, ptx};
+use crate::multi_tensor::Row as MtRow;
 use crate::optim::AdamWConfig;
 use crate::params::Param;
 use anyhow::Result;
-use candle_core::cuda::cudarc::driver::{DeviceRepr, PushKernelArg};
-use candle_core::cuda::WrapErr;
+use candle_core::cuda::cudarc::driver::DeviceRepr;
 use candle_core::Tensor;
-use std::collections::BTreeMap;
 
 /// Mirror of `AdamWArgs` in kernels/adamw.cu.
 #[repr(C)]
@@ -68,7 +66,7 @@ pub fn step(
     };
     // keep contiguous copies of non-contiguous gradients alive until the launches are queued
     let mut keep = Vec::new();
-    let mut groups: BTreeMap<(&'static str, &'static str), Vec<MtRow<5>>> = BTreeMap::new();
+    let mut groups: super::UpdateGroups<5> = Default::default();
     for (i, r) in rows.iter().enumerate() {
         let o = super::update_operands("AdamW", r.param, r.grad, &mut keep)?;
         groups
@@ -81,15 +79,16 @@ pub fn step(
                 index: i as i32,
             });
     }
-    for ((gs, ws), list) in groups {
-        let func =
-            dev.get_or_load_custom_func(&format!("mt_adamw_{gs}_{ws}"), "wick_adamw", ptx::ADAMW)?;
-        for l in plan(&list) {
-            let mut b = func.builder();
-            b.arg(&l.meta).arg(&stats_addr).arg(&amp_addr).arg(&args);
-            unsafe { b.launch(mt_config(&l)) }.w()?;
-        }
-    }
+    super::launch_update_groups(
+        &dev,
+        "mt_adamw",
+        "wick_adamw",
+        ptx::ADAMW,
+        groups,
+        stats_addr,
+        amp_addr,
+        &args,
+    )?;
     drop(keep);
     Ok(())
 }

@@ -141,3 +141,40 @@ pub fn update_operands(
     keep.push(g);
     Ok(ops)
 }
+
+/// Rows of a fused update, grouped by (gradient dtype, working-copy dtype) suffixes: the key of
+/// the kernel instantiation each group needs.
+pub type UpdateGroups<const D: usize> =
+    std::collections::BTreeMap<(&'static str, &'static str), Vec<crate::multi_tensor::Row<D>>>;
+
+/// Enqueues `{prefix}_{grad}_{working}(meta, stats, amp_state, args)` for every group, one
+/// launch per [`crate::multi_tensor::plan`] launch (the AdamW and SGD updates share this shape).
+/// No host synchronisation.
+#[allow(clippy::too_many_arguments)]
+pub fn launch_update_groups<const D: usize, A: candle_core::cuda::cudarc::driver::DeviceRepr>(
+    dev: &CudaDevice,
+    prefix: &str,
+    module: &str,
+    ptx: &'static str,
+    groups: UpdateGroups<D>,
+    stats_addr: u64,
+    amp_addr: u64,
+    args: &A,
+) -> Result<()>
+where
+    crate::multi_tensor::Meta<D>: candle_core::cuda::cudarc::driver::DeviceRepr,
+{
+    use candle_core::cuda::cudarc::driver::PushKernelArg;
+    use candle_core::cuda::WrapErr;
+    for ((gs, ws), list) in groups {
+        let func = dev.get_or_load_custom_func(&format!("{prefix}_{gs}_{ws}"), module, ptx)?;
+        for l in crate::multi_tensor::plan(&list) {
+            let mut b = func.builder();
+            b.arg(&l.meta).arg(&stats_addr).arg(&amp_addr).arg(args);
+            // SAFETY: the table holds live device addresses of `numel` elements per list, of
+            // the dtypes the kernel's suffixes name; stats and amp_state are f32 device tensors.
+            unsafe { b.launch(mt_config(&l)) }.w()?;
+        }
+    }
+    Ok(())
+}

@@ -1,16 +1,14 @@
 //! Launcher of kernels/sgd.cu: the fused multi-tensor SGD step (momentum, dampening, Nesterov,
 //! coupled weight decay; `torch.optim.SGD` semantics, see [`crate::optim::sgd`]).
 
-use super::{addr, mt_config, ptx};
-use crate::multi_tensor::{plan, Row as MtRow};
+use super::{addr, ptx};
+use crate::multi_tensor::Row as MtRow;
 use crate::optim::sgd::Coeffs;
 use crate::optim::SgdConfig;
 use crate::params::Param;
 use anyhow::{bail, Result};
-use candle_core::cuda::cudarc::driver::{DeviceRepr, PushKernelArg};
-use candle_core::cuda::WrapErr;
+use candle_core::cuda::cudarc::driver::DeviceRepr;
 use candle_core::{DType, Tensor};
-use std::collections::BTreeMap;
 
 /// Mirror of `SgdArgs` in kernels/sgd.cu. The coefficients are the f32 values of
 /// [`Coeffs`], rounded once on the host exactly as the CPU paths round them.
@@ -78,7 +76,7 @@ pub fn step(
     let momentum = k.momentum != 0.0;
     // keep contiguous copies of non-contiguous gradients alive until the launches are queued
     let mut keep = Vec::new();
-    let mut groups: BTreeMap<(&'static str, &'static str), Vec<MtRow<5>>> = BTreeMap::new();
+    let mut groups: super::UpdateGroups<5> = Default::default();
     for (i, r) in rows.iter().enumerate() {
         let o = super::update_operands("SGD", r.param, r.grad, &mut keep)?;
         let (buf_addr, first_addr) = match (momentum, r.buf, r.first_at) {
@@ -108,15 +106,16 @@ pub fn step(
                 index: i as i32,
             });
     }
-    for ((gs, ws), list) in groups {
-        let func =
-            dev.get_or_load_custom_func(&format!("mt_sgd_{gs}_{ws}"), "wick_sgd", ptx::SGD)?;
-        for l in plan(&list) {
-            let mut b = func.builder();
-            b.arg(&l.meta).arg(&stats_addr).arg(&amp_addr).arg(&args);
-            unsafe { b.launch(mt_config(&l)) }.w()?;
-        }
-    }
+    super::launch_update_groups(
+        &dev,
+        "mt_sgd",
+        "wick_sgd",
+        ptx::SGD,
+        groups,
+        stats_addr,
+        amp_addr,
+        &args,
+    )?;
     drop(keep);
     Ok(())
 }

@@ -647,8 +647,10 @@ impl<D: Dataset, C: Collate<D::Sample>> DataLoader<D, C> {
     ///
     /// # Errors
     /// The state was saved with a different dataset length, batch size, `drop_last`,
-    /// `shuffle`, rank or world size (the message lists each difference), or its batch index
-    /// is beyond the epoch's batch count.
+    /// `shuffle` or world size (the message lists each difference), or its batch index is
+    /// beyond the epoch's batch count. The rank may differ: data-parallel ranks stand at the
+    /// same epoch and batch, so any rank's saved position (a checkpoint holds rank 0's)
+    /// restores every rank, each on its own shard.
     pub fn load_state(&mut self, state: &LoaderState) -> Result<()> {
         let mine = self.state();
         let mut diffs = Vec::new();
@@ -668,7 +670,6 @@ impl<D: Dataset, C: Collate<D::Sample>> DataLoader<D, C> {
         check!(batch_size);
         check!(drop_last);
         check!(shuffle);
-        check!(rank);
         check!(world_size);
         check!(distributed_drop_last);
         ensure!(

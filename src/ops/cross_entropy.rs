@@ -38,11 +38,7 @@ pub fn cross_entropy_rows(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
         d => bail!("{op}: targets must be (N,) = ({n},) to match logits ({n}, {c}), found {d:?}"),
     }
     super::check_device(op, "targets", logits, targets)?;
-    let targets = match targets.dtype() {
-        DType::U32 => targets.contiguous()?,
-        DType::I64 | DType::U8 => targets.to_dtype(DType::U32)?,
-        d => bail!("{op}: targets must hold class indices (u32, i64 or u8), found {d:?}"),
-    };
+    let targets = super::index_u32(op, "targets", targets)?;
     if n == 0 {
         return Tensor::zeros(0, DType::F32, logits.device());
     }
@@ -70,13 +66,6 @@ fn check_targets(op: &str, t: &[u32], c: usize) -> Result<()> {
         bail!("{op}: target {k} at row {r} is out of range for {c} classes (expected 0..{c})")
     }
     Ok(())
-}
-
-fn u32_slice<'a>(op: &str, s: &'a CpuStorage, l: &Layout) -> Result<&'a [u32]> {
-    let Some((o1, o2)) = l.contiguous_offsets() else {
-        bail!("{op}: targets must be contiguous (internal error)")
-    };
-    Ok(&u32::cpu_storage_as_slice(s)?[o1..o2])
 }
 
 fn fwd_cpu<T: Elem>(x: &[T], t: &[u32], c: usize) -> Vec<f32> {
@@ -115,7 +104,7 @@ impl CustomOp2 for CrossEntropy {
     ) -> Result<(CpuStorage, Shape)> {
         let op = self.name();
         let c = lx.dims()[1];
-        let tv = u32_slice(op, t, lt)?;
+        let tv = cpu_slice::<u32>(op, "targets", t, lt)?;
         check_targets(op, tv, c)?;
         macro_rules! run {
             ($t:ty) => {{
@@ -166,7 +155,7 @@ impl CustomOp3 for CrossEntropyBwd {
     ) -> Result<(CpuStorage, Shape)> {
         let op = self.name();
         let c = lx.dims()[1];
-        let tv = u32_slice(op, t, lt)?;
+        let tv = cpu_slice::<u32>(op, "targets", t, lt)?;
         let gv = cpu_slice::<f32>(op, "g", g, lg)?;
         macro_rules! run {
             ($t:ty) => {{
@@ -196,11 +185,9 @@ impl CustomOp3 for CrossEntropyBwd {
 mod cuda {
     use crate::ops::cuda::{alloc, dtype_name, in_ptr, out_ptr, rows_cols, vec_ok};
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda::cudarc::driver::{
-        CudaStream, DevicePtr, LaunchConfig, PushKernelArg, SyncOnDrop,
-    };
+    use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
     use candle_core::cuda::WrapErr;
-    use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape};
+    use candle_core::{CudaStorage, DType, Layout, Result, Shape};
 
     const MODULE: &str = "wick_ops_cross_entropy";
     /// `CE_THREADS` in kernels/cross_entropy.cu: one block per row.
@@ -212,21 +199,6 @@ mod cuda {
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         }
-    }
-
-    fn targets_ptr<'a>(
-        s: &'a CudaStorage,
-        l: &Layout,
-        stream: &'a CudaStream,
-    ) -> Result<(u64, SyncOnDrop<'a>)> {
-        let Some((o1, _)) = l.contiguous_offsets() else {
-            bail!("cross_entropy: targets must be contiguous (internal error)")
-        };
-        if s.dtype() != DType::U32 {
-            bail!("cross_entropy: targets must be u32 (internal error)")
-        }
-        let (p, g) = s.as_cuda_slice::<u32>()?.device_ptr(stream);
-        Ok((p + 4 * o1 as u64, g))
     }
 
     pub(super) fn fwd(
@@ -242,7 +214,7 @@ mod cuda {
         {
             let stream = dev.cuda_stream();
             let (xp, _gx) = in_ptr(op, "logits", x, lx, &stream)?;
-            let (tp, _gt) = targets_ptr(t, lt, &stream)?;
+            let (tp, _gt) = in_ptr(op, "targets", t, lt, &stream)?;
             let (lp, _gl) = out_ptr(&mut loss, &stream)?;
             let vec = vec_ok(c, x.dtype().size_in_bytes(), &[xp]);
             let kernel = format!(
@@ -276,7 +248,7 @@ mod cuda {
         {
             let stream = dev.cuda_stream();
             let (xp, _gx) = in_ptr(op, "logits", x, lx, &stream)?;
-            let (tp, _gt) = targets_ptr(t, lt, &stream)?;
+            let (tp, _gt) = in_ptr(op, "targets", t, lt, &stream)?;
             let (gp, _gg) = in_ptr(op, "g", g, lg, &stream)?;
             let (dxp, _gdx) = out_ptr(&mut dx, &stream)?;
             let vec = vec_ok(c, x.dtype().size_in_bytes(), &[xp, dxp]);

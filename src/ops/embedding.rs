@@ -32,11 +32,7 @@ pub fn embedding(ids: &Tensor, table: &Tensor) -> Result<Tensor> {
         d => bail!("{op}: table must be (V, C), found shape {d:?}"),
     };
     super::check_device(op, "ids", table, ids)?;
-    let ids = match ids.dtype() {
-        DType::U32 => ids.contiguous()?,
-        DType::I64 | DType::U8 => ids.to_dtype(DType::U32)?,
-        d => bail!("{op}: ids must be integer token ids (u32, i64 or u8), found {d:?}"),
-    };
+    let ids = super::index_u32(op, "ids", ids)?;
     let mut out_dims = ids.dims().to_vec();
     out_dims.push(c);
     if ids.elem_count() == 0 || c == 0 {
@@ -54,14 +50,6 @@ struct Embedding {
 /// `(ids, dy) → dtable (V, C)` in f32.
 struct EmbeddingBwd {
     vocab: usize,
-}
-
-fn ids_slice<'a>(op: &str, s: &'a CpuStorage, l: &Layout) -> Result<&'a [u32]> {
-    let Some((o1, o2)) = l.contiguous_offsets() else {
-        bail!("{op}: ids must be contiguous (internal error)")
-    };
-    let ids = &<u32 as candle_core::WithDType>::cpu_storage_as_slice(s)?[o1..o2];
-    Ok(ids)
 }
 
 fn check_ids(op: &str, ids: &[u32], vocab: usize) -> Result<()> {
@@ -103,7 +91,7 @@ impl CustomOp2 for Embedding {
         lt: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let op = self.name();
-        let iv = ids_slice(op, ids, li)?;
+        let iv = cpu_slice::<u32>(op, "ids", ids, li)?;
         check_ids(op, iv, self.vocab)?;
         let c = lt.dims()[1];
         let out = match table.dtype() {
@@ -178,7 +166,7 @@ impl CustomOp2 for EmbeddingBwd {
         ld: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let op = self.name();
-        let iv = ids_slice(op, ids, li)?;
+        let iv = cpu_slice::<u32>(op, "ids", ids, li)?;
         check_ids(op, iv, self.vocab)?;
         let c = ld.dims()[1];
         let d = match dy.dtype() {
@@ -205,40 +193,13 @@ impl CustomOp2 for EmbeddingBwd {
 /// CUDA launchers for `kernels/embedding.cu`.
 #[cfg(feature = "cuda")]
 mod cuda {
-    use crate::ops::cuda::{alloc, dtype_name, in_ptr, out_ptr, zeros_f32};
+    use crate::ops::cuda::{alloc, dtype_name, grid_stride_cfg, in_ptr, out_ptr, zeros_f32};
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda::cudarc::driver::{
-        CudaStream, DevicePtr, LaunchConfig, PushKernelArg, SyncOnDrop,
-    };
+    use candle_core::cuda::cudarc::driver::PushKernelArg;
     use candle_core::cuda::WrapErr;
-    use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape};
+    use candle_core::{CudaStorage, Layout, Result, Shape};
 
     const MODULE: &str = "wick_ops_embedding";
-
-    fn cfg(n: usize) -> LaunchConfig {
-        LaunchConfig {
-            grid_dim: (n.div_ceil(256).clamp(1, 132 * 32) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        }
-    }
-
-    /// Device address of the ids and the guard that orders the read (keep it until after the
-    /// launch).
-    fn ids_ptr<'a>(
-        s: &'a CudaStorage,
-        l: &Layout,
-        stream: &'a CudaStream,
-    ) -> Result<(u64, SyncOnDrop<'a>)> {
-        let Some((o1, _)) = l.contiguous_offsets() else {
-            bail!("embedding: ids must be contiguous (internal error)")
-        };
-        if s.dtype() != DType::U32 {
-            bail!("embedding: ids must be u32 (internal error)")
-        }
-        let (p, g) = s.as_cuda_slice::<u32>()?.device_ptr(stream);
-        Ok((p + 4 * o1 as u64, g))
-    }
 
     pub(super) fn fwd(
         ids: &CudaStorage,
@@ -254,7 +215,7 @@ mod cuda {
         let mut y = alloc(dev, table.dtype(), rows * c)?;
         {
             let stream = dev.cuda_stream();
-            let (ip, _gi) = ids_ptr(ids, li, &stream)?;
+            let (ip, _gi) = in_ptr(op, "ids", ids, li, &stream)?;
             let (tp, _gt) = in_ptr(op, "table", table, lt, &stream)?;
             let (yp, _gy) = out_ptr(&mut y, &stream)?;
             let name = format!("emb_fwd_{}", dtype_name(op, table.dtype())?);
@@ -268,7 +229,7 @@ mod cuda {
                 .arg(&c_i)
                 .arg(&v_i);
             // SAFETY: ids holds `rows` u32, table vocab * c and y rows * c elements.
-            unsafe { lb.launch(cfg(rows * c)) }.w()?;
+            unsafe { lb.launch(grid_stride_cfg(rows * c)) }.w()?;
         }
         Ok((y, Shape::from((rows, c))))
     }
@@ -287,7 +248,7 @@ mod cuda {
         let mut d = zeros_f32(dev, vocab * c)?;
         {
             let stream = dev.cuda_stream();
-            let (ip, _gi) = ids_ptr(ids, li, &stream)?;
+            let (ip, _gi) = in_ptr(op, "ids", ids, li, &stream)?;
             let (gp, _gg) = in_ptr(op, "dy", dy, ld, &stream)?;
             let (dp, _gd) = out_ptr(&mut d, &stream)?;
             let name = format!("emb_bwd_{}", dtype_name(op, dy.dtype())?);
@@ -301,7 +262,7 @@ mod cuda {
                 .arg(&c_i)
                 .arg(&v_i);
             // SAFETY: ids holds `rows` u32, dy rows * c elements, d vocab * c f32.
-            unsafe { lb.launch(cfg(rows * c)) }.w()?;
+            unsafe { lb.launch(grid_stride_cfg(rows * c)) }.w()?;
         }
         Ok((d, Shape::from((vocab, c))))
     }

@@ -139,9 +139,9 @@ impl CustomOp2 for GeluBwd {
 /// CUDA launcher for `kernels/gelu.cu`.
 #[cfg(feature = "cuda")]
 mod cuda {
-    use crate::ops::cuda::{alloc, dtype_name, in_ptr, out_ptr, vec_ok};
+    use crate::ops::cuda::{alloc, dtype_name, grid_stride_cfg, in_ptr, out_ptr, vec_ok};
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
+    use candle_core::cuda::cudarc::driver::PushKernelArg;
     use candle_core::cuda::WrapErr;
     use candle_core::{CudaStorage, Layout, Result, Shape};
 
@@ -179,12 +179,7 @@ mod cuda {
             );
             let func = dev.get_or_load_custom_func(&name, MODULE, crate::cuda::ptx::GELU)?;
             let per_thread = if vec { 16 / elem } else { 1 };
-            let blocks = n.div_ceil(256 * per_thread).clamp(1, 132 * 16) as u32;
-            let cfg = LaunchConfig {
-                grid_dim: (blocks, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
+            let cfg = grid_stride_cfg(n.div_ceil(per_thread));
             let n_i = n as i64;
             let mut lb = func.builder();
             for p in &ptrs {

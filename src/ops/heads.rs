@@ -179,7 +179,7 @@ impl CustomOp1 for RowPermute {
 mod cuda {
     use super::Map;
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda::cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+    use candle_core::cuda::cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
     use candle_core::cuda::WrapErr;
     use candle_core::{bail, CudaStorage, DType, Layout, Result};
 
@@ -238,12 +238,7 @@ mod cuda {
         let func = dev.get_or_load_custom_func(&name, MODULE, crate::cuda::ptx::HEADS)?;
         let [_, d1, d2, d3] = map.dims.map(|d| d as i32);
         let [s0, s1, s2, s3] = map.strides.map(|s| s as i64);
-        let blocks = (total as usize).div_ceil(256).clamp(1, 132 * 32) as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = crate::ops::cuda::grid_stride_cfg(total as usize);
         let mut lb = func.builder();
         lb.arg(&src)
             .arg(&dst)

@@ -129,8 +129,18 @@ pub(crate) fn check_device(op: &str, what: &str, x: &Tensor, other: &Tensor) -> 
     Ok(())
 }
 
+/// Class indices / token ids as a contiguous u32 tensor (u32 as is; i64 and u8 converted);
+/// `what` names the argument in the error for other dtypes.
+pub(crate) fn index_u32(op: &str, what: &str, t: &Tensor) -> Result<Tensor> {
+    match t.dtype() {
+        DType::U32 => t.contiguous(),
+        DType::I64 | DType::U8 => t.to_dtype(DType::U32),
+        d => bail!("{op}: {what} must hold integer indices (u32, i64 or u8), found {d:?}"),
+    }
+}
+
 /// The contiguous data of a CPU storage as `&[T]`.
-pub(crate) fn cpu_slice<'a, T: Elem>(
+pub(crate) fn cpu_slice<'a, T: candle_core::WithDType>(
     op: &str,
     what: &str,
     s: &'a CpuStorage,
@@ -237,7 +247,8 @@ pub(crate) mod cuda {
             DType::F32 => p!(f32),
             DType::BF16 => p!(bf16),
             DType::F16 => p!(f16),
-            d => bail!("{op}: {what} has dtype {d:?}; expected f32, bf16 or f16"),
+            DType::U32 => p!(u32),
+            d => bail!("{op}: {what} has dtype {d:?}; expected f32, bf16, f16 (or u32 indices)"),
         })
     }
 
@@ -282,6 +293,17 @@ pub(crate) mod cuda {
         LaunchConfig {
             grid_dim: (rows.div_ceil(ROW_WARPS) as u32, 1, 1),
             block_dim: (ROW_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    /// Launch shape of the grid-stride elementwise kernels (gelu, bias, heads, embedding):
+    /// 256 threads per block, one block per 256 `threads` of work, at most 4224 blocks (32 per
+    /// SM of an H100/H200; the loops stride over the rest).
+    pub(crate) fn grid_stride_cfg(threads: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (threads.div_ceil(256).clamp(1, 132 * 32) as u32, 1, 1),
+            block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         }
     }

@@ -96,23 +96,24 @@ impl AdamW {
     pub fn implementation(&self) -> Impl {
         self.imp
     }
+}
 
-    fn new_state(&self, p: &Param) -> Result<State> {
-        let moments = if self.imp == Impl::FusedCpu {
-            let n = p.elem_count();
-            Moments::Host {
-                m: vec![0.0; n],
-                v: vec![0.0; n],
-            }
-        } else {
-            // two allocations: the fused CUDA kernel writes both in place
-            Moments::Tensors {
-                m: p.master.zeros_like()?,
-                v: p.master.zeros_like()?,
-            }
-        };
-        Ok(State { step: 0, moments })
-    }
+/// Zero moments for `p`: host vectors on the fused CPU path, device tensors otherwise.
+fn new_state(imp: Impl, p: &Param) -> Result<State> {
+    let moments = if imp == Impl::FusedCpu {
+        let n = p.elem_count();
+        Moments::Host {
+            m: vec![0.0; n],
+            v: vec![0.0; n],
+        }
+    } else {
+        // two allocations: the fused CUDA kernel writes both in place
+        Moments::Tensors {
+            m: p.master.zeros_like()?,
+            v: p.master.zeros_like()?,
+        }
+    };
+    Ok(State { step: 0, moments })
 }
 
 /// Scalars of one parameter's update, rounded to f32 once so that the reference and fused
@@ -166,15 +167,11 @@ impl Optimizer for AdamW {
             grads,
             &mut self.states,
             inputs.stats,
+            |p| new_state(self.imp, p),
         )? {
             super::Begin::Skip => return Ok(Some(false)),
             super::Begin::Run(h) => h,
         };
-        for (i, p) in params.iter().enumerate() {
-            if grads[i].is_some() && self.states[i].is_none() && !p.options.frozen {
-                self.states[i] = Some(self.new_state(p)?);
-            }
-        }
         let config = self.config.clone();
         let lr = inputs.lr;
         let work = super::work_list(params, grads, &mut self.states);

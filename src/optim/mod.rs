@@ -152,8 +152,9 @@ pub(crate) enum Begin {
     Run(Option<HostStats>),
 }
 
-/// Checks that there is one gradient slot per parameter, grows `states` to the parameter count
-/// and, on the host paths, reads found_inf.
+/// Checks that there is one gradient slot per parameter, grows `states` to the parameter count,
+/// on the host paths reads found_inf, and unless the step is skipped creates the state
+/// (`new_state`) of every trainable parameter that got its first gradient.
 pub(crate) fn begin_step<S>(
     name: &str,
     imp: Impl,
@@ -161,6 +162,7 @@ pub(crate) fn begin_step<S>(
     grads: &[Option<Tensor>],
     states: &mut Vec<Option<S>>,
     stats: &GradStats,
+    mut new_state: impl FnMut(&Param) -> Result<S>,
 ) -> Result<Begin> {
     if grads.len() != params.len() {
         anyhow::bail!(
@@ -172,15 +174,21 @@ pub(crate) fn begin_step<S>(
     if states.len() < params.len() {
         states.resize_with(params.len(), || None);
     }
-    if imp == Impl::FusedCuda {
-        return Ok(Begin::Run(None));
-    }
-    let h = stats.read()?;
-    Ok(if h.found_inf {
-        Begin::Skip
+    let begin = if imp == Impl::FusedCuda {
+        Begin::Run(None)
     } else {
+        let h = stats.read()?;
+        if h.found_inf {
+            return Ok(Begin::Skip);
+        }
         Begin::Run(Some(h))
-    })
+    };
+    for ((p, g), s) in params.iter().zip(grads).zip(states.iter_mut()) {
+        if g.is_some() && s.is_none() && !p.options.frozen {
+            *s = Some(new_state(p)?);
+        }
+    }
+    Ok(begin)
 }
 
 /// The (parameter, gradient, state) triples to update: parameters with a gradient and a state

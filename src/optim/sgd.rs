@@ -229,18 +229,16 @@ impl Optimizer for Sgd {
             grads,
             &mut self.states,
             inputs.stats,
+            |_| {
+                Ok(State {
+                    step: 0,
+                    buf: Buffer::Empty,
+                })
+            },
         )? {
             super::Begin::Skip => return Ok(Some(false)),
             super::Begin::Run(h) => h,
         };
-        for (i, p) in params.iter().enumerate() {
-            if grads[i].is_some() && self.states[i].is_none() && !p.options.frozen {
-                self.states[i] = Some(State {
-                    step: 0,
-                    buf: Buffer::Empty,
-                });
-            }
-        }
         let config = self.config.clone();
         let lr = inputs.lr;
         let work = super::work_list(params, grads, &mut self.states);
