@@ -692,6 +692,98 @@ fn nn_layer_norm_uses_the_fused_op_and_trains_every_parameter() -> anyhow::Resul
 
 /// The CUDA kernels against the CPU implementation and the composed reference. Needs a GPU:
 /// `cargo test --release --features cuda --test ops -- --nocapture`.
+/// Causal attention of `qkv: (B, T, 3C)` composed of candle ops in f32, independent of wick's
+/// ops: narrow/transpose to heads, `q k^T / sqrt(Dh)`, `-inf` above the diagonal, candle-nn's
+/// softmax, `@ v`, transpose back.
+fn attn_ref(qkv: &Tensor, h: usize) -> Result<Tensor> {
+    let qkv = qkv.to_dtype(DType::F32)?;
+    let (b, t, c3) = qkv.dims3()?;
+    let (c, dh) = (c3 / 3, c3 / 3 / h);
+    let part = |i: usize| {
+        qkv.narrow(2, i * c, c)?
+            .reshape((b, t, h, dh))?
+            .transpose(1, 2)?
+            .contiguous()
+    };
+    let (q, k, v) = (part(0)?, part(1)?, part(2)?);
+    let mask: Vec<f32> = (0..t * t)
+        .map(|i| {
+            if i % t > i / t {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let mask = Tensor::from_vec(mask, (t, t), qkv.device())?;
+    let s = (q.matmul(&k.t()?)? / (dh as f64).sqrt())?.broadcast_add(&mask)?;
+    let p = candle_nn::ops::softmax(&s, D::Minus1)?;
+    p.matmul(&v)?.transpose(1, 2)?.reshape((b, t, c))
+}
+
+/// `(B, T, n_head, Dh)` cases: a partial tile, Dh 64 over two tiles, one position.
+const ATTN_CASES: &[(usize, usize, usize, usize)] = &[(2, 37, 2, 16), (1, 70, 2, 64), (3, 1, 4, 8)];
+
+#[test]
+fn causal_attention_matches_composed_on_cpu() -> Result<()> {
+    for dtype in DTYPES {
+        for (i, &(b, t, h, dh)) in ATTN_CASES.iter().enumerate() {
+            let dev = Device::Cpu;
+            let qkv = rand_t(&[b, t, 3 * h * dh], -2.0, 2.0, 3700 + i as u64, dtype, &dev);
+            let r = rand_t(
+                &[b, t, h * dh],
+                -1.0,
+                1.0,
+                3710 + i as u64,
+                DType::F32,
+                &dev,
+            );
+            let name = format!("causal attention {dtype:?} {:?}", (b, t, h, dh));
+            let fused = |a: &[Tensor]| ops::causal_attention(&a[0], h);
+            let reference = |a: &[Tensor]| attn_ref(&a[0], h);
+            let e = compare_any(&name, &fused, &reference, &[qkv.clone()], &r)?;
+            assert!(e.iter().all(|e| *e <= tol(dtype)), "{name}: {e:?}");
+            // the composed fallback (wick's split/softmax/merge ops) agrees as well
+            let composed = |a: &[Tensor]| ops::causal_attention_composed(&a[0], h);
+            let e = compare_any(
+                &format!("{name} composed"),
+                &composed,
+                &reference,
+                &[qkv],
+                &r,
+            )?;
+            assert!(e.iter().all(|e| *e <= tol(dtype)), "{name} composed: {e:?}");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn causal_attention_is_causal_and_checks_its_input() -> Result<()> {
+    let dev = Device::Cpu;
+    let (b, t, h, dh) = (1, 9, 3, 4);
+    let qkv = rand_t(&[b, t, 3 * h * dh], -2.0, 2.0, 3720, DType::F32, &dev);
+    let y = ops::causal_attention(&qkv, h)?;
+    // changing the last position's q, k, v leaves every earlier output unchanged
+    let last = rand_t(&[b, 1, 3 * h * dh], -2.0, 2.0, 3721, DType::F32, &dev);
+    let qkv2 = Tensor::cat(&[qkv.narrow(1, 0, t - 1)?, last], 1)?;
+    let y2 = ops::causal_attention(&qkv2, h)?;
+    assert_eq!(err(&y.narrow(1, 0, t - 1)?, &y2.narrow(1, 0, t - 1)?), 0.0);
+    assert!(err(&y.narrow(1, t - 1, 1)?, &y2.narrow(1, t - 1, 1)?) > 1e-3);
+    // position 0 sees only itself: its output is its own v
+    let v0 = qkv.narrow(1, 0, 1)?.narrow(2, 2 * h * dh, h * dh)?;
+    assert!(err(&y.narrow(1, 0, 1)?, &v0) <= 1e-6);
+    let msg = |r: Result<Tensor>| r.unwrap_err().to_string();
+    assert!(msg(ops::causal_attention(&qkv, 5)).contains("3 * n_head * head_dim"));
+    assert!(msg(ops::causal_attention(&qkv, 0)).contains("n_head = 0"));
+    assert!(msg(ops::causal_attention(&qkv.flatten_all()?, h)).contains("(B, T, 3C)"));
+    let ids = Tensor::zeros((1, 2, 3), DType::U32, &dev)?;
+    assert!(msg(ops::causal_attention(&ids, 1)).contains("U32"));
+    let empty = Tensor::zeros((0, 4, 3 * h * dh), DType::F32, &dev)?;
+    assert_eq!(ops::causal_attention(&empty, h)?.dims(), &[0, 4, h * dh]);
+    Ok(())
+}
+
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::*;
@@ -807,6 +899,75 @@ mod cuda {
                 check(&name, &causal_fused, &causal_ref, &[x], &r, tol(dtype))?;
             }
         }
+        Ok(())
+    }
+
+    #[test]
+    fn causal_attention_cuda_matches_cpu() -> Result<()> {
+        // exact tiles, partial tiles, one position, and GPT-2's sequence length
+        let cases = [
+            (2usize, 64usize, 2usize),
+            (2, 300, 3),
+            (1, 1, 1),
+            (2, 1024, 4),
+        ];
+        for dtype in [DType::BF16, DType::F16] {
+            for (i, &(b, t, h)) in cases.iter().enumerate() {
+                let qkv = rand_t(
+                    &[b, t, 3 * h * 64],
+                    -2.0,
+                    2.0,
+                    3800 + i as u64,
+                    dtype,
+                    &Device::Cpu,
+                );
+                let r = rand_t(
+                    &[b, t, h * 64],
+                    -1.0,
+                    1.0,
+                    3810 + i as u64,
+                    DType::F32,
+                    &Device::Cpu,
+                );
+                let name = format!("cuda causal attention {dtype:?} {:?}", (b, t, h));
+                let fused = |a: &[Tensor]| ops::causal_attention(&a[0], h);
+                let reference = |a: &[Tensor]| attn_ref(&a[0], h);
+                check(&name, &fused, &reference, &[qkv], &r, tol(dtype))?;
+            }
+        }
+        // an input that starts off a 16-byte boundary is copied, not misread
+        let (b, t, h) = (1, 100, 2);
+        let n = b * t * 3 * h * 64;
+        let flat = rand_t(&[n + 1], -2.0, 2.0, 3820, DType::BF16, &Device::Cpu);
+        let qkv = flat.narrow(0, 1, n)?.reshape((b, t, 3 * h * 64))?;
+        let y_g = ops::causal_attention(&qkv.to_device(&gpu())?.narrow(0, 0, b)?, h)?;
+        let flat_g = flat.to_device(&gpu())?;
+        let y_off =
+            ops::causal_attention(&flat_g.narrow(0, 1, n)?.reshape((b, t, 3 * h * 64))?, h)?;
+        let y_c = ops::causal_attention(&qkv, h)?;
+        let (e1, e2) = (err(&y_g, &y_c), err(&y_off, &y_c));
+        println!("cuda causal attention misaligned: {e1:.2e} {e2:.2e}");
+        assert!(e1 <= tol(DType::BF16) && e2 <= tol(DType::BF16));
+        // f32 on CUDA takes the composed path, with the same result
+        let qkv = rand_t(
+            &[2, 70, 3 * 2 * 64],
+            -2.0,
+            2.0,
+            3830,
+            DType::F32,
+            &Device::Cpu,
+        );
+        let r = rand_t(&[2, 70, 2 * 64], -1.0, 1.0, 3831, DType::F32, &Device::Cpu);
+        let fused = |a: &[Tensor]| ops::causal_attention(&a[0], 2);
+        let reference = |a: &[Tensor]| attn_ref(&a[0], 2);
+        check(
+            "cuda causal attention f32 (composed)",
+            &fused,
+            &reference,
+            &[qkv],
+            &r,
+            tol(DType::F32),
+        )?;
         Ok(())
     }
 

@@ -16,13 +16,14 @@
 //!
 //! ## Precision (the autocast policy of [`crate::precision`], as `torch.autocast` runs the
 //! reference)
-//! - matmul-class ops (the four linear layers of a block, `q @ k^T`, `att @ v`, the head) run in
-//!   the compute dtype, on the parameters' working copies;
-//! - LayerNorm statistics and output, the loss: f32; the attention softmax computes in f32 and
-//!   stores its probabilities in the compute dtype (the next matmul's input, as SDPA's
-//!   flash/efficient kernels do);
-//! - fused ops (`crate::ops`): LayerNorm, causal softmax, GELU, bias add, head split/merge,
-//!   embedding and cross-entropy are one graph node each with their own backward kernel;
+//! - matmul-class ops (the four linear layers of a block, attention, the head) run in the compute
+//!   dtype, on the parameters' working copies;
+//! - LayerNorm statistics and output, the loss: f32; attention ([`crate::ops::causal_attention`]:
+//!   flash attention on CUDA in bf16/f16) takes q, k, v in the compute dtype, accumulates and
+//!   takes its softmax in f32 and rounds the probabilities to the compute dtype before `@ v`, as
+//!   SDPA's flash kernels do;
+//! - fused ops (`crate::ops`): LayerNorm, attention (head split and merge included), GELU, bias
+//!   add, embedding and cross-entropy are one graph node each with their own backward kernels;
 //! - the token and position tables are differentiated as fp32 masters (embedding is not on
 //!   autocast's cast lists, so PyTorch looks them up in f32); the tied head casts the token table
 //!   to the compute dtype, differentiably, as autocast does;
@@ -55,7 +56,7 @@ use crate::loss;
 use crate::nn::{Embedding, LayerNorm, Linear};
 use crate::params::{ParamStore, Role};
 use crate::precision::{to_f32, Precision};
-use candle_core::{bail, DType, Device, Module, Result, Tensor, D};
+use candle_core::{bail, DType, Device, Module, Result, Tensor};
 use candle_nn::Init;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
@@ -276,27 +277,6 @@ fn param(
         .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
 }
 
-/// Causal scaled dot-product attention of `q, k, v: (B, H, T, Dh)` in the compute dtype:
-///
-/// ```text
-/// scores = (q / sqrt(Dh)) @ k^T           compute dtype (matmul class)
-/// att    = softmax(scores + mask)         f32 arithmetic, stored in the compute dtype
-///                                         (wick::ops::causal_softmax_last_dim: the mask is
-///                                         applied inside the kernel, keys j > i read as -inf)
-/// y      = att @ v                        compute dtype, (B, H, T, Dh)
-/// ```
-/// The same math as PyTorch's
-/// `scaled_dot_product_attention(q, k, v, is_causal=True)`. The scale is applied to `q`
-/// (`T x Dh` elements) rather than to the `T x T` scores, which saves one f32 tensor of scores
-/// per layer; for a power-of-two head width (64 in both reference configurations) the
-/// multiplication is exact, so the scores are bit-identical to scaling afterwards.
-fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
-    let dh = q.dim(D::Minus1)?;
-    let q = q.affine(1.0 / (dh as f64).sqrt(), 0.0)?;
-    let att = crate::ops::causal_softmax_last_dim(&q.matmul(&k.t()?)?)?;
-    att.matmul(v)
-}
-
 /// One pre-LayerNorm transformer block.
 #[derive(Debug, Clone)]
 struct Block {
@@ -326,9 +306,7 @@ impl Block {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let h = self.n_head;
         let qkv = self.qkv.forward(&self.ln1.forward(x)?)?; // (B, T, 3C)
-        let heads = crate::ops::split_heads(&qkv, h)?; // (3, B, H, T, Dh), one copy
-        let y = causal_attention(&heads.get(0)?, &heads.get(1)?, &heads.get(2)?)?;
-        let y = crate::ops::merge_heads(&y)?; // (B, T, C), one copy
+        let y = crate::ops::causal_attention(&qkv, h)?; // (B, T, C), heads merged
         let x = (x + to_f32(&self.proj.forward(&y)?)?)?;
         let m = crate::ops::gelu_tanh(&self.fc.forward(&self.ln2.forward(&x)?)?)?; // fused, tanh approximation
         x + to_f32(&self.fc2.forward(&m)?)?

@@ -11,6 +11,7 @@
 //! | [`embedding`] | `y = table[ids]`; `dtable` scatter-added in f32 | f32, bf16, f16 table | table's |
 //! | [`gelu_tanh`] | `y = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))` (elementwise) | f32, bf16, f16 | x's |
 //! | [`split_heads`] / [`merge_heads`] | `(B, T, 3C) → (3, B, H, T, Dh)` / `(B, H, T, Dh) → (B, T, C)` row copies | any | x's |
+//! | [`causal_attention`] | `y = softmax(q k^T / sqrt(Dh) + causal mask) v` per head, `(B, T, 3C) → (B, T, C)` (flash attention on CUDA) | f32, bf16, f16 | x's |
 //! | [`cross_entropy_rows`] | `loss = lse(x) - x[t]` per row, `dx = g (softmax(x) - onehot(t))` | f32, bf16, f16 | f32 loss, x's dx |
 //!
 //! Statistics and arithmetic are f32 whatever the storage dtype, as wick's autocast policy asks
@@ -56,6 +57,7 @@ macro_rules! with_type {
     };
 }
 
+mod attention;
 mod bias;
 mod cross_entropy;
 mod embedding;
@@ -65,6 +67,7 @@ mod layer_norm;
 mod rms_norm;
 mod softmax;
 
+pub use attention::{causal_attention, causal_attention_composed};
 pub use bias::bias_add;
 pub use cross_entropy::cross_entropy_rows;
 pub use embedding::embedding;

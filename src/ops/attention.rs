@@ -1,0 +1,529 @@
+//! Causal self-attention as one differentiable op, from the fused projection to the merged heads:
+//!
+//! ```text
+//! qkv: (B, T, 3C) = [q | k | v], head h at columns h*Dh..(h+1)*Dh of each part, C = H * Dh
+//! S_h = (q_h k_h^T) / sqrt(Dh), keys j <= i      P_h = softmax(S_h)      y_h = P_h v_h
+//! y: (B, T, C), head h at columns h*Dh..(h+1)*Dh
+//! ```
+//! the math of PyTorch's `scaled_dot_product_attention(q, k, v, is_causal=True)` with the head
+//! split and merge around it. On CUDA (bf16 or f16, `Dh == 64`) it is a FlashAttention-2 kernel
+//! pair on tensor cores (`kernels/attention.cu`; Dao 2023, arXiv:2307.08691): the `T x T`
+//! scores are never stored, the forward keeps one f32 log-sum-exp per row, the backward
+//! recomputes the probabilities and is deterministic (no atomics). Everywhere else the op runs
+//! the CPU reference below (CPU tensors), or [`causal_attention_composed`] (CUDA f32 or another
+//! head width). Softmax and products accumulate in f32; the CUDA kernels round P and dS to the
+//! storage dtype before their products, as FlashAttention does.
+
+use super::{check_float, cpu_slice, Elem};
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use half::{bf16, f16};
+use rayon::prelude::*;
+use std::sync::Mutex;
+
+/// Fused, differentiable causal self-attention of a fused projection `qkv: (B, T, 3C)` with
+/// `n_head` heads of `Dh = C / n_head`; returns `(B, T, C)` in qkv's dtype (f32, bf16 or f16),
+/// heads merged. Scale `1 / sqrt(Dh)`; query `t` attends to keys `0..=t`.
+///
+/// One graph node: on CUDA with bf16/f16 and `Dh == 64`, the flash-attention kernels (memory
+/// O(B·T·C), no score tensor); on the CPU, a reference implementation (one rayon task per
+/// `(b, h)`); otherwise the composition [`causal_attention_composed`] (several nodes, scores
+/// materialised). Not twice differentiable.
+///
+/// Errors (no panics): qkv not rank 3, a last dimension that is not `3 * n_head * Dh`,
+/// `n_head == 0`, a non-float dtype. An empty `qkv` (B or T zero) gives an empty result.
+pub fn causal_attention(qkv: &Tensor, n_head: usize) -> Result<Tensor> {
+    let (b, t, c) = dims(qkv, n_head)?;
+    if b * t == 0 {
+        return Tensor::zeros((b, t, c), qkv.dtype(), qkv.device());
+    }
+    let fused = match qkv.device() {
+        candle_core::Device::Cpu => true,
+        candle_core::Device::Cuda(_) => {
+            c / n_head == HEAD_DIM && matches!(qkv.dtype(), DType::BF16 | DType::F16)
+        }
+        _ => false,
+    };
+    if !fused {
+        return causal_attention_composed(qkv, n_head);
+    }
+    qkv.contiguous()?.apply_op1(Attention {
+        n_head,
+        lse: Mutex::new(None),
+    })
+}
+
+/// The same attention as [`causal_attention`] composed of separate differentiable ops:
+/// [`super::split_heads`], `q / sqrt(Dh)`, `q @ k^T`, [`super::causal_softmax_last_dim`],
+/// `@ v`, [`super::merge_heads`]. The `(B, H, T, T)` scores and probabilities are materialised
+/// in qkv's dtype. Used where the fused kernels do not apply (CUDA f32, `Dh != 64`) and as the
+/// independent reference in tests. For a power-of-two `Dh` the scaling of `q` is exact.
+///
+/// Errors: as [`causal_attention`].
+pub fn causal_attention_composed(qkv: &Tensor, n_head: usize) -> Result<Tensor> {
+    let (_, _, c) = dims(qkv, n_head)?;
+    let heads = super::split_heads(qkv, n_head)?; // (3, B, H, T, Dh)
+    let q = heads
+        .get(0)?
+        .affine(1.0 / ((c / n_head) as f64).sqrt(), 0.0)?;
+    let att = super::causal_softmax_last_dim(&q.matmul(&heads.get(1)?.t()?)?)?;
+    super::merge_heads(&att.matmul(&heads.get(2)?)?)
+}
+
+/// Head width of the CUDA kernels (`ATT_D` in kernels/attention.cu).
+const HEAD_DIM: usize = 64;
+
+/// `(B, T, C)` of a valid `qkv`.
+fn dims(qkv: &Tensor, n_head: usize) -> Result<(usize, usize, usize)> {
+    check_float("causal_attention", "qkv", qkv.dtype())?;
+    let (b, t, c3) = match qkv.dims() {
+        &[b, t, c3] => (b, t, c3),
+        d => bail!("causal_attention: qkv must be (B, T, 3C), found shape {d:?}"),
+    };
+    if n_head == 0 || c3 == 0 || c3 % (3 * n_head) != 0 {
+        bail!(
+            "causal_attention: qkv's last dimension {c3} must be 3 * n_head * head_dim with \
+             n_head = {n_head} (and head_dim >= 1)"
+        )
+    }
+    Ok((b, t, c3 / 3))
+}
+
+/// The forward op. On CUDA it leaves the rows' log-sum-exp in `lse` for the backward.
+struct Attention {
+    n_head: usize,
+    lse: Mutex<Option<Tensor>>,
+}
+
+/// The backward op: `(qkv, y, dy) → dqkv`; `lse` is the forward's (CUDA only).
+struct AttentionBwd {
+    n_head: usize,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    lse: Option<Tensor>,
+}
+
+/// Problem shape: batch, sequence, heads, head width.
+#[derive(Clone, Copy)]
+struct Dims {
+    b: usize,
+    t: usize,
+    h: usize,
+    dh: usize,
+}
+
+impl Dims {
+    fn of(l: &Layout, n_head: usize) -> Result<Self> {
+        match l.dims() {
+            &[b, t, c3] if c3 % (3 * n_head) == 0 => Ok(Self {
+                b,
+                t,
+                h: n_head,
+                dh: c3 / 3 / n_head,
+            }),
+            d => bail!("causal_attention: qkv has shape {d:?} (internal error)"),
+        }
+    }
+    fn c(&self) -> usize {
+        self.h * self.dh
+    }
+}
+
+/// One head's q, k, v rows as f32 `(T, Dh)` matrices, and the problem's scale.
+fn head_qkv<T: Elem>(qkv: &[T], d: Dims, bi: usize, hi: usize) -> [Vec<f32>; 3] {
+    let c = d.c();
+    std::array::from_fn(|part| {
+        let mut m = Vec::with_capacity(d.t * d.dh);
+        for ti in 0..d.t {
+            let row = (bi * d.t + ti) * 3 * c + part * c + hi * d.dh;
+            m.extend(qkv[row..row + d.dh].iter().map(|v| v.to32()));
+        }
+        m
+    })
+}
+
+/// Row `i` of one head's probabilities (keys `0..=i`), f32.
+fn probs(q: &[f32], k: &[f32], i: usize, dh: usize, scale: f32) -> Vec<f32> {
+    let qi = &q[i * dh..(i + 1) * dh];
+    let mut p: Vec<f32> = (0..=i)
+        .map(|j| {
+            let kj = &k[j * dh..(j + 1) * dh];
+            scale * qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>()
+        })
+        .collect();
+    let m = p.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut s = 0.0;
+    for v in &mut p {
+        *v = (*v - m).exp();
+        s += *v;
+    }
+    for v in &mut p {
+        *v /= s;
+    }
+    p
+}
+
+/// CPU reference forward: `(B, T, 3C)` → `(B, T, C)`.
+fn fwd_cpu<T: Elem>(qkv: &[T], d: Dims) -> Vec<T> {
+    let scale = 1.0 / (d.dh as f32).sqrt();
+    let heads: Vec<Vec<f32>> = (0..d.b * d.h)
+        .into_par_iter()
+        .map(|bh| {
+            let [q, k, v] = head_qkv(qkv, d, bh / d.h, bh % d.h);
+            let mut y = vec![0f32; d.t * d.dh];
+            for i in 0..d.t {
+                let p = probs(&q, &k, i, d.dh, scale);
+                let yi = &mut y[i * d.dh..(i + 1) * d.dh];
+                for (j, pj) in p.iter().enumerate() {
+                    for (o, vv) in yi.iter_mut().zip(&v[j * d.dh..(j + 1) * d.dh]) {
+                        *o += pj * vv;
+                    }
+                }
+            }
+            y
+        })
+        .collect();
+    let c = d.c();
+    let mut out = vec![T::from32(0.0); d.b * d.t * c];
+    for (bh, y) in heads.iter().enumerate() {
+        let (bi, hi) = (bh / d.h, bh % d.h);
+        for ti in 0..d.t {
+            let dst = (bi * d.t + ti) * c + hi * d.dh;
+            for (o, v) in out[dst..dst + d.dh].iter_mut().zip(&y[ti * d.dh..]) {
+                *o = T::from32(*v);
+            }
+        }
+    }
+    out
+}
+
+/// CPU reference backward: `(qkv, dy)` → `dqkv`, recomputing the probabilities:
+/// `dP = dy v^T`, `dS = P (dP - rowsum(dy * y))`, `dq = scale dS k`, `dk = scale dS^T q`,
+/// `dv = P^T dy`.
+fn bwd_cpu<T: Elem>(qkv: &[T], dy: &[T], d: Dims) -> Vec<T> {
+    let scale = 1.0 / (d.dh as f32).sqrt();
+    let c = d.c();
+    let dh = d.dh;
+    let heads: Vec<[Vec<f32>; 3]> = (0..d.b * d.h)
+        .into_par_iter()
+        .map(|bh| {
+            let (bi, hi) = (bh / d.h, bh % d.h);
+            let [q, k, v] = head_qkv(qkv, d, bi, hi);
+            let (mut dq, mut dk, mut dv) = (
+                vec![0f32; d.t * dh],
+                vec![0f32; d.t * dh],
+                vec![0f32; d.t * dh],
+            );
+            for i in 0..d.t {
+                let p = probs(&q, &k, i, dh, scale);
+                let src = (bi * d.t + i) * c + hi * dh;
+                let g: Vec<f32> = dy[src..src + dh].iter().map(|x| x.to32()).collect();
+                let dp: Vec<f32> = (0..=i)
+                    .map(|j| g.iter().zip(&v[j * dh..]).map(|(a, b)| a * b).sum())
+                    .collect();
+                let dsum: f32 = p.iter().zip(&dp).map(|(a, b)| a * b).sum(); // = dy_i . y_i
+                for j in 0..=i {
+                    let ds = p[j] * (dp[j] - dsum);
+                    for e in 0..dh {
+                        dq[i * dh + e] += scale * ds * k[j * dh + e];
+                        dk[j * dh + e] += scale * ds * q[i * dh + e];
+                        dv[j * dh + e] += p[j] * g[e];
+                    }
+                }
+            }
+            [dq, dk, dv]
+        })
+        .collect();
+    let mut out = vec![T::from32(0.0); d.b * d.t * 3 * c];
+    for (bh, parts) in heads.iter().enumerate() {
+        let (bi, hi) = (bh / d.h, bh % d.h);
+        for (part, m) in parts.iter().enumerate() {
+            for ti in 0..d.t {
+                let dst = (bi * d.t + ti) * 3 * c + part * c + hi * dh;
+                for (o, v) in out[dst..dst + dh].iter_mut().zip(&m[ti * dh..]) {
+                    *o = T::from32(*v);
+                }
+            }
+        }
+    }
+    out
+}
+
+impl CustomOp1 for Attention {
+    fn name(&self) -> &'static str {
+        "causal_attention"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let op = self.name();
+        let d = Dims::of(l, self.n_head)?;
+        macro_rules! run {
+            ($t:ty) => {{
+                let x = cpu_slice::<$t>(op, "qkv", s, l)?;
+                <$t as candle_core::WithDType>::to_cpu_storage_owned(fwd_cpu(x, d))
+            }};
+        }
+        Ok((
+            with_type!(op, s.dtype(), run),
+            Shape::from((d.b, d.t, d.c())),
+        ))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let d = Dims::of(l, self.n_head)?;
+        let (y, lse) = cuda::fwd(s, l, d)?;
+        let lse = Tensor::from_storage(
+            candle_core::Storage::Cuda(lse),
+            d.b * d.h * d.t,
+            candle_core::op::BackpropOp::none(),
+            false,
+        );
+        *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = Some(lse);
+        Ok((y, Shape::from((d.b, d.t, d.c()))))
+    }
+
+    fn bwd(&self, qkv: &Tensor, y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
+        let dy = if dy.dtype() == y.dtype() {
+            dy.contiguous()?
+        } else {
+            dy.to_dtype(y.dtype())?
+        };
+        let lse = self.lse.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let op = AttentionBwd {
+            n_head: self.n_head,
+            lse,
+        };
+        Ok(Some(qkv.apply_op3_no_bwd(y, &dy, &op)?))
+    }
+}
+
+impl CustomOp3 for AttentionBwd {
+    fn name(&self) -> &'static str {
+        "causal_attention_backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s: &CpuStorage,
+        l: &Layout,
+        _y: &CpuStorage,
+        _ly: &Layout,
+        dy: &CpuStorage,
+        ldy: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let op = self.name();
+        let d = Dims::of(l, self.n_head)?;
+        if s.dtype() != dy.dtype() {
+            bail!(
+                "{op}: dy is {:?}, qkv {:?} (internal error)",
+                dy.dtype(),
+                s.dtype()
+            )
+        }
+        macro_rules! run {
+            ($t:ty) => {{
+                let x = cpu_slice::<$t>(op, "qkv", s, l)?;
+                let g = cpu_slice::<$t>(op, "dy", dy, ldy)?;
+                <$t as candle_core::WithDType>::to_cpu_storage_owned(bwd_cpu(x, g, d))
+            }};
+        }
+        Ok((with_type!(op, s.dtype(), run), l.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+        y: &candle_core::CudaStorage,
+        ly: &Layout,
+        dy: &candle_core::CudaStorage,
+        ldy: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let op = self.name();
+        let d = Dims::of(l, self.n_head)?;
+        let Some(lse) = &self.lse else {
+            bail!("{op}: the forward left no log-sum-exp (internal error)")
+        };
+        let (ls, ll) = lse.storage_and_layout();
+        let candle_core::Storage::Cuda(ls) = &*ls else {
+            bail!("{op}: the log-sum-exp is not on the GPU (internal error)")
+        };
+        let dqkv = cuda::bwd(cuda::Args {
+            qkv: (s, l),
+            y: (y, ly),
+            dy: (dy, ldy),
+            lse: (ls, ll),
+            d,
+        })?;
+        Ok((dqkv, l.shape().clone()))
+    }
+}
+
+/// CUDA launchers for `kernels/attention.cu`.
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::{Dims, HEAD_DIM};
+    use crate::ops::cuda::{alloc, dtype_name, in_ptr, out_ptr};
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
+    use candle_core::cuda::WrapErr;
+    use candle_core::{bail, CudaStorage, DType, Layout, Result};
+
+    const MODULE: &str = "wick_ops_attention";
+    /// Threads per block of the tile kernels (`ATT_THREADS`), rows per tile (`ATT_TILE`).
+    const THREADS: u32 = 128;
+    const TILE: usize = 64;
+
+    /// A storage with its layout.
+    pub(super) type In<'a> = (&'a CudaStorage, &'a Layout);
+
+    /// The backward's inputs.
+    pub(super) struct Args<'a> {
+        pub qkv: In<'a>,
+        pub y: In<'a>,
+        pub dy: In<'a>,
+        pub lse: In<'a>,
+        pub d: Dims,
+    }
+
+    /// A contiguous copy at offset 0 of an input whose first element is not 16-byte aligned
+    /// (the kernels load 16-byte vectors); `None` when the input can be used as it is.
+    fn realign((s, l): In<'_>) -> Result<Option<(CudaStorage, Layout)>> {
+        if (l.start_offset() * s.dtype().size_in_bytes()) % 16 == 0 {
+            return Ok(None);
+        }
+        let mut fresh = alloc(s.device(), s.dtype(), l.shape().elem_count())?;
+        s.copy_strided_src(&mut fresh, 0, l)?;
+        Ok(Some((fresh, Layout::contiguous(l.shape()))))
+    }
+
+    fn tile_cfg(d: Dims) -> Result<LaunchConfig> {
+        let bh = d.b * d.h;
+        if bh > 65535 || d.t > i32::MAX as usize / 4 || d.b * d.t * 3 * d.c() > i32::MAX as usize {
+            bail!(
+                "causal_attention: B*H = {bh} (at most 65535) or T = {} too large for the CUDA \
+                 kernels; split the batch",
+                d.t
+            )
+        }
+        Ok(LaunchConfig {
+            grid_dim: (d.t.div_ceil(TILE) as u32, bh as u32, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        })
+    }
+
+    fn check(op: &str, d: Dims, dtype: DType) -> Result<&'static str> {
+        if d.dh != HEAD_DIM {
+            bail!("{op}: the CUDA kernels take head width {HEAD_DIM}, found {} (internal error: the public function falls back)", d.dh)
+        }
+        match dtype {
+            DType::BF16 | DType::F16 => dtype_name(op, dtype),
+            d => bail!("{op}: the CUDA kernels take bf16 or f16, found {d:?} (internal error)"),
+        }
+    }
+
+    fn scales(d: Dims) -> (f32, f32) {
+        let scale = 1.0 / (d.dh as f32).sqrt();
+        (scale * std::f32::consts::LOG2_E, scale)
+    }
+
+    /// `(y, lse)`: y `(B, T, C)` in qkv's dtype, lse f32 `(B*H*T)` in base 2.
+    pub(super) fn fwd(s: &CudaStorage, l: &Layout, d: Dims) -> Result<(CudaStorage, CudaStorage)> {
+        let op = "causal_attention";
+        let tn = check(op, d, s.dtype())?;
+        let cfg = tile_cfg(d)?;
+        let copy = realign((s, l))?;
+        let (s, l) = copy.as_ref().map_or((s, l), |(s, l)| (s, l));
+        let dev = s.device();
+        let mut y = alloc(dev, s.dtype(), d.b * d.t * d.c())?;
+        let mut lse = alloc(dev, DType::F32, d.b * d.h * d.t)?;
+        let stream = dev.cuda_stream();
+        {
+            let (xp, _gx) = in_ptr(op, "qkv", s, l, &stream)?;
+            let (yp, _gy) = out_ptr(&mut y, &stream)?;
+            let (lp, _gl) = out_ptr(&mut lse, &stream)?;
+            let func = dev.get_or_load_custom_func(
+                &format!("attn_fwd_{tn}"),
+                MODULE,
+                crate::cuda::ptx::ATTENTION,
+            )?;
+            let (t, h, (scale2, _)) = (d.t as i32, d.h as i32, scales(d));
+            let mut lb = func.builder();
+            lb.arg(&xp).arg(&yp).arg(&lp).arg(&t).arg(&h).arg(&scale2);
+            // SAFETY: qkv holds B*T*3C elements (16-byte aligned), y B*T*C, lse B*H*T floats.
+            unsafe { lb.launch(cfg) }.w()?;
+        }
+        Ok((y, lse))
+    }
+
+    /// `dqkv: (B, T, 3C)` in qkv's dtype.
+    pub(super) fn bwd(a: Args<'_>) -> Result<CudaStorage> {
+        let op = "causal_attention_backward";
+        let d = a.d;
+        let tn = check(op, d, a.qkv.0.dtype())?;
+        if a.dy.0.dtype() != a.qkv.0.dtype() || a.y.0.dtype() != a.qkv.0.dtype() {
+            bail!("{op}: y and dy must have qkv's dtype (internal error)")
+        }
+        let cfg = tile_cfg(d)?;
+        let (cq, cy, cdy) = (realign(a.qkv)?, realign(a.y)?, realign(a.dy)?);
+        let (qs, ql) = cq.as_ref().map_or(a.qkv, |(s, l)| (s, l));
+        let (ys, yl) = cy.as_ref().map_or(a.y, |(s, l)| (s, l));
+        let (gs, gl) = cdy.as_ref().map_or(a.dy, |(s, l)| (s, l));
+        let dev = qs.device();
+        let stream = dev.cuda_stream();
+        let rows = d.b * d.t * d.h;
+        let mut dsum = alloc(dev, DType::F32, rows)?;
+        let mut dqkv = alloc(dev, qs.dtype(), d.b * d.t * 3 * d.c())?;
+        let load = |name: &str| {
+            dev.get_or_load_custom_func(
+                &format!("{name}_{tn}"),
+                MODULE,
+                crate::cuda::ptx::ATTENTION,
+            )
+        };
+        {
+            let (qp, _gq) = in_ptr(op, "qkv", qs, ql, &stream)?;
+            let (yp, _gy) = in_ptr(op, "y", ys, yl, &stream)?;
+            let (gp, _gg) = in_ptr(op, "dy", gs, gl, &stream)?;
+            let (lp, _gl) = in_ptr(op, "lse", a.lse.0, a.lse.1, &stream)?;
+            let (dp, _gd) = out_ptr(&mut dsum, &stream)?;
+            let (op_, _go) = out_ptr(&mut dqkv, &stream)?;
+            let (t, h, rows_i) = (d.t as i32, d.h as i32, rows as i32);
+            let (scale2, scale) = scales(d);
+            // D = rowsum(dy * y): one warp per (b, t, h) row, 8 rows per block
+            let func = load("attn_bwd_dot")?;
+            let mut lb = func.builder();
+            lb.arg(&yp).arg(&gp).arg(&dp).arg(&rows_i).arg(&t).arg(&h);
+            let dot_cfg = LaunchConfig {
+                grid_dim: (rows.div_ceil(8) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: y and dy hold B*T*C elements, dsum B*H*T floats.
+            unsafe { lb.launch(dot_cfg) }.w()?;
+            for name in ["attn_bwd_dkdv", "attn_bwd_dq"] {
+                let func = load(name)?;
+                let mut lb = func.builder();
+                lb.arg(&qp)
+                    .arg(&gp)
+                    .arg(&lp)
+                    .arg(&dp)
+                    .arg(&op_)
+                    .arg(&t)
+                    .arg(&h)
+                    .arg(&scale2)
+                    .arg(&scale);
+                // SAFETY: qkv and dqkv hold B*T*3C elements (16-byte aligned), dy B*T*C,
+                // lse and dsum B*H*T floats; dkdv writes the k and v columns, dq the q columns.
+                unsafe { lb.launch(cfg) }.w()?;
+            }
+        }
+        Ok(dqkv)
+    }
+}
