@@ -65,7 +65,6 @@ fn main() -> Result<()> {
         c.d_model,
         c.n_head,
     );
-    let dh = d / h;
     let bf = DType::BF16;
     let store = ParamStore::new(Precision::Bf16Mixed, dev.clone(), 0);
     let ln = nn::LayerNorm::new(&store, "ln", d, 1e-5)?;
@@ -78,11 +77,6 @@ fn main() -> Result<()> {
     let x32 = var(&[b, t, d], DType::F32, &dev)?;
     let xbf = var(&[b, t, d], bf, &dev)?;
     let qkv_out = var(&[b, t, 3 * d], bf, &dev)?;
-    let heads = [
-        var(&[b, h, t, dh], bf, &dev)?,
-        var(&[b, h, t, dh], bf, &dev)?,
-        var(&[b, h, t, dh], bf, &dev)?,
-    ];
     let scores = var(&[b, h, t, t], bf, &dev)?;
     let hidden = var(&[b, t, 4 * d], bf, &dev)?;
     let flat = var(&[b * t, d], bf, &dev)?;
@@ -90,7 +84,6 @@ fn main() -> Result<()> {
     let ids = Tensor::zeros((b, t), DType::U32, &dev)?;
     let targets = Tensor::zeros(b * t, DType::U32, &dev)?;
 
-    type Op<'a> = Box<dyn Fn() -> candle_core::Result<Tensor> + 'a>;
     let cases: Vec<(&'static str, bool, Op)> = vec![
         (
             "layernorm (f32 in, f32 out)",
@@ -103,32 +96,9 @@ fn main() -> Result<()> {
             Box::new(|| qkv.forward(xbf.as_tensor())),
         ),
         (
-            "split heads (wick::ops::split_heads)",
+            "causal attention (wick::ops::causal_attention)",
             true,
-            Box::new(|| ops::split_heads(qkv_out.as_tensor(), h)),
-        ),
-        (
-            "q scale + q k^T",
-            true,
-            Box::new(|| {
-                let q = heads[0].affine(1.0 / (dh as f64).sqrt(), 0.0)?;
-                q.matmul(&heads[1].t()?)
-            }),
-        ),
-        (
-            "causal softmax",
-            true,
-            Box::new(|| ops::causal_softmax_last_dim(scores.as_tensor())),
-        ),
-        (
-            "att v",
-            true,
-            Box::new(|| scores.matmul(heads[2].as_tensor())),
-        ),
-        (
-            "merge heads (wick::ops::merge_heads)",
-            true,
-            Box::new(|| ops::merge_heads(heads[0].as_tensor())),
+            Box::new(|| ops::causal_attention(qkv_out.as_tensor(), h)),
         ),
         (
             "proj linear",
@@ -170,6 +140,19 @@ fn main() -> Result<()> {
             false,
             Box::new(|| loss::cross_entropy(logits.as_tensor(), &targets)),
         ),
+    ];
+    // printed for comparison, not part of the step estimate
+    let comparisons: Vec<(&'static str, bool, Op)> = vec![
+        (
+            "attention composed (split, q k^T, causal softmax, @ v, merge)",
+            true,
+            Box::new(|| ops::causal_attention_composed(qkv_out.as_tensor(), h)),
+        ),
+        (
+            "  of which causal softmax on (B, H, T, T)",
+            true,
+            Box::new(|| ops::causal_softmax_last_dim(scores.as_tensor())),
+        ),
         (
             "bias-style sum over rows (candle sum_keepdim(0))",
             true,
@@ -185,13 +168,57 @@ fn main() -> Result<()> {
         ),
     ];
 
+    let rows = measure(&dev, args.iters, &cases)?;
+    let extra = measure(&dev, args.iters, &comparisons)?;
+    println!(
+        "GPT {c}, batch {b} x {t}, bf16-mixed; GPU ms per call (CUDA events, {} calls)",
+        args.iters
+    );
+    println!(
+        "{:<48}{:>10}{:>12}{:>14}",
+        "op", "fwd", "fwd+bwd", "per step"
+    );
+    let per_step = |r: &Row| r.fwd_bwd * if r.per_layer { c.n_layer as f64 } else { 1.0 };
+    let print = |r: &Row| {
+        println!(
+            "{:<48}{:>10.3}{:>12.3}{:>14.3}",
+            r.name,
+            r.fwd,
+            r.fwd_bwd,
+            per_step(r)
+        )
+    };
+    rows.iter().for_each(print);
+    let total: f64 = rows.iter().map(per_step).sum();
+    println!("{:<48}{:>36.3}", "estimated step (ops alone)", total);
+    println!("for comparison (not in the estimate):");
+    extra.iter().for_each(print);
+    let json = serde_json::json!({
+        "model": c,
+        "batch": b,
+        "ops_ms": rows.iter().map(|r| serde_json::json!({
+            "op": r.name, "per_layer": r.per_layer, "fwd": r.fwd, "fwd_bwd": r.fwd_bwd
+        })).collect::<Vec<_>>(),
+        "estimated_step_ms": total,
+        "comparisons_ms": extra.iter().map(|r| serde_json::json!({
+            "op": r.name, "per_layer": r.per_layer, "fwd": r.fwd, "fwd_bwd": r.fwd_bwd
+        })).collect::<Vec<_>>(),
+    });
+    println!("{json}");
+    Ok(())
+}
+
+type Op<'a> = Box<dyn Fn() -> candle_core::Result<Tensor> + 'a>;
+
+/// Forward and forward+backward time of each op.
+fn measure(dev: &Device, iters: usize, ops: &[(&'static str, bool, Op)]) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
-    for (name, per_layer, op) in &cases {
-        let fwd = time(&dev, args.iters, &|| {
+    for (name, per_layer, op) in ops {
+        let fwd = time(dev, iters, &|| {
             op()?;
             Ok(())
         })?;
-        let fwd_bwd = time(&dev, args.iters, &|| {
+        let fwd_bwd = time(dev, iters, &|| {
             // backward from y itself (candle seeds it with ones): no reduction to a scalar,
             // whose one-block candle kernel would dominate the figures
             let _g = op()?.backward()?;
@@ -204,37 +231,7 @@ fn main() -> Result<()> {
             fwd_bwd,
         });
     }
-    println!(
-        "GPT {c}, batch {b} x {t}, bf16-mixed; GPU ms per call (CUDA events, {} calls)",
-        args.iters
-    );
-    println!(
-        "{:<42}{:>10}{:>12}{:>14}",
-        "op", "fwd", "fwd+bwd", "per step"
-    );
-    let mut total = 0.0;
-    for r in &rows {
-        let n = if r.per_layer { c.n_layer as f64 } else { 1.0 };
-        total += n * r.fwd_bwd;
-        println!(
-            "{:<42}{:>10.3}{:>12.3}{:>14.3}",
-            r.name,
-            r.fwd,
-            r.fwd_bwd,
-            n * r.fwd_bwd
-        );
-    }
-    println!("{:<42}{:>36.3}", "estimated step (ops alone)", total);
-    let json = serde_json::json!({
-        "model": c,
-        "batch": b,
-        "ops_ms": rows.iter().map(|r| serde_json::json!({
-            "op": r.name, "per_layer": r.per_layer, "fwd": r.fwd, "fwd_bwd": r.fwd_bwd
-        })).collect::<Vec<_>>(),
-        "estimated_step_ms": total,
-    });
-    println!("{json}");
-    Ok(())
+    Ok(rows)
 }
 
 /// The embedding table's working copy (bf16), as the tied head uses it.

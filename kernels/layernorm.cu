@@ -1,6 +1,6 @@
 // LayerNorm over the last dimension (Ba et al. 2016, "Layer Normalization"), forward and
 // backward: y = (x - mean) * rstd * w + b with f32 statistics, f32 gain w and bias b, and x/y
-// stored as f32, bf16 or f16 (y either in x's dtype or f32). The device code is in norm.cuh
+// stored as f32, bf16 or f16 (y in x's dtype, in f32 for half x, or in bf16/f16 for f32 x). The device code is in norm.cuh
 // (shared with RMSNorm); this file instantiates it. Launchers: src/ops/layer_norm.rs.
 //
 // Entry points (TN = x's dtype, UN = y's / dy's dtype; the _vec variants use 16-byte loads):
@@ -34,6 +34,8 @@ LN_ENTRIES(bf16, __nv_bfloat16, bf16, __nv_bfloat16)
 LN_ENTRIES(f16, __half, f16, __half)
 LN_ENTRIES(bf16, __nv_bfloat16, f32, float)
 LN_ENTRIES(f16, __half, f32, float)
+LN_ENTRIES(f32, float, bf16, __nv_bfloat16)
+LN_ENTRIES(f32, float, f16, __half)
 
 extern "C" __global__ void layernorm_reduce_partials(const float* partials, float* out, int nparts, int ncols) {
     norm_reduce_partials(partials, out, nparts, ncols);

@@ -1,6 +1,6 @@
 // RMSNorm over the last dimension (Zhang & Sennrich 2019, "Root Mean Square Layer
 // Normalization"), forward and backward: y = x * rstd * w, rstd = 1/sqrt(mean(x^2) + eps), with
-// f32 statistics, f32 gain w, and x/y stored as f32, bf16 or f16 (y either in x's dtype or f32).
+// f32 statistics, f32 gain w, and x/y stored as f32, bf16 or f16 (y in x's dtype, in f32 for half x, or in bf16/f16 for f32 x).
 // The device code is in norm.cuh (shared with LayerNorm); this file instantiates it.
 // Launchers: src/ops/rms_norm.rs (through the shared norm launcher in src/ops/layer_norm.rs).
 //
@@ -35,6 +35,8 @@ RMS_ENTRIES(bf16, __nv_bfloat16, bf16, __nv_bfloat16)
 RMS_ENTRIES(f16, __half, f16, __half)
 RMS_ENTRIES(bf16, __nv_bfloat16, f32, float)
 RMS_ENTRIES(f16, __half, f32, float)
+RMS_ENTRIES(f32, float, bf16, __nv_bfloat16)
+RMS_ENTRIES(f32, float, f16, __half)
 
 extern "C" __global__ void rmsnorm_reduce_partials(const float* partials, float* out, int nparts, int ncols) {
     norm_reduce_partials(partials, out, nparts, ncols);

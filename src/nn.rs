@@ -234,9 +234,16 @@ impl LayerNorm {
     }
 }
 
-impl Module for LayerNorm {
-    /// `x: (.., dim)` of any float dtype; returns `(.., dim)` in f32.
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+impl LayerNorm {
+    /// The normalisation with its output stored in `dtype`: f32 (what [`Module::forward`]
+    /// returns, the autocast policy), or the compute dtype when the next op is a matmul that
+    /// would cast it anyway (the statistics and the affine map are f32 either way; the output is
+    /// rounded once, bit-identical to casting the f32 output, without the f32 tensor and the
+    /// cast node). `x: (.., dim)` of any float dtype.
+    ///
+    /// Errors: a last dimension other than `dim`; a `dtype` other than f32, or x's dtype, or
+    /// bf16/f16 for an f32 x.
+    pub fn forward_to(&self, x: &Tensor, dtype: candle_core::DType) -> Result<Tensor> {
         let dim = x.dim(D::Minus1)?;
         if dim != self.weight.dim(0)? {
             candle_core::bail!(
@@ -250,9 +257,15 @@ impl Module for LayerNorm {
             DType::F32 | DType::BF16 | DType::F16 => x.clone(),
             _ => to_f32(x)?,
         };
-        // One fused, differentiable op (crate::ops): statistics in f32, output in f32 whatever
-        // x's dtype, as the policy asks, without a separate cast kernel.
-        crate::ops::layer_norm_with_dtype(&x, &self.weight, &self.bias, self.eps, DType::F32)
+        // One fused, differentiable op (crate::ops): statistics in f32, output rounded once.
+        crate::ops::layer_norm_with_dtype(&x, &self.weight, &self.bias, self.eps, dtype)
+    }
+}
+
+impl Module for LayerNorm {
+    /// `x: (.., dim)` of any float dtype; returns `(.., dim)` in f32.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_to(x, candle_core::DType::F32)
     }
 }
 

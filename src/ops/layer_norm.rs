@@ -49,9 +49,12 @@ pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor
     layer_norm_with_dtype(x, w, b, eps, x.dtype())
 }
 
-/// [`layer_norm`] with the output dtype chosen: x's dtype or f32 (e.g. bf16 in, f32 out, the
-/// policy of wick's `nn::LayerNorm`, without a separate cast kernel). The gradient of `x`
-/// comes back in x's dtype. Errors for any other `out_dtype`.
+/// [`layer_norm`] with the output dtype chosen: x's dtype, f32 (e.g. bf16 in, f32 out, the
+/// policy of wick's `nn::LayerNorm`, without a separate cast kernel), or for f32 x bf16/f16
+/// (the statistics and the affine map in f32, then one rounding: bit-identical to an f32 output
+/// cast to the half dtype, but without the f32 tensor, the cast kernel and their graph node,
+/// the form a following matmul in the compute dtype wants). The gradient of `x` comes back in
+/// x's dtype. Errors for any other `out_dtype`.
 pub fn layer_norm_with_dtype(
     x: &Tensor,
     w: &Tensor,
@@ -113,9 +116,13 @@ pub(super) fn prepare(
 ) -> Result<(Tensor, Tensor, usize)> {
     let op = kind.name();
     check_float(op, "x", x.dtype())?;
-    if out_dtype != x.dtype() && out_dtype != DType::F32 {
+    let half = |d: DType| matches!(d, DType::BF16 | DType::F16);
+    if !(out_dtype == x.dtype()
+        || out_dtype == DType::F32
+        || (x.dtype() == DType::F32 && half(out_dtype)))
+    {
         bail!(
-            "{op}: output dtype {out_dtype:?} is not supported for x of dtype {:?}; use x's dtype or f32",
+            "{op}: output dtype {out_dtype:?} is not supported for x of dtype {:?}; use x's dtype or f32 (or bf16/f16 for f32 x)",
             x.dtype()
         )
     }
@@ -253,6 +260,8 @@ macro_rules! with_types {
             (DType::F16, DType::F16) => $body!(f16, f16),
             (DType::BF16, DType::F32) => $body!(bf16, f32),
             (DType::F16, DType::F32) => $body!(f16, f32),
+            (DType::F32, DType::BF16) => $body!(f32, bf16),
+            (DType::F32, DType::F16) => $body!(f32, f16),
             (x, u) => bail!(
                 "{}: x of dtype {x:?} with output dtype {u:?} is not supported",
                 $op

@@ -33,7 +33,7 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     rms_norm_with_dtype(x, w, eps, x.dtype())
 }
 
-/// [`rms_norm`] with the output dtype chosen: x's dtype or f32. The gradient of `x` comes back
+/// [`rms_norm`] with the output dtype chosen: x's dtype, f32, or bf16/f16 for an f32 x. The gradient of `x` comes back
 /// in x's dtype. Errors for any other `out_dtype`.
 pub fn rms_norm_with_dtype(x: &Tensor, w: &Tensor, eps: f64, out_dtype: DType) -> Result<Tensor> {
     let kind = Kind::Rms;
