@@ -36,7 +36,8 @@ fn param(
 /// `{name}.weight` `(out, in)` and `{name}.bias` `(out,)`.
 #[derive(Debug, Clone)]
 pub struct Linear {
-    inner: candle_nn::Linear,
+    weight: Tensor,
+    bias: Option<Tensor>,
     precision: Precision,
 }
 
@@ -73,28 +74,30 @@ impl Linear {
             None
         };
         Ok(Self {
-            inner: candle_nn::Linear::new(w, b),
+            weight: w,
+            bias: b,
             precision: store.precision(),
         })
     }
 
     /// The weight tensor that autograd differentiates, `(out, in)`.
     pub fn weight(&self) -> &Tensor {
-        self.inner.weight()
+        &self.weight
     }
 }
 
 impl Module for Linear {
-    /// `x: (.., in)` of any float dtype; returns `(.., out)` in the compute dtype. The matmul
-    /// is candle-nn's (a 2-D GEMM for contiguous input); the bias goes through the fused
-    /// [`crate::ops::bias_add`] (one vectorised kernel forward, a GEMM column sum backward).
+    /// `x: (.., in)` of any float dtype; returns `(.., out)` in the compute dtype. One graph
+    /// node, [`crate::ops::linear`]: the cast of x to the compute dtype, the GEMM and the bias
+    /// add (and their backward) without the intermediate nodes of the composed ops.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let x = self.precision.to_compute(x)?;
-        let y = candle_nn::Linear::new(self.inner.weight().clone(), None).forward(&x)?;
-        match self.inner.bias() {
-            Some(b) => crate::ops::bias_add(&y, b),
-            None => Ok(y),
-        }
+        use candle_core::DType;
+        // the op casts f32/bf16/f16 itself; other float dtypes (f64) take a separate cast
+        let x = match x.dtype() {
+            DType::F32 | DType::BF16 | DType::F16 => x.clone(),
+            _ => self.precision.to_compute(x)?,
+        };
+        crate::ops::linear(&x, &self.weight, self.bias.as_ref())
     }
 }
 

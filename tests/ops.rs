@@ -1207,4 +1207,302 @@ mod cuda {
         assert!(m.contains("w is on") && m.contains("same device"), "{m}");
         Ok(())
     }
+
+    #[test]
+    fn linear_cuda_matches_cpu() -> Result<()> {
+        use DType::{BF16, F16, F32};
+        // GPT-like shapes (the attention input projection in wick's mixed mode: f32 x from a
+        // norm, bf16 working weight, f32 bias master), f32 throughout, and small odd shapes
+        let cases: [(&[usize], usize, LinearDtypes); 5] = [
+            (&[4, 128, 384], 1152, (F32, BF16, Some(F32))),
+            (&[4, 128, 384], 1152, (F32, F32, Some(F32))),
+            (&[4, 128, 384], 1536, (BF16, BF16, Some(BF16))),
+            (&[7, 37], 24, (F16, F16, Some(F16))),
+            (&[3, 5, 40], 24, (F32, BF16, None)),
+        ];
+        // the composed path Linear ran before (its bias column sum is f32, as the fused op's;
+        // candle's CPU broadcast_add backward sums 512 rows in bf16)
+        let before = |a: &[Tensor]| {
+            let w = &a[1];
+            let lin = candle_nn::Linear::new(w.clone(), None);
+            let y = candle_core::Module::forward(&lin, &a[0].to_dtype(w.dtype())?)?;
+            match a.get(2) {
+                Some(b) => ops::bias_add(&y, b),
+                None => Ok(y),
+            }
+        };
+        for (i, (shape, out, dtypes)) in cases.iter().enumerate() {
+            let (args, r) = linear_args(shape, *out, *dtypes, 9500 + 10 * i as u64);
+            let name = format!("cuda linear {dtypes:?} x {shape:?} out {out}");
+            // f32: sums of up to 1152 products in a different order; half: the output rounding
+            let bound = if dtypes.1 == F32 {
+                1e-4
+            } else {
+                2.0 * tol(dtypes.1)
+            };
+            check(&name, &linear_fused, &before, &args, &r, bound)?;
+        }
+        // strided x (cast from the view) and transposed w (the other cuBLAS operand layout)
+        let (args, _) = linear_args(&[384, 64], 96, (F32, BF16, Some(F32)), 9560);
+        let args = [args[0].clone(), args[1].t()?.contiguous()?, args[2].clone()];
+        let r = rand_t(&[64, 96], -1.0, 1.0, 9565, F32, &Device::Cpu);
+        let fused = |a: &[Tensor]| linear_fused(&[strided(&a[0])?, a[1].t()?, a[2].clone()]);
+        let reference = |a: &[Tensor]| before(&[strided(&a[0])?, a[1].t()?, a[2].clone()]);
+        check(
+            "cuda linear strided x, transposed w",
+            &fused,
+            &reference,
+            &args,
+            &r,
+            tol(BF16),
+        )?;
+
+        let dev = gpu();
+        let x = Tensor::zeros((4, 8), F32, &dev)?;
+        let w = Tensor::zeros((3, 8), BF16, &Device::Cpu)?;
+        let m = ops::linear(&x, &w, None)
+            .expect_err("device mismatch")
+            .to_string();
+        assert!(m.contains("w is on") && m.contains("same device"), "{m}");
+        Ok(())
+    }
+}
+
+// ---- linear: the fused op against the composed path it replaces ----
+
+fn linear_fused(a: &[Tensor]) -> Result<Tensor> {
+    ops::linear(&a[0], &a[1], a.get(2))
+}
+/// The composed path: x cast to w's dtype, candle-nn's Linear without bias (reshape, matmul
+/// with `w.t()`, reshape), then `broadcast_add` of the bias cast to the output dtype.
+fn linear_ref(a: &[Tensor]) -> Result<Tensor> {
+    let w = &a[1];
+    let lin = candle_nn::Linear::new(w.clone(), None);
+    let y = candle_core::Module::forward(&lin, &a[0].to_dtype(w.dtype())?)?;
+    match a.get(2) {
+        Some(b) => y.broadcast_add(&b.to_dtype(y.dtype())?),
+        None => Ok(y),
+    }
+}
+
+/// The dtypes of linear's x, w and b (None: no bias).
+type LinearDtypes = (DType, DType, Option<DType>);
+
+/// x `(.., in)`, w `(out, in)`, b `(out,)` when `b` names a dtype, and r shaped like y.
+fn linear_args(
+    x_shape: &[usize],
+    out: usize,
+    dtypes: LinearDtypes,
+    seed: u64,
+) -> (Vec<Tensor>, Tensor) {
+    let cpu = &Device::Cpu;
+    let k = *x_shape.last().unwrap();
+    let bound = 1.0 / (k.max(1) as f32).sqrt();
+    let mut args = vec![
+        rand_t(x_shape, -2.0, 2.0, seed, dtypes.0, cpu),
+        rand_t(&[out, k], -bound, bound, seed + 1, dtypes.1, cpu),
+    ];
+    if let Some(bd) = dtypes.2 {
+        args.push(rand_t(&[out], -1.0, 1.0, seed + 2, bd, cpu));
+    }
+    let mut y_shape = x_shape.to_vec();
+    *y_shape.last_mut().unwrap() = out;
+    (args, rand_t(&y_shape, -1.0, 1.0, seed + 3, DType::F32, cpu))
+}
+
+/// Values and gradients of fused and composed linear; checks the output dtype (w's) and that
+/// every gradient has its argument's shape and dtype; returns the errors (y, then dx, dw, db).
+fn compare_linear(
+    name: &str,
+    fused: &dyn Fn(&[Tensor]) -> Result<Tensor>,
+    args: &[Tensor],
+    r: &Tensor,
+) -> Result<Vec<f32>> {
+    let (y, g) = value_and_grads(fused, args, r)?;
+    assert_eq!(y.dtype(), args[1].dtype(), "{name}: output dtype");
+    for (gi, ai) in g.iter().zip(args) {
+        assert_eq!(
+            (gi.dims(), gi.dtype()),
+            (ai.dims(), ai.dtype()),
+            "{name}: gradient shape/dtype"
+        );
+    }
+    compare_any(name, fused, &linear_ref, args, r)
+}
+
+/// (x, w, b) dtypes: all f32; wick's mixed case (f32 x from a norm, bf16 working weight, f32
+/// bias master); all-half; no bias.
+const LINEAR_DTYPES: [LinearDtypes; 6] = [
+    (DType::F32, DType::F32, Some(DType::F32)),
+    (DType::F32, DType::BF16, Some(DType::F32)),
+    (DType::BF16, DType::BF16, Some(DType::BF16)),
+    (DType::F16, DType::F16, Some(DType::F16)),
+    (DType::F32, DType::BF16, None),
+    (DType::F32, DType::F32, None),
+];
+
+#[test]
+fn linear_matches_composed_on_cpu() -> Result<()> {
+    for (j, dtypes) in LINEAR_DTYPES.iter().enumerate() {
+        for (i, shape) in [&[6usize, 40][..], &[2, 5, 40], &[2, 2, 3, 17], &[1, 8]]
+            .iter()
+            .enumerate()
+        {
+            let seed = 9000 + 100 * j as u64 + 10 * i as u64;
+            let (args, r) = linear_args(shape, 24, *dtypes, seed);
+            let name = format!("linear {dtypes:?} x {shape:?}");
+            let errs = compare_linear(&name, &linear_fused, &args, &r)?;
+            // the same cast, GEMM and bias rounding as the composed ops: identical values
+            assert_eq!(errs[0], 0.0, "{name}: forward differs: {errs:?}");
+            // gradients: GEMM summation order (dy^T x against (x^T dy)^T) and the rounding of
+            // half-dtype column sums
+            let bound = 2.0 * tol(dtypes.1);
+            assert!(errs.iter().all(|e| *e <= bound), "{name}: {errs:?}");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn linear_takes_strided_offset_and_transposed_arguments() -> Result<()> {
+    let cpu = &Device::Cpu;
+    for (j, wd) in [DType::F32, DType::BF16].into_iter().enumerate() {
+        let seed = 9700 + 10 * j as u64;
+        let bound = 2.0 * tol(wd);
+        let (args, _) = linear_args(&[6, 40], 24, (DType::F32, wd, Some(DType::F32)), seed);
+        let (w, b) = (args[1].clone(), args[2].clone());
+        let x_t = rand_t(&[40, 6], -2.0, 2.0, seed + 4, DType::F32, cpu);
+        let args = [x_t, w.clone(), b.clone()];
+        let r = rand_t(&[6, 24], -1.0, 1.0, seed + 5, DType::F32, cpu);
+
+        // x transposed: cast straight from the strided view (bf16 w) or made contiguous (f32 w)
+        let fused = |a: &[Tensor]| linear_fused(&[strided(&a[0])?, a[1].clone(), a[2].clone()]);
+        let reference = |a: &[Tensor]| linear_ref(&[strided(&a[0])?, a[1].clone(), a[2].clone()]);
+        let name = format!("linear strided x, {wd:?} w");
+        let errs = compare_any(&name, &fused, &reference, &args, &r)?;
+        assert!(errs.iter().all(|e| *e <= bound), "{name}: {errs:?}");
+
+        // x one element into its buffer (a start offset)
+        let flat = rand_t(&[1 + 6 * 40], -2.0, 2.0, seed + 6, DType::F32, cpu);
+        let fused =
+            |a: &[Tensor]| linear_fused(&[offset(&a[0], 6, 40)?, a[1].clone(), a[2].clone()]);
+        let reference =
+            |a: &[Tensor]| linear_ref(&[offset(&a[0], 6, 40)?, a[1].clone(), a[2].clone()]);
+        let name = format!("linear offset x, {wd:?} w");
+        let args = [flat, w.clone(), b.clone()];
+        let errs = compare_any(&name, &fused, &reference, &args, &r)?;
+        assert!(errs.iter().all(|e| *e <= bound), "{name}: {errs:?}");
+
+        // w stored (in, out) and passed as its transpose: read as a transposed operand
+        let x = rand_t(&[6, 40], -2.0, 2.0, seed + 7, DType::F32, cpu);
+        let fused = |a: &[Tensor]| linear_fused(&[a[0].clone(), a[1].t()?, a[2].clone()]);
+        let reference = |a: &[Tensor]| linear_ref(&[a[0].clone(), a[1].t()?, a[2].clone()]);
+        let name = format!("linear transposed w, {wd:?}");
+        let args = [x, w.t()?.contiguous()?, b];
+        let errs = compare_any(&name, &fused, &reference, &args, &r)?;
+        assert!(errs.iter().all(|e| *e <= bound), "{name}: {errs:?}");
+    }
+    Ok(())
+}
+
+#[test]
+fn linear_rank_one_and_empty_shapes() -> Result<()> {
+    let cpu = &Device::Cpu;
+    let mixed = (DType::F32, DType::BF16, Some(DType::F32));
+    // x (in,) -> (out,), as torch.nn.functional.linear
+    let (args, _) = linear_args(&[1, 40], 24, mixed, 9800);
+    let y1 = ops::linear(&args[0].squeeze(0)?, &args[1], Some(&args[2]))?;
+    let y2 = ops::linear(&args[0], &args[1], Some(&args[2]))?.squeeze(0)?;
+    assert_eq!(y1.dims(), &[24]);
+    assert_eq!(err(&y1, &y2), 0.0);
+
+    // no rows: (0, in) -> (0, out); x and the weight still get gradients (zero)
+    let (args, r) = linear_args(&[0, 40], 24, mixed, 9810);
+    let b = args[2].clone();
+    let f = |a: &[Tensor]| ops::linear(&a[0], &a[1], Some(&b));
+    let (y, g) = value_and_grads(&f, &args[..2], &r)?;
+    assert_eq!(y.dims(), &[0, 24]);
+    assert_eq!(
+        (g[0].dims(), g[1].dims()),
+        (&[0usize, 40][..], &[24usize, 40][..])
+    );
+    let s = g[1].to_dtype(DType::F32)?.abs()?.sum_all()?;
+    assert_eq!(s.to_scalar::<f32>()?, 0.0);
+
+    // in = 0: y is the bias on every row
+    let x = Tensor::zeros((3, 0), DType::F32, cpu)?;
+    let w = Tensor::zeros((4, 0), DType::F32, cpu)?;
+    let b = Tensor::new(&[1f32, 2., 3., 4.], cpu)?;
+    let y = ops::linear(&x, &w, Some(&b))?;
+    assert_eq!(y.to_vec2::<f32>()?, vec![vec![1f32, 2., 3., 4.]; 3]);
+    Ok(())
+}
+
+#[test]
+fn linear_bad_inputs_give_clear_errors() -> Result<()> {
+    let cpu = &Device::Cpu;
+    let x = Tensor::zeros((4, 8), DType::F32, cpu)?;
+    let w = Tensor::zeros((3, 8), DType::BF16, cpu)?;
+    let b = Tensor::zeros(3, DType::F32, cpu)?;
+    let msg = |r: Result<Tensor>| r.expect_err("expected an error").to_string();
+
+    let w7 = Tensor::zeros((3, 7), DType::BF16, cpu)?;
+    let m = msg(ops::linear(&x, &w7, Some(&b)));
+    let named = m.contains("[4, 8]") && m.contains("[3, 7]") && m.contains("transpose w");
+    assert!(named, "{m}");
+    let m = msg(ops::linear(
+        &x,
+        &w,
+        Some(&Tensor::zeros(4, DType::F32, cpu)?),
+    ));
+    assert!(m.contains("b has shape [4]") && m.contains("(3,)"), "{m}");
+    let m = msg(ops::linear(&x, &Tensor::zeros(8, DType::BF16, cpu)?, None));
+    assert!(
+        m.contains("w has shape [8]") && m.contains("(out, in)"),
+        "{m}"
+    );
+    let m = msg(ops::linear(&Tensor::new(1f32, cpu)?, &w, None));
+    assert!(m.contains("scalar"), "{m}");
+    let m = msg(ops::linear(&x.to_dtype(DType::U32)?, &w, None));
+    assert!(m.contains("linear") && m.contains("U32"), "{m}");
+    let m = msg(ops::linear(&x, &w.to_dtype(DType::F64)?, None));
+    assert!(m.contains("w has dtype F64"), "{m}");
+    let m = msg(ops::linear(&x, &w, Some(&b.to_dtype(DType::U8)?)));
+    assert!(m.contains("b has dtype U8"), "{m}");
+    Ok(())
+}
+
+#[test]
+fn nn_linear_is_one_graph_node() -> anyhow::Result<()> {
+    use candle_core::Module;
+    let store = wick::ParamStore::new(wick::Precision::Bf16Mixed, Device::Cpu, 0);
+    let l = wick::nn::Linear::new(&store, "l", 16, 12, true)?;
+    let x = rand_t(&[2, 3, 16], -1.0, 1.0, 9900, DType::F32, &Device::Cpu);
+    let x = Var::from_tensor(&x)?;
+    let y = l.forward(x.as_tensor())?;
+    assert_eq!((y.dims(), y.dtype()), (&[2usize, 3, 12][..], DType::BF16));
+    // y itself and its three leaves (x, the weight and the bias working copies)
+    assert_eq!(y.sorted_nodes().len(), 4);
+    // the composed path it replaces: the same values, through more nodes
+    let bias = store.params().into_iter().find(|p| p.name == "l.bias");
+    let (w, b) = (l.weight().clone(), bias.unwrap().differentiated().clone());
+    let lin = candle_nn::Linear::new(w, None);
+    let y_old = ops::bias_add(&lin.forward(&x.as_tensor().to_dtype(DType::BF16)?)?, &b)?;
+    assert_eq!(err(&y, &y_old), 0.0);
+    println!(
+        "nn::Linear graph nodes: {} fused, {} composed",
+        y.sorted_nodes().len(),
+        y_old.sorted_nodes().len()
+    );
+    let grads = y.to_dtype(DType::F32)?.sum_all()?.backward()?;
+    let dx = grads.get(x.as_tensor()).map(|g| g.dtype());
+    assert_eq!(dx, Some(DType::F32));
+    for p in store.params() {
+        assert!(
+            grads.get(p.differentiated()).is_some(),
+            "{} got no gradient",
+            p.name
+        );
+    }
+    Ok(())
 }

@@ -80,6 +80,71 @@ fn fwd_cpu<T: Elem>(x: &[T], b: &[T]) -> Vec<T> {
     y
 }
 
+/// Storage-level forward, `x + b` for a contiguous `x: (.., C)` and `b: (C,)` of the same
+/// dtype, into a new buffer. Shared with ops that end in a bias add (`linear`), so
+/// that their bias has exactly this op's numerics.
+pub(super) fn add_cpu(
+    x: &CpuStorage,
+    lx: &Layout,
+    b: &CpuStorage,
+    lb: &Layout,
+) -> Result<CpuStorage> {
+    let op = "bias_add";
+    if x.dtype() != b.dtype() {
+        bail!(
+            "{op}: x is {:?} but b is {:?} (internal error: callers cast b)",
+            x.dtype(),
+            b.dtype()
+        )
+    }
+    macro_rules! run {
+        ($t:ty) => {{
+            let xv = cpu_slice::<$t>(op, "x", x, lx)?;
+            let bv = cpu_slice::<$t>(op, "b", b, lb)?;
+            <$t as candle_core::WithDType>::to_cpu_storage_owned(fwd_cpu(xv, bv))
+        }};
+    }
+    Ok(with_type!(op, x.dtype(), run))
+}
+
+/// [`add_cpu`] on the GPU (the kernels of `kernels/bias.cu`).
+#[cfg(feature = "cuda")]
+pub(super) fn add_cuda(
+    x: &candle_core::CudaStorage,
+    lx: &Layout,
+    b: &candle_core::CudaStorage,
+    lb: &Layout,
+) -> Result<candle_core::CudaStorage> {
+    if x.dtype() != b.dtype() {
+        bail!(
+            "bias_add: x is {:?} but b is {:?} (internal error: callers cast b)",
+            x.dtype(),
+            b.dtype()
+        )
+    }
+    cuda::fwd(x, lx, b, lb)
+}
+
+/// The bias gradient of `dy: (.., C)`: the sum over all rows, returned as `(C,)` in dy's
+/// dtype. Shared with `linear`'s backward.
+pub(super) fn column_sum(dy: &Tensor, c: usize) -> Result<Tensor> {
+    let rows = dy.elem_count() / c.max(1);
+    let dy2 = dy.reshape((rows, c))?;
+    // CUDA, half dtypes: cuBLAS GEMM (f32 accumulation); elsewhere an f32 sum (candle's CPU
+    // half GEMM accumulates in the half dtype, and a TF32 GEMM would round f32 inputs)
+    match dy.dtype() {
+        DType::BF16 | DType::F16
+            if dy.device().is_cuda() && !half_gemm_reduces_in_half(dy.dtype()) =>
+        {
+            Tensor::ones((1, rows), dy.dtype(), dy.device())?
+                .matmul(&dy2)?
+                .reshape(c)
+        }
+        DType::F32 => dy2.sum(0),
+        d => dy2.to_dtype(DType::F32)?.sum(0)?.to_dtype(d),
+    }
+}
+
 impl CustomOp2 for BiasAdd {
     fn name(&self) -> &'static str {
         "bias_add"
@@ -92,21 +157,7 @@ impl CustomOp2 for BiasAdd {
         b: &CpuStorage,
         lb: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let op = self.name();
-        macro_rules! run {
-            ($t:ty) => {{
-                let xv = cpu_slice::<$t>(op, "x", x, lx)?;
-                let bv = cpu_slice::<$t>(op, "b", b, lb)?;
-                <$t as candle_core::WithDType>::to_cpu_storage_owned(fwd_cpu(xv, bv))
-            }};
-        }
-        let out = match x.dtype() {
-            DType::F32 => run!(f32),
-            DType::BF16 => run!(bf16),
-            DType::F16 => run!(f16),
-            d => bail!("{op}: dtype {d:?} is not supported"),
-        };
-        Ok((out, lx.shape().clone()))
+        Ok((add_cpu(x, lx, b, lb)?, lx.shape().clone()))
     }
 
     #[cfg(feature = "cuda")]
@@ -117,7 +168,7 @@ impl CustomOp2 for BiasAdd {
         b: &candle_core::CudaStorage,
         lb: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        cuda::fwd(x, lx, b, lb)
+        Ok((add_cuda(x, lx, b, lb)?, lx.shape().clone()))
     }
 
     fn bwd(
@@ -127,22 +178,7 @@ impl CustomOp2 for BiasAdd {
         _y: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let c = b.dim(0)?;
-        let rows = dy.elem_count() / c.max(1);
-        let dy2 = dy.reshape((rows, c))?;
-        // CUDA, half dtypes: cuBLAS GEMM (f32 accumulation); elsewhere an f32 sum (candle's CPU
-        // half GEMM accumulates in the half dtype, and a TF32 GEMM would round f32 inputs)
-        let db = match dy.dtype() {
-            DType::BF16 | DType::F16
-                if dy.device().is_cuda() && !half_gemm_reduces_in_half(dy.dtype()) =>
-            {
-                Tensor::ones((1, rows), dy.dtype(), dy.device())?
-                    .matmul(&dy2)?
-                    .reshape(c)?
-            }
-            DType::F32 => dy2.sum(0)?,
-            _ => dy2.to_dtype(DType::F32)?.sum(0)?,
-        };
+        let db = column_sum(dy, b.dim(0)?)?;
         let db = if db.dtype() == b.dtype() {
             db
         } else {
@@ -159,7 +195,7 @@ mod cuda {
     use candle_core::backend::BackendStorage;
     use candle_core::cuda::cudarc::driver::PushKernelArg;
     use candle_core::cuda::WrapErr;
-    use candle_core::{CudaStorage, Layout, Result, Shape};
+    use candle_core::{CudaStorage, Layout, Result};
 
     const MODULE: &str = "wick_ops_bias";
 
@@ -168,7 +204,7 @@ mod cuda {
         lx: &Layout,
         b: &CudaStorage,
         lb: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
+    ) -> Result<CudaStorage> {
         let op = "bias_add";
         let dev = &x.device;
         let n = lx.shape().elem_count();
@@ -195,6 +231,6 @@ mod cuda {
             // SAFETY: x and y hold n elements, b holds c, of the kernel's dtype.
             unsafe { lb.launch(cfg) }.w()?;
         }
-        Ok((y, lx.shape().clone()))
+        Ok(y)
     }
 }

@@ -7,6 +7,7 @@
 //! | [`rms_norm`] | `y = x / sqrt(mean(x^2) + eps) * w` | f32, bf16, f16 | x's (or f32: [`rms_norm_with_dtype`]) |
 //! | [`softmax_last_dim`] | `y = exp(x - max) / sum(exp(x - max))` | f32, bf16, f16 | x's |
 //! | [`causal_softmax_last_dim`] | the same over keys `j <= i` of `(.., T, T)` scores, 0 above | f32, bf16, f16 | x's |
+//! | [`linear`] | `y = cast(x) @ w^T + b` (autocast `F.linear`: cast, GEMM, bias in one node) | x: f32, bf16, f16; w: the compute dtype | w's |
 //! | [`bias_add`] | `y = x + b` over the last dim; `db` = column sum | f32, bf16, f16 | x's |
 //! | [`embedding`] | `y = table[ids]`; `dtable` scatter-added in f32 | f32, bf16, f16 table | table's |
 //! | [`gelu_tanh`] | `y = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))` (elementwise) | f32, bf16, f16 | x's |
@@ -64,6 +65,7 @@ mod embedding;
 mod gelu;
 mod heads;
 mod layer_norm;
+mod linear;
 mod rms_norm;
 mod softmax;
 
@@ -74,6 +76,7 @@ pub use embedding::embedding;
 pub use gelu::gelu_tanh;
 pub use heads::{merge_heads, split_heads};
 pub use layer_norm::{layer_norm, layer_norm_with_dtype};
+pub use linear::linear;
 pub use rms_norm::{rms_norm, rms_norm_with_dtype};
 pub use softmax::{causal_softmax_last_dim, softmax_last_dim};
 

@@ -1,0 +1,300 @@
+//! Fully connected layer as one graph node, under autocast:
+//!
+//! ```text
+//! xc = cast(x, w.dtype)          x: (.., K), w: (N, K), b: (N,)
+//! y  = xc @ w^T + cast(b)        (.., N) in w's dtype
+//! dx = cast(dy @ w, x.dtype)
+//! dw = dy^T @ xc                 (recomputed from x; not kept from the forward)
+//! db = Σ_rows dy                 (bias_add's column sum, then cast to b's dtype)
+//! ```
+//! The composed version (`to_dtype`, candle-nn's reshape / matmul with `w.t()` / reshape,
+//! `bias_add`) is five graph nodes; candle's backward pays, per node, a zeroed gradient buffer
+//! and an add of the full activation size, several kernel launches of host time each. Here the
+//! forward is one `CustomOp` (the cast, candle's own GEMM with `w^T` as a transposed operand,
+//! bias_add's kernel) with the numerics of the composed version, and the backward is three GEMMs
+//! and a column sum on detached tensors.
+
+use super::{bias, check_device, check_float};
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+
+const OP: &str = "linear";
+
+/// `y = x @ w^T + b` in w's dtype, as one differentiable graph node: PyTorch's
+/// `torch.nn.functional.linear(x, w, b)` under autocast, where x and b are cast to the compute
+/// dtype (w's) and the GEMM runs in it.
+///
+/// - `x: (.., in)`: f32, bf16 or f16, any layout; cast to w's dtype (candle's `to_dtype`
+///   rounding) when it differs. The gradient comes back in x's dtype.
+/// - `w: (out, in)`: f32, bf16 or f16 (the compute dtype); contiguous or a transposed view of a
+///   contiguous tensor is used without a copy.
+/// - `b: (out,)`: f32, bf16 or f16 (wick keeps it as an fp32 master in mixed precision); cast to
+///   w's dtype and added as [`crate::ops::bias_add`] does (f32 arithmetic). Its gradient (the
+///   column sum of dy, rounded to w's dtype as through the cast) comes back in b's dtype.
+///
+/// Returns `(.., out)` in w's dtype. The GEMMs are candle's (cuBLAS on CUDA). Not twice
+/// differentiable. Empty shapes (no rows, `in = 0` or `out = 0`) take the composed candle ops.
+///
+/// Errors (no panics): a scalar x; w not 2-D; x's last dimension not w's `in`; b not `(out,)`;
+/// a dtype other than f32/bf16/f16; arguments on different devices.
+pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    check_float(OP, "x", x.dtype())?;
+    check_float(OP, "w", w.dtype())?;
+    check_device(OP, "w", x, w)?;
+    if let Some(b) = b {
+        check_float(OP, "b", b.dtype())?;
+        check_device(OP, "b", x, b)?;
+    }
+    let &[n, k] = w.dims() else {
+        bail!(
+            "{OP}: w has shape {:?}; expected (out, in), a 2-D weight",
+            w.dims()
+        )
+    };
+    let Some(&x_k) = x.dims().last() else {
+        bail!("{OP}: x is a scalar; expected (.., in) with in = {k} (w is {:?}); use x.reshape(1) for a single feature", w.dims())
+    };
+    if x_k != k {
+        bail!(
+            "{OP}: x has shape {:?} and w has shape {:?}; x's last dimension must equal w's second (in = {k}): reshape x, or transpose w if it is stored (in, out)",
+            x.dims(),
+            w.dims()
+        )
+    }
+    if let Some(b) = b {
+        if b.dims() != [n] {
+            bail!(
+                "{OP}: b has shape {:?} but w has shape {:?}; b must be (out,) = ({n},)",
+                b.dims(),
+                w.dims()
+            )
+        }
+    }
+    let rows: usize = x.dims()[..x.rank() - 1].iter().product();
+    if rows == 0 || n == 0 || k == 0 {
+        return composed(x, w, b, rows);
+    }
+    // The op casts a strided x itself (the cast writes a contiguous copy); an x already in w's
+    // dtype goes to the GEMM as is and must be contiguous.
+    let x = if x.dtype() == w.dtype() {
+        x.contiguous()?
+    } else {
+        x.clone()
+    };
+    // cuBLAS takes w or w^T contiguous (a transposed operand); anything else is copied once.
+    let w = if w.is_contiguous() || w.t()?.is_contiguous() {
+        w.clone()
+    } else {
+        w.contiguous()?
+    };
+    match b {
+        Some(b) => x.apply_op3(&w, &b.contiguous()?, Linear),
+        None => x.apply_op2(&w, Linear),
+    }
+}
+
+/// The unfused ops, for the empty shapes that candle's matmul special-cases (as before the
+/// fused op: with no rows, b is left out of the graph, like candle's own empty binary ops).
+fn composed(x: &Tensor, w: &Tensor, b: Option<&Tensor>, rows: usize) -> Result<Tensor> {
+    let (n, k) = w.dims2()?;
+    let mut out = x.dims().to_vec();
+    if let Some(d) = out.last_mut() {
+        *d = n;
+    }
+    let x = x.to_dtype(w.dtype())?.reshape((rows, k))?;
+    let y = x.matmul(&w.t()?)?.reshape(out)?;
+    match b {
+        Some(b) => super::bias_add(&y, b),
+        None => Ok(y),
+    }
+}
+
+/// The op; one struct for both arities (with and without bias).
+struct Linear;
+
+/// `(rows, out, in)` of the GEMM and the output shape, from the layouts of x and w.
+fn gemm_dims(lx: &Layout, lw: &Layout) -> Result<(usize, usize, usize, Shape)> {
+    let &[n, k] = lw.dims() else {
+        bail!("{OP}: w must be 2-D (internal error: the public function checks it)")
+    };
+    let mut out = lx.dims().to_vec();
+    match out.last_mut() {
+        Some(d) if *d == k && k > 0 => *d = n,
+        _ => bail!(
+            "{OP}: x {:?} does not match w {:?} (internal error)",
+            lx.dims(),
+            lw.dims()
+        ),
+    }
+    Ok((lx.shape().elem_count() / k, n, k, out.into()))
+}
+
+/// `cast(x) @ w^T` on any backend: x cast to w's dtype (a contiguous copy, whatever x's
+/// layout), then candle's GEMM with w's layout transposed, which cuBLAS reads as a transposed
+/// operand and the CPU gemm as strides (no copy of w).
+fn cast_gemm<S: BackendStorage>(
+    x: &S,
+    lx: &Layout,
+    w: &S,
+    lw: &Layout,
+) -> Result<(S, usize, usize, Shape)> {
+    let (m, n, k, shape) = gemm_dims(lx, lw)?;
+    let cast;
+    let (xs, lxs) = if x.dtype() == w.dtype() {
+        if !lx.is_contiguous() {
+            bail!("{OP}: x must be contiguous (internal error: the public function makes it so)")
+        }
+        (x, Layout::contiguous_with_offset((m, k), lx.start_offset()))
+    } else {
+        cast = x.to_dtype(lx, w.dtype())?;
+        (&cast, Layout::contiguous((m, k)))
+    };
+    let y = xs.matmul(w, (1, m, n, k), &lxs, &lw.transpose(0, 1)?)?;
+    Ok((y, m, n, shape))
+}
+
+/// b in w's dtype (bias_add casts it to the output dtype the same way).
+fn cast_bias<'a, S: BackendStorage>(
+    b: &'a S,
+    lb: &Layout,
+    dtype: candle_core::DType,
+    cast: &'a mut Option<S>,
+) -> Result<(&'a S, Layout)> {
+    if b.dtype() == dtype {
+        return Ok((b, lb.clone()));
+    }
+    let c = b.to_dtype(lb, dtype)?;
+    let l = Layout::contiguous(lb.shape().clone());
+    Ok((cast.insert(c), l))
+}
+
+impl CustomOp2 for Linear {
+    fn name(&self) -> &'static str {
+        OP
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        w: &CpuStorage,
+        lw: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (y, _, _, shape) = cast_gemm(x, lx, w, lw)?;
+        Ok((y, shape))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        w: &candle_core::CudaStorage,
+        lw: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (y, _, _, shape) = cast_gemm(x, lx, w, lw)?;
+        Ok((y, shape))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw, _) = grads(x, w, None, dy)?;
+        Ok((Some(dx), Some(dw)))
+    }
+}
+
+impl CustomOp3 for Linear {
+    fn name(&self) -> &'static str {
+        OP
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        w: &CpuStorage,
+        lw: &Layout,
+        b: &CpuStorage,
+        lb: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (y, m, n, shape) = cast_gemm(x, lx, w, lw)?;
+        let mut cast = None;
+        let (b, lb) = cast_bias(b, lb, w.dtype(), &mut cast)?;
+        let y = bias::add_cpu(&y, &Layout::contiguous((m, n)), b, &lb)?;
+        Ok((y, shape))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        w: &candle_core::CudaStorage,
+        lw: &Layout,
+        b: &candle_core::CudaStorage,
+        lb: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (y, m, n, shape) = cast_gemm(x, lx, w, lw)?;
+        let mut cast = None;
+        let (b, lb) = cast_bias(b, lb, w.dtype(), &mut cast)?;
+        // a second buffer: bias.cu's kernel takes x and y as distinct (__restrict__) pointers
+        let y = bias::add_cuda(&y, &Layout::contiguous((m, n)), b, &lb)?;
+        Ok((y, shape))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw, db) = grads(x, w, Some(b), dy)?;
+        Ok((Some(dx), Some(dw), db))
+    }
+}
+
+/// `(dx, dw, db)` from detached tensors (no graph is recorded). candle's matmul takes the
+/// transposed views `dy^T` and `w` as they are, so the only buffers are the outputs and, for an
+/// x not in w's dtype, its cast (recomputed rather than kept alive from the forward).
+fn grads(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    dy: &Tensor,
+) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+    let (x, w, dy) = (x.detach(), w.detach(), dy.detach());
+    let (n, k) = w.dims2()?;
+    let m = x.elem_count() / k;
+    let dy = if dy.dtype() == w.dtype() {
+        dy
+    } else {
+        dy.to_dtype(w.dtype())?
+    };
+    let dy2 = dy.reshape((m, n))?;
+    let dw = dy2.t()?.matmul(&x.to_dtype(w.dtype())?.reshape((m, k))?)?;
+    let dx = dy2.matmul(&w)?.reshape(x.shape())?;
+    let dx = if dx.dtype() == x.dtype() {
+        dx
+    } else {
+        dx.to_dtype(x.dtype())?
+    };
+    let db = match b {
+        Some(b) => {
+            let db = bias::column_sum(&dy2, n)?;
+            Some(if db.dtype() == b.dtype() {
+                db
+            } else {
+                db.to_dtype(b.dtype())?
+            })
+        }
+        None => None,
+    };
+    Ok((dx, dw, db))
+}
