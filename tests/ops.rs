@@ -784,6 +784,63 @@ fn causal_attention_is_causal_and_checks_its_input() -> Result<()> {
     Ok(())
 }
 
+#[test]
+fn residual_add_is_the_cast_and_add_composition_bitwise() -> Result<()> {
+    for dtype in DTYPES {
+        let dev = Device::Cpu;
+        let x = rand_t(&[3, 5, 8], -4.0, 4.0, 3900, DType::F32, &dev);
+        let y = rand_t(&[3, 5, 8], -4.0, 4.0, 3901, dtype, &dev);
+        let r = rand_t(&[3, 5, 8], -1.0, 1.0, 3902, DType::F32, &dev);
+        let fused = |a: &[Tensor]| ops::residual_add(&a[0], &a[1]);
+        let composed = |a: &[Tensor]| &a[0] + a[1].to_dtype(DType::F32)?;
+        let e = compare_any(
+            &format!("residual add {dtype:?}"),
+            &fused,
+            &composed,
+            &[x, y],
+            &r,
+        )?;
+        assert!(e.iter().all(|e| *e == 0.0), "{dtype:?}: {e:?}");
+    }
+    let dev = Device::Cpu;
+    let x = Tensor::zeros((2, 3), DType::F32, &dev)?;
+    let msg = |r: Result<Tensor>| r.unwrap_err().to_string();
+    assert!(msg(ops::residual_add(&x.to_dtype(DType::BF16)?, &x)).contains("must be f32"));
+    assert!(msg(ops::residual_add(&x, &x.t()?)).contains("must match"));
+    assert!(msg(ops::residual_add(&x, &x.to_dtype(DType::U32)?)).contains("U32"));
+    Ok(())
+}
+
+/// f32 x normalised straight into a half dtype equals the f32 output cast afterwards, bit for
+/// bit, with the gradients of the f32-output path fed the same (half) output gradient.
+fn check_norm_to_half(dev: &Device, shape: &[usize]) -> Result<()> {
+    for dtype in [DType::BF16, DType::F16] {
+        let (args, r) = norm_args(shape, DType::F32, 410, &Device::Cpu);
+        let args: Vec<Tensor> = args.iter().map(|t| t.to_device(dev).unwrap()).collect();
+        let r = r.to_device(dev)?;
+        let f = |a: &[Tensor]| ops::layer_norm_with_dtype(&a[0], &a[1], &a[2], EPS, dtype);
+        let c = |a: &[Tensor]| ops::layer_norm(&a[0], &a[1], &a[2], EPS)?.to_dtype(dtype);
+        let (y, g) = value_and_grads(&f, &args, &r)?;
+        let (y_c, g_c) = value_and_grads(&c, &args, &r)?;
+        assert_eq!((y.dtype(), g[0].dtype()), (dtype, DType::F32));
+        let mut e = vec![err(&y, &y_c)];
+        e.extend(g.iter().zip(&g_c).map(|(a, b)| err(a, b)));
+        println!("layer_norm f32 -> {dtype:?} on {dev:?}: {}", fmt_errs(&e));
+        assert!(e[0] == 0.0 && e.iter().all(|v| *v <= 1e-5), "{e:?}");
+        let f = |a: &[Tensor]| ops::rms_norm_with_dtype(&a[0], &a[1], EPS, dtype);
+        let c = |a: &[Tensor]| ops::rms_norm(&a[0], &a[1], EPS)?.to_dtype(dtype);
+        let (y, _) = value_and_grads(&f, &args[..2], &r)?;
+        let (y_c, _) = value_and_grads(&c, &args[..2], &r)?;
+        assert_eq!(err(&y, &y_c), 0.0);
+    }
+    Ok(())
+}
+
+#[test]
+fn norms_can_return_half_for_f32_inputs() -> Result<()> {
+    check_norm_to_half(&Device::Cpu, &[8, 64])
+}
+
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::*;
@@ -969,6 +1026,32 @@ mod cuda {
             tol(DType::F32),
         )?;
         Ok(())
+    }
+
+    #[test]
+    fn residual_add_cuda_matches_cpu() -> Result<()> {
+        for dtype in DTYPES {
+            let x = rand_t(&[16, 1024, 24], -4.0, 4.0, 3910, DType::F32, &Device::Cpu);
+            let y = rand_t(&[16, 1024, 24], -4.0, 4.0, 3911, dtype, &Device::Cpu);
+            let r = rand_t(&[16, 1024, 24], -1.0, 1.0, 3912, DType::F32, &Device::Cpu);
+            let fused = |a: &[Tensor]| ops::residual_add(&a[0], &a[1]);
+            let composed = |a: &[Tensor]| &a[0] + a[1].to_dtype(DType::F32)?;
+            check(
+                &format!("cuda residual add {dtype:?}"),
+                &fused,
+                &composed,
+                &[x, y],
+                &r,
+                0.0,
+            )?;
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn cuda_norms_can_return_half_for_f32_inputs() -> Result<()> {
+        check_norm_to_half(&gpu(), &[33, 768])?;
+        check_norm_to_half(&gpu(), &[5, 37])
     }
 
     #[test]

@@ -311,9 +311,9 @@ impl Block {
         // LayerNorm statistics in f32, output rounded once to the compute dtype the linear takes
         let qkv = self.qkv.forward(&self.ln1.forward_to(x, self.compute)?)?; // (B, T, 3C)
         let y = crate::ops::causal_attention(&qkv, h)?; // (B, T, C), heads merged
-        let x = (x + to_f32(&self.proj.forward(&y)?)?)?;
+        let x = crate::ops::residual_add(x, &self.proj.forward(&y)?)?; // x + f32(branch), one node
         let m = crate::ops::gelu_tanh(&self.fc.forward(&self.ln2.forward_to(&x, self.compute)?)?)?; // fused, tanh approximation
-        x + to_f32(&self.fc2.forward(&m)?)?
+        crate::ops::residual_add(&x, &self.fc2.forward(&m)?)
     }
 }
 
