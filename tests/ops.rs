@@ -841,6 +841,55 @@ fn norms_can_return_half_for_f32_inputs() -> Result<()> {
     check_norm_to_half(&Device::Cpu, &[8, 64])
 }
 
+fn head_loss_fused(a: &[Tensor], t: &Tensor) -> Result<Tensor> {
+    ops::linear_cross_entropy_rows(&a[0], &a[1], t)
+}
+fn head_loss_composed(a: &[Tensor], t: &Tensor) -> Result<Tensor> {
+    ops::cross_entropy_rows(&a[0].matmul(&a[1].t()?)?, t)
+}
+
+#[test]
+fn linear_cross_entropy_matches_matmul_then_cross_entropy_on_cpu() -> Result<()> {
+    for dtype in DTYPES {
+        let dev = Device::Cpu;
+        let (n, c, v) = (37, 24, 50);
+        let h = rand_t(&[n, c], -1.0, 1.0, 3950, dtype, &dev);
+        let w = rand_t(&[v, c], -1.0, 1.0, 3951, dtype, &dev);
+        let t = targets(n, v, 3952, &dev);
+        let r = rand_t(&[n], 0.0, 1.0, 3953, DType::F32, &dev);
+        let fused = |a: &[Tensor]| head_loss_fused(a, &t);
+        let composed = |a: &[Tensor]| head_loss_composed(a, &t);
+        let e = compare_any(
+            &format!("linear cross-entropy {dtype:?}"),
+            &fused,
+            &composed,
+            &[h, w],
+            &r,
+        )?;
+        assert!(e.iter().all(|e| *e <= tol(dtype)), "{dtype:?}: {e:?}");
+    }
+    // the logits are freed by the first backward; a second one says so
+    let dev = Device::Cpu;
+    let h = Var::from_tensor(&rand_t(&[4, 8], -1.0, 1.0, 3954, DType::F32, &dev))?;
+    let w = rand_t(&[5, 8], -1.0, 1.0, 3955, DType::F32, &dev);
+    let t = targets(4, 5, 3956, &dev);
+    let loss = ops::linear_cross_entropy_rows(h.as_tensor(), &w, &t)?.sum_all()?;
+    loss.backward()?;
+    let again = loss.backward().unwrap_err().to_string();
+    assert!(again.contains("already ran"), "{again}");
+    let msg = |r: Result<Tensor>| r.unwrap_err().to_string();
+    let hb = h.to_dtype(DType::BF16)?;
+    assert!(msg(ops::linear_cross_entropy_rows(&hb, &w, &t)).contains("cast both"));
+    assert!(msg(ops::linear_cross_entropy_rows(h.as_tensor(), &w.t()?, &t)).contains("(V, C)"));
+    assert!(msg(ops::linear_cross_entropy_rows(
+        h.as_tensor(),
+        &w,
+        &t.narrow(0, 0, 3)?
+    ))
+    .contains("targets must be (N,)"));
+    Ok(())
+}
+
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::*;
@@ -1052,6 +1101,41 @@ mod cuda {
     fn cuda_norms_can_return_half_for_f32_inputs() -> Result<()> {
         check_norm_to_half(&gpu(), &[33, 768])?;
         check_norm_to_half(&gpu(), &[5, 37])
+    }
+
+    #[test]
+    fn linear_cross_entropy_cuda_matches_cpu() -> Result<()> {
+        for dtype in DTYPES {
+            let (n, c, v) = (300, 64, 1000);
+            let h = rand_t(&[n, c], -1.0, 1.0, 3960, dtype, &Device::Cpu);
+            let w = rand_t(&[v, c], -1.0, 1.0, 3961, dtype, &Device::Cpu);
+            let t = targets(n, v, 3962, &Device::Cpu);
+            let r = rand_t(&[n], 0.0, 1.0, 3963, DType::F32, &Device::Cpu);
+            let (hg, wg, tg) = (
+                h.to_device(&gpu())?,
+                w.to_device(&gpu())?,
+                t.to_device(&gpu())?,
+            );
+            let (y_g, g_g) = value_and_grads(
+                &|a| head_loss_fused(a, &tg),
+                &[hg, wg],
+                &r.to_device(&gpu())?,
+            )?;
+            let (y_c, g_c) = value_and_grads(&|a| head_loss_composed(a, &t), &[h, w], &r)?;
+            let mut e = vec![err(&y_g, &y_c)];
+            e.extend(g_g.iter().zip(&g_c).map(|(a, b)| err(a, b)));
+            println!(
+                "cuda linear cross-entropy {dtype:?}: vs cpu composed {}",
+                fmt_errs(&e)
+            );
+            let bound = if dtype == DType::F32 {
+                1e-4
+            } else {
+                2.0 * tol(dtype)
+            };
+            assert!(e.iter().all(|x| *x <= bound), "{dtype:?}: {e:?}");
+        }
+        Ok(())
     }
 
     #[test]
@@ -1326,9 +1410,11 @@ mod cuda {
             check(&name, &linear_fused, &before, &args, &r, bound)?;
         }
         // strided x (cast from the view) and transposed w (the other cuBLAS operand layout)
+        // x is stored (64, 384) and used as its (384, 64) transpose; w (96, 64) as a transpose
         let (args, _) = linear_args(&[384, 64], 96, (F32, BF16, Some(F32)), 9560);
-        let args = [args[0].clone(), args[1].t()?.contiguous()?, args[2].clone()];
-        let r = rand_t(&[64, 96], -1.0, 1.0, 9565, F32, &Device::Cpu);
+        let x = rand_t(&[64, 384], -1.0, 1.0, 9561, F32, &Device::Cpu);
+        let args = [x, args[1].t()?.contiguous()?, args[2].clone()];
+        let r = rand_t(&[384, 96], -1.0, 1.0, 9565, F32, &Device::Cpu);
         let fused = |a: &[Tensor]| linear_fused(&[strided(&a[0])?, a[1].t()?, a[2].clone()]);
         let reference = |a: &[Tensor]| before(&[strided(&a[0])?, a[1].t()?, a[2].clone()]);
         check(

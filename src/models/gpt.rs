@@ -52,7 +52,6 @@
 //! # Ok(()) }
 //! ```
 
-use crate::loss;
 use crate::nn::{Embedding, LayerNorm, Linear};
 use crate::params::{ParamStore, Role};
 use crate::precision::{to_f32, Precision};
@@ -374,10 +373,19 @@ impl Gpt {
         logits.reshape((b, t, self.config.vocab_size))
     }
 
-    /// [`Gpt::forward`]'s logits as `(B*T, V)` rows, the shape the loss takes: no reshape nodes
-    /// on the largest tensor of the step (each costs a zero-filled gradient and an add in the
-    /// backward, 4 x 1.6 GB of traffic at gpt2_124m's 16384 x 50304 bf16 logits).
+    /// [`Gpt::forward`]'s logits as `(B*T, V)` rows.
     fn logits_rows(&self, ids: &Tensor) -> Result<Tensor> {
+        let h = self.hidden_rows(ids)?;
+        h.matmul(&self.head_weight()?.t()?)
+    }
+
+    /// The tied head's weight: the token table's working copy in the compute dtype, `(V, C)`.
+    fn head_weight(&self) -> Result<Tensor> {
+        self.precision.to_compute(self.wte.weight())
+    }
+
+    /// The final LayerNorm's output as `(B*T, C)` rows in the compute dtype (validates `ids`).
+    fn hidden_rows(&self, ids: &Tensor) -> Result<Tensor> {
         let (b, t) = match ids.dims() {
             &[b, t] => (b, t),
             d => bail!("Gpt::forward: ids must be (B, T), found shape {d:?}"),
@@ -407,12 +415,9 @@ impl Gpt {
         for block in &self.blocks {
             x = block.forward(&x)?;
         }
-        let h = self
-            .lnf
+        self.lnf
             .forward_to(&x, self.precision.compute_dtype())?
-            .reshape((b * t, c))?;
-        let w = self.precision.to_compute(self.wte.weight())?; // tied head, (V, C)
-        h.matmul(&w.t()?)
+            .reshape((b * t, c))
     }
 
     /// Mean next-token cross-entropy (f32 scalar) of `ids: (B, T)` against `targets: (B, T)`,
@@ -427,8 +432,12 @@ impl Gpt {
                 ids.dims()
             );
         }
-        let logits = self.logits_rows(ids)?;
-        loss::cross_entropy(&logits, &targets.flatten_all()?)
+        // head and loss as one node (ops::linear_cross_entropy_rows): the (B*T, V) logits are
+        // never a graph tensor, so their gradient needs no zero-filled buffer and add (4 x 1.6
+        // GB of traffic at gpt2_124m's 16384 x 50304 bf16 logits) and is freed after use
+        let h = self.hidden_rows(ids)?;
+        let t = targets.flatten_all()?;
+        crate::ops::linear_cross_entropy_rows(&h, &self.head_weight()?, &t)?.mean_all()
     }
 
     /// Generates `max_new_tokens` ids after `prompt`, one at a time (no KV cache: each step

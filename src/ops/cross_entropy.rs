@@ -49,7 +49,7 @@ pub fn cross_entropy_rows(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
 struct CrossEntropy;
 
 /// The backward op ((x, t, g) → dx).
-struct CrossEntropyBwd;
+pub(super) struct CrossEntropyBwd;
 
 /// `lse` of one row, f32, the kernel's formula (max first, then the sum of exponentials).
 fn row_lse<T: Elem>(xr: &[T]) -> f32 {

@@ -13,6 +13,7 @@
 //! | [`gelu_tanh`] | `y = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))` (elementwise) | f32, bf16, f16 | x's |
 //! | [`split_heads`] / [`merge_heads`] | `(B, T, 3C) → (3, B, H, T, Dh)` / `(B, H, T, Dh) → (B, T, C)` row copies | any | x's |
 //! | [`causal_attention`] | `y = softmax(q k^T / sqrt(Dh) + causal mask) v` per head, `(B, T, 3C) → (B, T, C)` (flash attention on CUDA) | f32, bf16, f16 | x's |
+//! | [`linear_cross_entropy_rows`] | `loss = lse(h W^T) - (h W^T)[t]` per row, the logits never a graph tensor | f32, bf16, f16 | f32 loss |
 //! | [`residual_add`] | `out = x + f32(y)`, the residual stream f32, the branch in any float dtype (elementwise) | x f32, y f32/bf16/f16 | f32 |
 //! | [`cross_entropy_rows`] | `loss = lse(x) - x[t]` per row, `dx = g (softmax(x) - onehot(t))` | f32, bf16, f16 | f32 loss, x's dx |
 //!
@@ -67,6 +68,7 @@ mod gelu;
 mod heads;
 mod layer_norm;
 mod linear;
+mod linear_cross_entropy;
 mod residual;
 mod rms_norm;
 mod softmax;
@@ -79,6 +81,7 @@ pub use gelu::gelu_tanh;
 pub use heads::{merge_heads, split_heads};
 pub use layer_norm::{layer_norm, layer_norm_with_dtype};
 pub use linear::linear;
+pub use linear_cross_entropy::linear_cross_entropy_rows;
 pub use residual::residual_add;
 pub use rms_norm::{rms_norm, rms_norm_with_dtype};
 pub use softmax::{causal_softmax_last_dim, softmax_last_dim};
