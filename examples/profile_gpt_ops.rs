@@ -50,7 +50,8 @@ fn var(shape: &[usize], dtype: DType, dev: &Device) -> Result<Var> {
 
 struct Row {
     name: &'static str,
-    per_layer: bool,
+    /// calls per layer; 0: once per step
+    per_layer: usize,
     fwd: f64,
     fwd_bwd: f64,
 }
@@ -84,46 +85,42 @@ fn main() -> Result<()> {
     let ids = Tensor::zeros((b, t), DType::U32, &dev)?;
     let targets = Tensor::zeros(b * t, DType::U32, &dev)?;
 
-    let cases: Vec<(&'static str, bool, Op)> = vec![
+    let cases: Vec<(&'static str, usize, Op)> = vec![
         (
-            "layernorm (f32 in, f32 out)",
-            true,
-            Box::new(|| ln.forward(x32.as_tensor())),
+            "layernorm (f32 in, bf16 out; 2 per layer)",
+            2,
+            Box::new(|| ln.forward_to(x32.as_tensor(), bf)),
         ),
         (
-            "qkv linear (cast + matmul + bias)",
-            true,
+            "qkv linear (wick::ops::linear, bf16 in)",
+            1,
             Box::new(|| qkv.forward(xbf.as_tensor())),
         ),
         (
             "causal attention (wick::ops::causal_attention)",
-            true,
+            1,
             Box::new(|| ops::causal_attention(qkv_out.as_tensor(), h)),
         ),
+        ("proj linear", 1, Box::new(|| proj.forward(xbf.as_tensor()))),
         (
-            "proj linear",
-            true,
-            Box::new(|| proj.forward(xbf.as_tensor())),
+            "residual add (wick::ops::residual_add; 2 per layer)",
+            2,
+            Box::new(|| ops::residual_add(x32.as_tensor(), xbf.as_tensor())),
         ),
-        (
-            "residual (bf16 -> f32 cast + add)",
-            true,
-            Box::new(|| x32.as_tensor() + xbf.to_dtype(DType::F32)?),
-        ),
-        ("fc linear", true, Box::new(|| fc.forward(xbf.as_tensor()))),
+        ("fc linear", 1, Box::new(|| fc.forward(xbf.as_tensor()))),
         (
             "gelu (wick::ops::gelu_tanh)",
-            true,
+            1,
             Box::new(|| ops::gelu_tanh(hidden.as_tensor())),
         ),
         (
             "fc2 linear",
-            true,
+            1,
             Box::new(|| fc2.forward(hidden.as_tensor())),
         ),
         (
             "embedding + positions",
-            false,
+            0,
             Box::new(|| {
                 wte.forward(&ids)?
                     .to_dtype(DType::F32)?
@@ -131,36 +128,48 @@ fn main() -> Result<()> {
             }),
         ),
         (
+            "tied head + cross-entropy (wick::ops::linear_cross_entropy_rows)",
+            0,
+            Box::new(|| {
+                ops::linear_cross_entropy_rows(flat.as_tensor(), &wte_weight(&store)?, &targets)
+            }),
+        ),
+    ];
+    // printed for comparison, not part of the step estimate
+    let comparisons: Vec<(&'static str, usize, Op)> = vec![
+        (
             "tied head matmul",
-            false,
+            0,
             Box::new(|| flat.matmul(&wte_weight(&store)?.t()?)),
         ),
         (
             "cross-entropy",
-            false,
+            0,
             Box::new(|| loss::cross_entropy(logits.as_tensor(), &targets)),
         ),
-    ];
-    // printed for comparison, not part of the step estimate
-    let comparisons: Vec<(&'static str, bool, Op)> = vec![
+        (
+            "residual composed (bf16 -> f32 cast + add)",
+            2,
+            Box::new(|| x32.as_tensor() + xbf.to_dtype(DType::F32)?),
+        ),
         (
             "attention composed (split, q k^T, causal softmax, @ v, merge)",
-            true,
+            1,
             Box::new(|| ops::causal_attention_composed(qkv_out.as_tensor(), h)),
         ),
         (
             "  of which causal softmax on (B, H, T, T)",
-            true,
+            1,
             Box::new(|| ops::causal_softmax_last_dim(scores.as_tensor())),
         ),
         (
             "bias-style sum over rows (candle sum_keepdim(0))",
-            true,
+            1,
             Box::new(|| qkv_out.reshape((b * t, 3 * d))?.sum_keepdim(0)),
         ),
         (
             "the same sum as a matmul (ones @ x)",
-            true,
+            1,
             Box::new(|| {
                 let ones = Tensor::ones((1, b * t), bf, &dev)?;
                 ones.matmul(&qkv_out.reshape((b * t, 3 * d))?)
@@ -178,7 +187,14 @@ fn main() -> Result<()> {
         "{:<48}{:>10}{:>12}{:>14}",
         "op", "fwd", "fwd+bwd", "per step"
     );
-    let per_step = |r: &Row| r.fwd_bwd * if r.per_layer { c.n_layer as f64 } else { 1.0 };
+    let per_step = |r: &Row| {
+        r.fwd_bwd
+            * if r.per_layer > 0 {
+                (r.per_layer * c.n_layer) as f64
+            } else {
+                1.0
+            }
+    };
     let print = |r: &Row| {
         println!(
             "{:<48}{:>10.3}{:>12.3}{:>14.3}",
@@ -211,7 +227,7 @@ fn main() -> Result<()> {
 type Op<'a> = Box<dyn Fn() -> candle_core::Result<Tensor> + 'a>;
 
 /// Forward and forward+backward time of each op.
-fn measure(dev: &Device, iters: usize, ops: &[(&'static str, bool, Op)]) -> Result<Vec<Row>> {
+fn measure(dev: &Device, iters: usize, ops: &[(&'static str, usize, Op)]) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
     for (name, per_layer, op) in ops {
         let fwd = time(dev, iters, &|| {

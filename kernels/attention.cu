@@ -70,14 +70,6 @@ template <typename T>
 __device__ __forceinline__ uint32_t ld_pair(const T (*s)[ATT_LD], int r, int k) {
     return *reinterpret_cast<const uint32_t*>(&s[r][k]);
 }
-// Two elements of one column (rows k, k+1, column n): the B fragment of a row-major (k, n) tile.
-template <typename T>
-__device__ __forceinline__ uint32_t ld_col_pair(const T (*s)[ATT_LD], int k, int n) {
-    const uint32_t lo = *reinterpret_cast<const uint16_t*>(&s[k][n]);
-    const uint32_t hi = *reinterpret_cast<const uint16_t*>(&s[k + 1][n]);
-    return lo | (hi << 16);
-}
-
 // Stages 64 rows x 64 columns of a (rows of `stride` elements) matrix into shared memory, 16-byte
 // vectors; rows at or past `T` are zero. `src` points at row 0, column 0 of the head.
 template <typename T>
@@ -103,33 +95,60 @@ __device__ __forceinline__ void att_a_frags(uint32_t (&a)[4][4], const T (*s)[AT
     }
 }
 
+// ldmatrix (PTX ISA, "Warp-level matrix load instruction: ldmatrix"): four 8x8 16-bit
+// matrices, lane l giving the address of row l % 8 of matrix l / 8; lane (g, c) receives row g,
+// columns 2c and 2c+1 of each (with .trans: of each transpose). One instruction loads the B
+// fragments of two 8-column blocks, where 32-bit shared loads need eight.
+__device__ __forceinline__ void att_ldsm(uint32_t (&r)[4], const void* p) {
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+__device__ __forceinline__ void att_ldsm_t(uint32_t (&r)[4], const void* p) {
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
 // acc (16 x 64) += A (16 x 64, fragments) . S^T where S is a staged (64 x 64) tile: the product
-// of the warp's rows with every row of S (Q K^T, V dO^T, ...).
+// of the warp's rows with every row of S (Q K^T, V dO^T, ...). B[k][n] = S[n][k]: the 8x8 blocks
+// of S rows as they are (rows n, columns k).
 template <typename T>
 __device__ __forceinline__ void att_mm_nt(float (&acc)[8][4], const uint32_t (&a)[4][4], const T (*s)[ATT_LD], int g,
                                           int c) {
+    const int lane = threadIdx.x & 31, j = lane >> 3, r = lane & 7;
 #pragma unroll
-    for (int nb = 0; nb < 8; nb++)
+    for (int nb = 0; nb < 8; nb += 2)
 #pragma unroll
-        for (int kk = 0; kk < 4; kk++)
-            AttMma<T>::run(acc[nb], a[kk], ld_pair(s, nb * 8 + g, kk * 16 + 2 * c),
-                           ld_pair(s, nb * 8 + g, kk * 16 + 8 + 2 * c));
+        for (int kk = 0; kk < 4; kk++) {
+            uint32_t b[4];   // b0, b1 of block nb, then of block nb + 1
+            att_ldsm(b, &s[(nb + (j >> 1)) * 8 + r][kk * 16 + (j & 1) * 8]);
+            AttMma<T>::run(acc[nb], a[kk], b[0], b[1]);
+            AttMma<T>::run(acc[nb + 1], a[kk], b[2], b[3]);
+        }
 }
 
 // acc (16 x 64) += P (16 x 64, C fragments in f32, packed here) . S where S is a staged
-// (64 x 64) tile (P V, dS K, P^T dO, dS^T Q).
+// (64 x 64) tile (P V, dS K, P^T dO, dS^T Q). B[k][n] = S[k][n]: the transposes of S's 8x8
+// blocks (rows k, columns n).
 template <typename T>
 __device__ __forceinline__ void att_mm_nn(float (&acc)[8][4], const float (&p)[8][4], const T (*s)[ATT_LD], int g,
                                           int c) {
+    const int lane = threadIdx.x & 31, j = lane >> 3, r = lane & 7;
 #pragma unroll
     for (int kk = 0; kk < 4; kk++) {
         const uint32_t a[4] = {AttMma<T>::pack(p[2 * kk][0], p[2 * kk][1]), AttMma<T>::pack(p[2 * kk][2], p[2 * kk][3]),
                                AttMma<T>::pack(p[2 * kk + 1][0], p[2 * kk + 1][1]),
                                AttMma<T>::pack(p[2 * kk + 1][2], p[2 * kk + 1][3])};
 #pragma unroll
-        for (int nb = 0; nb < 8; nb++)
-            AttMma<T>::run(acc[nb], a, ld_col_pair(s, kk * 16 + 2 * c, nb * 8 + g),
-                           ld_col_pair(s, kk * 16 + 8 + 2 * c, nb * 8 + g));
+        for (int nb = 0; nb < 8; nb += 2) {
+            uint32_t b[4];
+            att_ldsm_t(b, &s[kk * 16 + (j & 1) * 8 + r][(nb + (j >> 1)) * 8]);
+            AttMma<T>::run(acc[nb], a, b[0], b[1]);
+            AttMma<T>::run(acc[nb + 1], a, b[2], b[3]);
+        }
     }
 }
 

@@ -1111,16 +1111,10 @@ mod cuda {
             let w = rand_t(&[v, c], -1.0, 1.0, 3961, dtype, &Device::Cpu);
             let t = targets(n, v, 3962, &Device::Cpu);
             let r = rand_t(&[n], 0.0, 1.0, 3963, DType::F32, &Device::Cpu);
-            let (hg, wg, tg) = (
-                h.to_device(&gpu())?,
-                w.to_device(&gpu())?,
-                t.to_device(&gpu())?,
-            );
-            let (y_g, g_g) = value_and_grads(
-                &|a| head_loss_fused(a, &tg),
-                &[hg, wg],
-                &r.to_device(&gpu())?,
-            )?;
+            let dev = gpu(); // one device: each Device::new_cuda is a distinct device
+            let (hg, wg, tg) = (h.to_device(&dev)?, w.to_device(&dev)?, t.to_device(&dev)?);
+            let (y_g, g_g) =
+                value_and_grads(&|a| head_loss_fused(a, &tg), &[hg, wg], &r.to_device(&dev)?)?;
             let (y_c, g_c) = value_and_grads(&|a| head_loss_composed(a, &t), &[h, w], &r)?;
             let mut e = vec![err(&y_g, &y_c)];
             e.extend(g_g.iter().zip(&g_c).map(|(a, b)| err(a, b)));
