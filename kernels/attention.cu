@@ -25,9 +25,11 @@
 // staged in shared memory (row stride 72 elements: 144-byte rows keep the fragment loads free
 // of bank conflicts). Launchers and the CPU reference: src/ops/attention.rs.
 //
+// Needs sm_80+ (mma.sync with bf16/f16 operands); the launcher falls back below that.
+//
 // Entry points (TN = bf16 | f16; scale2 = scale * log2(e)):
 //   attn_fwd_<TN>(qkv, out, lse, T, H, scale2)              grid (ceil(T/64), B*H)
-//   attn_bwd_dot_<TN>(out, dout, dsum, rows, H)              D = rowsum(dO * O), rows = B*T*H
+//   attn_bwd_dot_<TN>(out, dout, dsum, rows, T, H)           D = rowsum(dO * O), rows = B*T*H
 //   attn_bwd_dkdv_<TN>(qkv, dout, lse, dsum, dqkv, T, H, scale2, scale)   grid (ceil(T/64), B*H)
 //   attn_bwd_dq_<TN>(qkv, dout, lse, dsum, dqkv, T, H, scale2, scale)     grid (ceil(T/64), B*H)
 #include <cuda_bf16.h>

@@ -741,7 +741,7 @@ fn causal_attention_matches_composed_on_cpu() -> Result<()> {
             let name = format!("causal attention {dtype:?} {:?}", (b, t, h, dh));
             let fused = |a: &[Tensor]| ops::causal_attention(&a[0], h);
             let reference = |a: &[Tensor]| attn_ref(&a[0], h);
-            let e = compare_any(&name, &fused, &reference, &[qkv.clone()], &r)?;
+            let e = compare_any(&name, &fused, &reference, std::slice::from_ref(&qkv), &r)?;
             assert!(e.iter().all(|e| *e <= tol(dtype)), "{name}: {e:?}");
             // the composed fallback (wick's split/softmax/merge ops) agrees as well
             let composed = |a: &[Tensor]| ops::causal_attention_composed(&a[0], h);

@@ -20,8 +20,8 @@
 //!   dtype, on the parameters' working copies;
 //! - LayerNorm statistics and output, the loss: f32; attention ([`crate::ops::causal_attention`]:
 //!   flash attention on CUDA in bf16/f16) takes q, k, v in the compute dtype, accumulates and
-//!   takes its softmax in f32 and rounds the probabilities to the compute dtype before `@ v`, as
-//!   SDPA's flash kernels do;
+//!   takes its softmax in f32; on CUDA it rounds the probabilities to the compute dtype before
+//!   `@ v`, as SDPA's flash kernels do (the CPU reference keeps them in f32);
 //! - fused ops (`crate::ops`): LayerNorm, attention (head split and merge included), GELU, bias
 //!   add, embedding and cross-entropy are one graph node each with their own backward kernels;
 //! - the token and position tables are differentiated as fp32 masters (embedding is not on
@@ -422,6 +422,9 @@ impl Gpt {
 
     /// Mean next-token cross-entropy (f32 scalar) of `ids: (B, T)` against `targets: (B, T)`,
     /// as the reference computes it: `cross_entropy(logits.float().view(-1, V), y.view(-1))`.
+    ///
+    /// The head and the loss are one graph node ([`crate::ops::linear_cross_entropy_rows`]),
+    /// which frees the logits in the backward: backpropagate through the result once.
     ///
     /// Errors: as [`Gpt::forward`], and `targets` of another shape or a non-integer dtype.
     pub fn loss(&self, ids: &Tensor, targets: &Tensor) -> Result<Tensor> {

@@ -25,9 +25,10 @@ use std::sync::Mutex;
 /// `n_head` heads of `Dh = C / n_head`; returns `(B, T, C)` in qkv's dtype (f32, bf16 or f16),
 /// heads merged. Scale `1 / sqrt(Dh)`; query `t` attends to keys `0..=t`.
 ///
-/// One graph node: on CUDA with bf16/f16 and `Dh == 64`, the flash-attention kernels (memory
-/// O(B·T·C), no score tensor); on the CPU, a reference implementation (one rayon task per
-/// `(b, h)`); otherwise the composition [`causal_attention_composed`] (several nodes, scores
+/// One graph node: on CUDA with bf16/f16, `Dh == 64`, compute capability 8.0 or newer,
+/// `B*H <= 65535` and `B*T*3C < 2^31`, the flash-attention kernels (memory O(B·T·C), no score
+/// tensor); on the CPU, a reference implementation in f32 (one rayon task per `(b, h)`);
+/// otherwise the composition [`causal_attention_composed`] (several nodes, scores
 /// materialised). Not twice differentiable.
 ///
 /// Errors (no panics): qkv not rank 3, a last dimension that is not `3 * n_head * Dh`,
@@ -39,8 +40,10 @@ pub fn causal_attention(qkv: &Tensor, n_head: usize) -> Result<Tensor> {
     }
     let fused = match qkv.device() {
         candle_core::Device::Cpu => true,
-        candle_core::Device::Cuda(_) => {
-            c / n_head == HEAD_DIM && matches!(qkv.dtype(), DType::BF16 | DType::F16)
+        candle_core::Device::Cuda(dev) => {
+            c / n_head == HEAD_DIM
+                && matches!(qkv.dtype(), DType::BF16 | DType::F16)
+                && cuda_kernels_apply(dev, b, t, n_head)
         }
         _ => false,
     };
@@ -68,6 +71,22 @@ pub fn causal_attention_composed(qkv: &Tensor, n_head: usize) -> Result<Tensor> 
         .affine(1.0 / ((c / n_head) as f64).sqrt(), 0.0)?;
     let att = super::causal_softmax_last_dim(&q.matmul(&heads.get(1)?.t()?)?)?;
     super::merge_heads(&att.matmul(&heads.get(2)?)?)
+}
+
+/// Whether the CUDA kernels take this problem: tensor-core `mma.sync` with bf16/f16 needs
+/// compute capability 8.0 or newer; `B*H` goes on the grid's y dimension (at most 65535) and
+/// the kernels index rows with 32-bit integers. Outside these limits the composed path runs.
+#[cfg(feature = "cuda")]
+fn cuda_kernels_apply(dev: &candle_core::CudaDevice, b: usize, t: usize, h: usize) -> bool {
+    let cc = dev.cuda_stream().context().compute_capability();
+    let sm80 = cc.is_ok_and(|(major, _)| major >= 8);
+    sm80 && b * h <= 65535 && b * t * 3 * h * HEAD_DIM <= i32::MAX as usize
+}
+
+/// Without the `cuda` feature there are no kernels.
+#[cfg(not(feature = "cuda"))]
+fn cuda_kernels_apply(_dev: &candle_core::CudaDevice, _b: usize, _t: usize, _h: usize) -> bool {
+    false
 }
 
 /// Head width of the CUDA kernels (`ATT_D` in kernels/attention.cu).

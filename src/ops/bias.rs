@@ -125,8 +125,9 @@ pub(super) fn add_cuda(
     cuda::fwd(x, lx, b, lb)
 }
 
-/// The bias gradient of `dy: (.., C)`: the sum over all rows, returned as `(C,)` in dy's
-/// dtype. Shared with `linear`'s backward.
+/// The bias gradient of `dy: (.., C)`: the sum over all rows, `(C,)`: in dy's dtype from the
+/// CUDA half GEMM, in f32 from the f32 sums (the caller casts to the bias's dtype, so an f32
+/// bias master gets the f32 sum unrounded). Shared with `linear`'s backward.
 pub(super) fn column_sum(dy: &Tensor, c: usize) -> Result<Tensor> {
     let rows = dy.elem_count() / c.max(1);
     let dy2 = dy.reshape((rows, c))?;
@@ -141,7 +142,7 @@ pub(super) fn column_sum(dy: &Tensor, c: usize) -> Result<Tensor> {
                 .reshape(c)
         }
         DType::F32 => dy2.sum(0),
-        d => dy2.to_dtype(DType::F32)?.sum(0)?.to_dtype(d),
+        _ => dy2.to_dtype(DType::F32)?.sum(0),
     }
 }
 

@@ -27,6 +27,8 @@ use std::sync::Mutex;
 /// The logits are freed by the first backward: a second backward through the same graph is an
 /// error (run the forward again). Memory: the logits and, during the backward, their gradient.
 ///
+/// With `N == 0` the result is an empty tensor outside the graph (no gradients).
+///
 /// Errors (no panics): shapes other than `(N, C)`, `(V, C)`, `(N,)`; dtypes that differ or are
 /// not float; devices that differ; `V == 0`. A target `>= V` is an error on the CPU; on CUDA
 /// that row's loss is NaN (as [`super::cross_entropy_rows`]).
@@ -48,7 +50,9 @@ pub fn linear_cross_entropy_rows(h: &Tensor, w: &Tensor, targets: &Tensor) -> Re
         )
     }
     check_device(op, "w", h, w)?;
-    let logits = h.detach().matmul(&w.detach().t()?)?; // (N, V), no graph
+    // contiguous operands for candle's CUDA GEMM (a no-op for the usual contiguous inputs)
+    let (hc, wc) = (h.detach().contiguous()?, w.detach().contiguous()?);
+    let logits = hc.matmul(&wc.t()?)?; // (N, V), no graph
     let loss = super::cross_entropy_rows(&logits, targets)?; // validates targets
     if n == 0 {
         return Ok(loss);
@@ -126,8 +130,8 @@ impl CustomOp2 for HeadLoss {
         let g = g.detach().to_dtype(DType::F32)?.contiguous()?;
         let dlogits = logits.apply_op3_no_bwd(&targets, &g, &CrossEntropyBwd)?;
         drop(logits);
-        let dh = dlogits.matmul(&w.detach())?; // (N, V) @ (V, C)
-        let dw = dlogits.t()?.matmul(&h.detach())?; // (V, N) @ (N, C)
+        let dh = dlogits.matmul(&w.detach().contiguous()?)?; // (N, V) @ (V, C)
+        let dw = dlogits.t()?.matmul(&h.detach().contiguous()?)?; // (V, N) @ (N, C)
         Ok((Some(dh), Some(dw)))
     }
 }
