@@ -71,6 +71,7 @@ fn fused_matches_reference_over_200_steps() -> anyhow::Result<()> {
 }
 
 /// torch.optim.AdamW's update written out in f64 for one element.
+#[allow(clippy::too_many_arguments)] // the scalar update takes each hyperparameter by name, as torch.optim does
 fn adamw_scalar(
     p: &mut f64,
     m: &mut f64,

@@ -212,11 +212,7 @@ pub(crate) mod cuda {
     /// indices.
     pub(crate) fn rows_cols(op: &str, l: &Layout) -> Result<(usize, usize)> {
         let d = *l.dims().last().unwrap_or(&1);
-        let rows = if d == 0 {
-            0
-        } else {
-            l.shape().elem_count() / d
-        };
+        let rows = l.shape().elem_count().checked_div(d).unwrap_or(0);
         if rows > i32::MAX as usize || d > i32::MAX as usize {
             bail!(
                 "{op}: {rows} rows of {d} elements exceed the kernels' i32 range; split the input"
