@@ -22,13 +22,16 @@
 //!   flash attention on CUDA in bf16/f16) takes q, k, v in the compute dtype, accumulates and
 //!   takes its softmax in f32; on CUDA it rounds the probabilities to the compute dtype before
 //!   `@ v`, as SDPA's flash kernels do (the CPU reference keeps them in f32);
-//! - fused ops (`crate::ops`): LayerNorm, attention (head split and merge included), GELU, bias
-//!   add, embedding and cross-entropy are one graph node each with their own backward kernels;
+//! - fused ops (`crate::ops`): LayerNorm (writing the compute dtype for the next linear),
+//!   linear (cast + GEMM + bias), attention (head split and merge included), GELU, the residual
+//!   add, the position bias, embedding, and the tied head with the cross-entropy are one graph
+//!   node each with their own backward: candle's backward costs a zero-filled buffer and an add
+//!   for every stored gradient, so fewer nodes is most of the speed;
 //! - the token and position tables are differentiated as fp32 masters (embedding is not on
 //!   autocast's cast lists, so PyTorch looks them up in f32); the tied head casts the token table
 //!   to the compute dtype, differentiably, as autocast does;
 //! - the residual stream stays f32 (in PyTorch a bf16 branch added to the f32 stream promotes
-//!   to f32).
+//!   to f32; here [`crate::ops::residual_add`] widens the branch inside the add).
 //!
 //! ## Parameter names
 //! The names of the reference's `state_dict` (`wte.weight`, `blocks.0.qkv.weight`, ...,
