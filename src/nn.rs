@@ -86,30 +86,18 @@ impl Linear {
     }
 }
 
-impl Linear {
-    /// `gelu_tanh(self.forward(x))` as one graph node ([`crate::ops::linear_gelu`]), the same
-    /// values as the two calls; `x` and the result as in [`Module::forward`].
-    pub fn forward_gelu(&self, x: &Tensor) -> Result<Tensor> {
-        crate::ops::linear_gelu(&self.op_input(x)?, &self.weight, self.bias.as_ref())
-    }
-
-    /// x as the fused ops take it: f32/bf16/f16 as is (the op casts), other float dtypes (f64)
-    /// cast to the compute dtype first.
-    fn op_input(&self, x: &Tensor) -> Result<Tensor> {
-        use candle_core::DType;
-        match x.dtype() {
-            DType::F32 | DType::BF16 | DType::F16 => Ok(x.clone()),
-            _ => self.precision.to_compute(x),
-        }
-    }
-}
-
 impl Module for Linear {
     /// `x: (.., in)` of any float dtype; returns `(.., out)` in the compute dtype. One graph
     /// node, [`crate::ops::linear`]: the cast of x to the compute dtype, the GEMM and the bias
     /// add (and their backward) without the intermediate nodes of the composed ops.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        crate::ops::linear(&self.op_input(x)?, &self.weight, self.bias.as_ref())
+        use candle_core::DType;
+        // the op casts f32/bf16/f16 itself; other float dtypes (f64) take a separate cast
+        let x = match x.dtype() {
+            DType::F32 | DType::BF16 | DType::F16 => x.clone(),
+            _ => self.precision.to_compute(x)?,
+        };
+        crate::ops::linear(&x, &self.weight, self.bias.as_ref())
     }
 }
 

@@ -314,9 +314,7 @@ impl Block {
         let qkv = self.qkv.forward(&self.ln1.forward_to(x, self.compute)?)?; // (B, T, 3C)
         let y = crate::ops::causal_attention(&qkv, h)?; // (B, T, C), heads merged
         let x = crate::ops::residual_add(x, &self.proj.forward(&y)?)?; // x + f32(branch), one node
-        let m = self
-            .fc
-            .forward_gelu(&self.ln2.forward_to(&x, self.compute)?)?; // fc + GELU (tanh) in one node
+        let m = crate::ops::gelu_tanh(&self.fc.forward(&self.ln2.forward_to(&x, self.compute)?)?)?; // fused, tanh approximation
         crate::ops::residual_add(&x, &self.fc2.forward(&m)?)
     }
 }

@@ -33,10 +33,8 @@ pub fn gelu_tanh(x: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op1(Gelu)
 }
 
-/// The forward op (x → y); [`super::linear_gelu`] runs it on its pre-activation.
-pub(super) struct Gelu;
-/// The backward op ((x, dy) → dx).
-pub(super) struct GeluBwd;
+struct Gelu;
+struct GeluBwd;
 
 fn fwd_one(a: f32) -> f32 {
     let t = (K0 * (a + K1 * a * a * a)).tanh();

@@ -12,15 +12,11 @@
 //! and an add of the full activation size, several kernel launches of host time each. Here the
 //! forward is one `CustomOp` (the cast, candle's own GEMM with `w^T` as a transposed operand,
 //! bias_add's kernel) with the numerics of the composed version, and the backward is three GEMMs
-//! and a column sum on detached tensors. [`linear_gelu`] appends GELU (tanh) to the same node.
+//! and a column sum on detached tensors.
 
 use super::{bias, check_device, check_float};
 use candle_core::backend::BackendStorage;
-use candle_core::op::BackpropOp;
-use candle_core::{
-    bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Storage, Tensor,
-};
-use std::sync::Mutex;
+use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
 const OP: &str = "linear";
 
@@ -42,22 +38,6 @@ const OP: &str = "linear";
 /// Errors (no panics): a scalar x; w not 2-D; x's last dimension not w's `in`; b not `(out,)`;
 /// a dtype other than f32/bf16/f16; arguments on different devices.
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
-    linear_impl(x, w, b, false)
-}
-
-/// `gelu_tanh(x @ w^T + b)` as one graph node: [`linear`] followed by [`super::gelu_tanh`]
-/// (the MLP's first layer in GPT-2), with the same arguments, dtypes and numerics as calling
-/// the two (bit for bit). The pre-activation `x @ w^T + b` is kept by the op for the backward
-/// (`da = gelu'(a) * dy`, then [`linear`]'s gradients), as the GELU node would keep it; what
-/// the fusion saves is the graph edge between the two, which in candle's backward costs a
-/// zero-filled buffer and an add of the `(.., out)` activation.
-///
-/// Errors: as [`linear`].
-pub fn linear_gelu(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
-    linear_impl(x, w, b, true)
-}
-
-fn linear_impl(x: &Tensor, w: &Tensor, b: Option<&Tensor>, gelu: bool) -> Result<Tensor> {
     check_float(OP, "x", x.dtype())?;
     check_float(OP, "w", w.dtype())?;
     check_device(OP, "w", x, w)?;
@@ -92,8 +72,7 @@ fn linear_impl(x: &Tensor, w: &Tensor, b: Option<&Tensor>, gelu: bool) -> Result
     }
     let rows: usize = x.dims()[..x.rank() - 1].iter().product();
     if rows == 0 || n == 0 || k == 0 {
-        let y = composed(x, w, b, rows)?;
-        return if gelu { super::gelu_tanh(&y) } else { Ok(y) };
+        return composed(x, w, b, rows);
     }
     // The op casts a strided x itself (the cast writes a contiguous copy); an x already in w's
     // dtype goes to the GEMM as is and must be contiguous.
@@ -108,13 +87,9 @@ fn linear_impl(x: &Tensor, w: &Tensor, b: Option<&Tensor>, gelu: bool) -> Result
     } else {
         w.contiguous()?
     };
-    let op = Linear {
-        gelu,
-        pre: Mutex::new(None),
-    };
     match b {
-        Some(b) => x.apply_op3(&w, &b.contiguous()?, op),
-        None => x.apply_op2(&w, op),
+        Some(b) => x.apply_op3(&w, &b.contiguous()?, Linear),
+        None => x.apply_op2(&w, Linear),
     }
 }
 
@@ -134,57 +109,8 @@ fn composed(x: &Tensor, w: &Tensor, b: Option<&Tensor>, rows: usize) -> Result<T
     }
 }
 
-/// The op; one struct for both arities (with and without bias). With `gelu` the forward ends
-/// with GELU and leaves the pre-activation in `pre` for the backward.
-struct Linear {
-    gelu: bool,
-    pre: Mutex<Option<Tensor>>,
-}
-
-impl Linear {
-    /// The op's output from the pre-activation `a` (the GEMM plus bias, contiguous, `shape`):
-    /// `a` itself, or `gelu(a)` with `a` kept as a tensor for the backward.
-    fn finish<S>(
-        &self,
-        a: S,
-        shape: &Shape,
-        gelu: impl Fn(&S, &Layout) -> Result<(S, Shape)>,
-        wrap: impl Fn(S) -> Storage,
-    ) -> Result<S> {
-        if !self.gelu {
-            return Ok(a);
-        }
-        let (y, _) = gelu(&a, &Layout::contiguous(shape))?;
-        let a = Tensor::from_storage(wrap(a), shape.clone(), BackpropOp::none(), false);
-        *self.pre.lock().unwrap_or_else(|e| e.into_inner()) = Some(a);
-        Ok(y)
-    }
-
-    /// The gradient of the pre-activation: `dy`, or `gelu'(a) * dy`.
-    fn d_pre(&self, dy: &Tensor) -> Result<Tensor> {
-        if !self.gelu {
-            return Ok(dy.clone());
-        }
-        let pre = self.pre.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        let Some(a) = pre else {
-            bail!("{OP}: the forward kept no pre-activation for GELU's backward (internal error)")
-        };
-        let dy = dy.detach().to_dtype(a.dtype())?.contiguous()?;
-        a.apply_op2_no_bwd(&dy, &super::gelu::GeluBwd)
-    }
-}
-
-fn cpu_gelu(a: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-    CustomOp1::cpu_fwd(&super::gelu::Gelu, a, l)
-}
-
-#[cfg(feature = "cuda")]
-fn cuda_gelu(
-    a: &candle_core::CudaStorage,
-    l: &Layout,
-) -> Result<(candle_core::CudaStorage, Shape)> {
-    CustomOp1::cuda_fwd(&super::gelu::Gelu, a, l)
-}
+/// The op; one struct for both arities (with and without bias).
+struct Linear;
 
 /// `(rows, out, in)` of the GEMM and the output shape, from the layouts of x and w.
 fn gemm_dims(lx: &Layout, lw: &Layout) -> Result<(usize, usize, usize, Shape)> {
@@ -255,7 +181,7 @@ impl CustomOp2 for Linear {
         lw: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (y, _, _, shape) = cast_gemm(x, lx, w, lw)?;
-        Ok((self.finish(y, &shape, cpu_gelu, Storage::Cpu)?, shape))
+        Ok((y, shape))
     }
 
     #[cfg(feature = "cuda")]
@@ -267,7 +193,7 @@ impl CustomOp2 for Linear {
         lw: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (y, _, _, shape) = cast_gemm(x, lx, w, lw)?;
-        Ok((self.finish(y, &shape, cuda_gelu, Storage::Cuda)?, shape))
+        Ok((y, shape))
     }
 
     fn bwd(
@@ -277,7 +203,7 @@ impl CustomOp2 for Linear {
         _y: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, _) = grads(x, w, None, &self.d_pre(dy)?)?;
+        let (dx, dw, _) = grads(x, w, None, dy)?;
         Ok((Some(dx), Some(dw)))
     }
 }
@@ -300,7 +226,7 @@ impl CustomOp3 for Linear {
         let mut cast = None;
         let (b, lb) = cast_bias(b, lb, w.dtype(), &mut cast)?;
         let y = bias::add_cpu(&y, &Layout::contiguous((m, n)), b, &lb)?;
-        Ok((self.finish(y, &shape, cpu_gelu, Storage::Cpu)?, shape))
+        Ok((y, shape))
     }
 
     #[cfg(feature = "cuda")]
@@ -318,7 +244,7 @@ impl CustomOp3 for Linear {
         let (b, lb) = cast_bias(b, lb, w.dtype(), &mut cast)?;
         // a second buffer: bias.cu's kernel takes x and y as distinct (__restrict__) pointers
         let y = bias::add_cuda(&y, &Layout::contiguous((m, n)), b, &lb)?;
-        Ok((self.finish(y, &shape, cuda_gelu, Storage::Cuda)?, shape))
+        Ok((y, shape))
     }
 
     fn bwd(
@@ -329,7 +255,7 @@ impl CustomOp3 for Linear {
         _y: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, db) = grads(x, w, Some(b), &self.d_pre(dy)?)?;
+        let (dx, dw, db) = grads(x, w, Some(b), dy)?;
         Ok((Some(dx), Some(dw), db))
     }
 }

@@ -8,7 +8,6 @@
 //! | [`softmax_last_dim`] | `y = exp(x - max) / sum(exp(x - max))` | f32, bf16, f16 | x's |
 //! | [`causal_softmax_last_dim`] | the same over keys `j <= i` of `(.., T, T)` scores, 0 above | f32, bf16, f16 | x's |
 //! | [`linear`] | `y = cast(x) @ w^T + b` (autocast `F.linear`: cast, GEMM, bias in one node) | x: f32, bf16, f16; w: the compute dtype | w's |
-//! | [`linear_gelu`] | `y = gelu_tanh(cast(x) @ w^T + b)`, one node | as `linear` | w's |
 //! | [`bias_add`] | `y = x + b` over the last dim; `db` = column sum | f32, bf16, f16 | x's |
 //! | [`embedding`] | `y = table[ids]`; `dtable` scatter-added in f32 | f32, bf16, f16 table | table's |
 //! | [`gelu_tanh`] | `y = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))` (elementwise) | f32, bf16, f16 | x's |
@@ -81,7 +80,7 @@ pub use embedding::embedding;
 pub use gelu::gelu_tanh;
 pub use heads::{merge_heads, split_heads};
 pub use layer_norm::{layer_norm, layer_norm_with_dtype};
-pub use linear::{linear, linear_gelu};
+pub use linear::linear;
 pub use linear_cross_entropy::linear_cross_entropy_rows;
 pub use residual::residual_add;
 pub use rms_norm::{rms_norm, rms_norm_with_dtype};
