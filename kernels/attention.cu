@@ -118,8 +118,7 @@ __device__ __forceinline__ void att_ldsm_t(uint32_t (&r)[4], const void* p) {
 // of the warp's rows with every row of S (Q K^T, V dO^T, ...). B[k][n] = S[n][k]: the 8x8 blocks
 // of S rows as they are (rows n, columns k).
 template <typename T>
-__device__ __forceinline__ void att_mm_nt(float (&acc)[8][4], const uint32_t (&a)[4][4], const T (*s)[ATT_LD], int g,
-                                          int c) {
+__device__ __forceinline__ void att_mm_nt(float (&acc)[8][4], const uint32_t (&a)[4][4], const T (*s)[ATT_LD]) {
     const int lane = threadIdx.x & 31, j = lane >> 3, r = lane & 7;
 #pragma unroll
     for (int nb = 0; nb < 8; nb += 2)
@@ -136,8 +135,7 @@ __device__ __forceinline__ void att_mm_nt(float (&acc)[8][4], const uint32_t (&a
 // (64 x 64) tile (P V, dS K, P^T dO, dS^T Q). B[k][n] = S[k][n]: the transposes of S's 8x8
 // blocks (rows k, columns n).
 template <typename T>
-__device__ __forceinline__ void att_mm_nn(float (&acc)[8][4], const float (&p)[8][4], const T (*s)[ATT_LD], int g,
-                                          int c) {
+__device__ __forceinline__ void att_mm_nn(float (&acc)[8][4], const float (&p)[8][4], const T (*s)[ATT_LD]) {
     const int lane = threadIdx.x & 31, j = lane >> 3, r = lane & 7;
 #pragma unroll
     for (int kk = 0; kk < 4; kk++) {
@@ -213,7 +211,7 @@ __device__ void attn_fwd(const T* __restrict__ qkv, T* __restrict__ out, float* 
         __syncthreads();
         float s[8][4];
         att_zero<T>(s);
-        att_mm_nt(s, qa, Ks, g, c);
+        att_mm_nt(s, qa, Ks);
         // scale into the log2 domain; keys after the query (or past T) are -inf
         float mx[2] = {m[0], m[1]};
 #pragma unroll
@@ -251,7 +249,7 @@ __device__ void attn_fwd(const T* __restrict__ qkv, T* __restrict__ out, float* 
             o[nb][2] *= alpha[1];
             o[nb][3] *= alpha[1];
         }
-        att_mm_nn(o, s, Vs, g, c);
+        att_mm_nn(o, s, Vs);
     }
 #pragma unroll
     for (int r = 0; r < 2; r++) {
@@ -331,7 +329,7 @@ __device__ void attn_bwd_dkdv(const T* __restrict__ qkv, const T* __restrict__ d
         // P^T (keys x queries) = exp2(scale2 * K Q^T - L)
         float p[8][4];
         att_zero<T>(p);
-        att_mm_nt(p, ka, Qs, g, c);
+        att_mm_nt(p, ka, Qs);
 #pragma unroll
         for (int nb = 0; nb < 8; nb++)
 #pragma unroll
@@ -340,16 +338,16 @@ __device__ void attn_bwd_dkdv(const T* __restrict__ qkv, const T* __restrict__ d
                 const int query = q0 + col;
                 p[nb][i] = (query < krow[i >> 1] || query >= T_) ? 0.0f : exp2f(p[nb][i] * scale2 - Ls[col]);
             }
-        att_mm_nn(dv, p, Ds, g, c);   // dV += P^T dO
+        att_mm_nn(dv, p, Ds);   // dV += P^T dO
         // dP^T = V dO^T, then dS^T = P^T * (dP^T - D)
         float dp[8][4];
         att_zero<T>(dp);
-        att_mm_nt(dp, va, Ds, g, c);
+        att_mm_nt(dp, va, Ds);
 #pragma unroll
         for (int nb = 0; nb < 8; nb++)
 #pragma unroll
             for (int i = 0; i < 4; i++) dp[nb][i] = p[nb][i] * (dp[nb][i] - Dd[nb * 8 + 2 * c + (i & 1)]);
-        att_mm_nn(dk, dp, Qs, g, c);   // dK += dS^T Q (scaled at the end)
+        att_mm_nn(dk, dp, Qs);   // dK += dS^T Q (scaled at the end)
     }
     T* dk_out = dqkv + (long)b * T_ * s3 + C + h * ATT_D;
     att_store(dk_out, dk, k0, r0, T_, s3, c, scale, scale);
@@ -397,8 +395,8 @@ __device__ void attn_bwd_dq(const T* __restrict__ qkv, const T* __restrict__ dou
         float p[8][4], dp[8][4];
         att_zero<T>(p);
         att_zero<T>(dp);
-        att_mm_nt(p, qa, Ks, g, c);    // S
-        att_mm_nt(dp, da, Vs, g, c);   // dP = dO V^T
+        att_mm_nt(p, qa, Ks);    // S
+        att_mm_nt(dp, da, Vs);   // dP = dO V^T
 #pragma unroll
         for (int nb = 0; nb < 8; nb++)
 #pragma unroll
@@ -408,7 +406,7 @@ __device__ void attn_bwd_dq(const T* __restrict__ qkv, const T* __restrict__ dou
                 const float pr = (key > qrow[r] || key >= T_) ? 0.0f : exp2f(p[nb][i] * scale2 - L[r]);
                 dp[nb][i] = pr * (dp[nb][i] - Dr[r]);   // dS
             }
-        att_mm_nn(dq, dp, Ks, g, c);   // dQ += dS K (scaled at the end)
+        att_mm_nn(dq, dp, Ks);   // dQ += dS K (scaled at the end)
     }
     att_store(dqkv + (long)b * T_ * s3 + h * ATT_D, dq, q0, r0, T_, s3, c, scale, scale);
 }

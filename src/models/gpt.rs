@@ -289,8 +289,6 @@ struct Block {
     fc: Linear,
     fc2: Linear,
     n_head: usize,
-    /// The dtype the LayerNorms hand to the linear layers (the compute dtype).
-    compute: DType,
 }
 
 impl Block {
@@ -303,18 +301,18 @@ impl Block {
             fc: gpt2_linear(store, &format!("{name}.fc"), c, 4 * c)?,
             fc2: gpt2_linear(store, &format!("{name}.fc2"), 4 * c, c)?,
             n_head,
-            compute: store.precision().compute_dtype(),
         })
     }
 
     /// `x: (B, T, C)` f32 → `(B, T, C)` f32.
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    /// `compute`: the compute dtype, which the LayerNorms hand to the linear layers.
+    fn forward(&self, x: &Tensor, compute: DType) -> Result<Tensor> {
         let h = self.n_head;
         // LayerNorm statistics in f32, output rounded once to the compute dtype the linear takes
-        let qkv = self.qkv.forward(&self.ln1.forward_to(x, self.compute)?)?; // (B, T, 3C)
+        let qkv = self.qkv.forward(&self.ln1.forward_to(x, compute)?)?; // (B, T, 3C)
         let y = crate::ops::causal_attention(&qkv, h)?; // (B, T, C), heads merged
         let x = crate::ops::residual_add(x, &self.proj.forward(&y)?)?; // x + f32(branch), one node
-        let m = crate::ops::gelu_tanh(&self.fc.forward(&self.ln2.forward_to(&x, self.compute)?)?)?; // fused, tanh approximation
+        let m = crate::ops::gelu_tanh(&self.fc.forward(&self.ln2.forward_to(&x, compute)?)?)?; // fused, tanh approximation
         crate::ops::residual_add(&x, &self.fc2.forward(&m)?)
     }
 }
@@ -416,7 +414,7 @@ impl Gpt {
         let tok = to_f32(&self.wte.forward(ids)?)?.reshape((b, t * c))?;
         let mut x = crate::ops::bias_add(&tok, &pos)?.reshape((b, t, c))?;
         for block in &self.blocks {
-            x = block.forward(&x)?;
+            x = block.forward(&x, self.precision.compute_dtype())?;
         }
         self.lnf
             .forward_to(&x, self.precision.compute_dtype())?

@@ -14,12 +14,11 @@
 //! head width). Softmax and products accumulate in f32; the CUDA kernels round P and dS to the
 //! storage dtype before their products, as FlashAttention does.
 
-use super::{check_float, cpu_slice, Elem};
+use super::{check_float, cpu_slice, Elem, SideOutput};
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use half::{bf16, f16};
 use rayon::prelude::*;
-use std::sync::Mutex;
 
 /// Fused, differentiable causal self-attention of a fused projection `qkv: (B, T, 3C)` with
 /// `n_head` heads of `Dh = C / n_head`; returns `(B, T, C)` in qkv's dtype (f32, bf16 or f16),
@@ -52,7 +51,7 @@ pub fn causal_attention(qkv: &Tensor, n_head: usize) -> Result<Tensor> {
     }
     qkv.contiguous()?.apply_op1(Attention {
         n_head,
-        lse: Mutex::new(None),
+        lse: SideOutput::default(),
     })
 }
 
@@ -111,7 +110,7 @@ fn dims(qkv: &Tensor, n_head: usize) -> Result<(usize, usize, usize)> {
 /// The forward op. On CUDA it leaves the rows' log-sum-exp in `lse` for the backward.
 struct Attention {
     n_head: usize,
-    lse: Mutex<Option<Tensor>>,
+    lse: SideOutput,
 }
 
 /// The backward op: `(qkv, y, dy) → dqkv`; `lse` is the forward's (CUDA only).
@@ -147,17 +146,37 @@ impl Dims {
     }
 }
 
-/// One head's q, k, v rows as f32 `(T, Dh)` matrices, and the problem's scale.
+/// Offsets of the `T` rows (`Dh` elements each) of head `hi` of batch row `bi` in a
+/// `(B, T, width)` matrix whose heads start at column `col` (q, k or v of qkv; y; dy).
+fn head_rows(
+    d: Dims,
+    bi: usize,
+    hi: usize,
+    width: usize,
+    col: usize,
+) -> impl Iterator<Item = usize> {
+    (0..d.t).map(move |ti| (bi * d.t + ti) * width + col + hi * d.dh)
+}
+
+/// One head's rows as an f32 `(T, Dh)` matrix.
+fn get_head<T: Elem>(src: &[T], rows: impl Iterator<Item = usize>, dh: usize) -> Vec<f32> {
+    rows.flat_map(|r| src[r..r + dh].iter().map(|v| v.to32()))
+        .collect()
+}
+
+/// Writes one head's f32 `(T, Dh)` matrix to its rows of `out`.
+fn put_head<T: Elem>(out: &mut [T], m: &[f32], rows: impl Iterator<Item = usize>, dh: usize) {
+    for (r, src) in rows.zip(m.chunks(dh)) {
+        for (o, v) in out[r..r + dh].iter_mut().zip(src) {
+            *o = T::from32(*v);
+        }
+    }
+}
+
+/// One head's q, k, v as f32 `(T, Dh)` matrices.
 fn head_qkv<T: Elem>(qkv: &[T], d: Dims, bi: usize, hi: usize) -> [Vec<f32>; 3] {
     let c = d.c();
-    std::array::from_fn(|part| {
-        let mut m = Vec::with_capacity(d.t * d.dh);
-        for ti in 0..d.t {
-            let row = (bi * d.t + ti) * 3 * c + part * c + hi * d.dh;
-            m.extend(qkv[row..row + d.dh].iter().map(|v| v.to32()));
-        }
-        m
-    })
+    std::array::from_fn(|part| get_head(qkv, head_rows(d, bi, hi, 3 * c, part * c), d.dh))
 }
 
 /// Row `i` of one head's probabilities (keys `0..=i`), f32.
@@ -204,13 +223,7 @@ fn fwd_cpu<T: Elem>(qkv: &[T], d: Dims) -> Vec<T> {
     let c = d.c();
     let mut out = vec![T::from32(0.0); d.b * d.t * c];
     for (bh, y) in heads.iter().enumerate() {
-        let (bi, hi) = (bh / d.h, bh % d.h);
-        for ti in 0..d.t {
-            let dst = (bi * d.t + ti) * c + hi * d.dh;
-            for (o, v) in out[dst..dst + d.dh].iter_mut().zip(&y[ti * d.dh..]) {
-                *o = T::from32(*v);
-            }
-        }
+        put_head(&mut out, y, head_rows(d, bh / d.h, bh % d.h, c, 0), d.dh);
     }
     out
 }
@@ -227,6 +240,7 @@ fn bwd_cpu<T: Elem>(qkv: &[T], dy: &[T], d: Dims) -> Vec<T> {
         .map(|bh| {
             let (bi, hi) = (bh / d.h, bh % d.h);
             let [q, k, v] = head_qkv(qkv, d, bi, hi);
+            let g_all = get_head(dy, head_rows(d, bi, hi, c, 0), dh);
             let (mut dq, mut dk, mut dv) = (
                 vec![0f32; d.t * dh],
                 vec![0f32; d.t * dh],
@@ -234,8 +248,7 @@ fn bwd_cpu<T: Elem>(qkv: &[T], dy: &[T], d: Dims) -> Vec<T> {
             );
             for i in 0..d.t {
                 let p = probs(&q, &k, i, dh, scale);
-                let src = (bi * d.t + i) * c + hi * dh;
-                let g: Vec<f32> = dy[src..src + dh].iter().map(|x| x.to32()).collect();
+                let g = &g_all[i * dh..(i + 1) * dh];
                 let dp: Vec<f32> = (0..=i)
                     .map(|j| g.iter().zip(&v[j * dh..]).map(|(a, b)| a * b).sum())
                     .collect();
@@ -254,14 +267,9 @@ fn bwd_cpu<T: Elem>(qkv: &[T], dy: &[T], d: Dims) -> Vec<T> {
         .collect();
     let mut out = vec![T::from32(0.0); d.b * d.t * 3 * c];
     for (bh, parts) in heads.iter().enumerate() {
-        let (bi, hi) = (bh / d.h, bh % d.h);
         for (part, m) in parts.iter().enumerate() {
-            for ti in 0..d.t {
-                let dst = (bi * d.t + ti) * 3 * c + part * c + hi * dh;
-                for (o, v) in out[dst..dst + dh].iter_mut().zip(&m[ti * dh..]) {
-                    *o = T::from32(*v);
-                }
-            }
+            let rows = head_rows(d, bh / d.h, bh % d.h, 3 * c, part * c);
+            put_head(&mut out, m, rows, dh);
         }
     }
     out
@@ -295,13 +303,8 @@ impl CustomOp1 for Attention {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let d = Dims::of(l, self.n_head)?;
         let (y, lse) = cuda::fwd(s, l, d)?;
-        let lse = Tensor::from_storage(
-            candle_core::Storage::Cuda(lse),
-            d.b * d.h * d.t,
-            candle_core::op::BackpropOp::none(),
-            false,
-        );
-        *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = Some(lse);
+        self.lse
+            .put(candle_core::Storage::Cuda(lse), d.b * d.h * d.t);
         Ok((y, Shape::from((d.b, d.t, d.c()))))
     }
 
@@ -311,10 +314,9 @@ impl CustomOp1 for Attention {
         } else {
             dy.to_dtype(y.dtype())?
         };
-        let lse = self.lse.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let op = AttentionBwd {
             n_head: self.n_head,
-            lse,
+            lse: self.lse.get(),
         };
         Ok(Some(qkv.apply_op3_no_bwd(y, &dy, &op)?))
     }

@@ -431,9 +431,12 @@ fn backward(fwd: &NormFwd, x: &Tensor, w: &Tensor, dy: &Tensor) -> Result<(Tenso
         params: SideOutput::default(),
     };
     let dx = x.apply_op3_no_bwd(w, &dy, &op)?;
-    let p = op
-        .params
-        .take(fwd.kind.name(), (fwd.kind.np(), w.dim(0)?))?;
+    let Some(p) = op.params.take() else {
+        bail!(
+            "{}: the backward kernel produced no parameter gradients (internal error)",
+            fwd.kind.name()
+        )
+    };
     Ok((dx, p))
 }
 
@@ -462,8 +465,9 @@ impl CustomOp3 for NormBwd {
                 let x = cpu_slice::<$t>(op, "x", x, lx)?;
                 let dy = cpu_slice::<$u>(op, "dy", dy, ldy)?;
                 let (dx, p) = bwd_cpu(x, w, dy, self.eps, center)?;
+                let shape = (self.kind.np(), w.len());
                 self.params
-                    .put(candle_core::Storage::Cpu(CpuStorage::F32(p)));
+                    .put(candle_core::Storage::Cpu(CpuStorage::F32(p)), shape);
                 <$t as candle_core::WithDType>::to_cpu_storage_owned(dx)
             }};
         }
@@ -482,7 +486,8 @@ impl CustomOp3 for NormBwd {
         ldy: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (dx, p) = cuda::bwd(self.kind, self.eps, x, lx, w, lw, dy, ldy)?;
-        self.params.put(candle_core::Storage::Cuda(p));
+        let shape = (self.kind.np(), lw.dims()[0]);
+        self.params.put(candle_core::Storage::Cuda(p), shape);
         Ok((dx, lx.shape().clone()))
     }
 }

@@ -168,6 +168,24 @@ fn cast_bias<'a, S: BackendStorage>(
     Ok((cast.insert(c), l))
 }
 
+/// The forward on either backend: the cast GEMM, then (with a bias) `add_bias` of the bias in
+/// w's dtype. `add_bias` is bias_add's CPU or CUDA kernel.
+fn forward<S: BackendStorage>(
+    x: (&S, &Layout),
+    w: (&S, &Layout),
+    b: Option<(&S, &Layout)>,
+    add_bias: impl Fn(&S, &Layout, &S, &Layout) -> Result<S>,
+) -> Result<(S, Shape)> {
+    let (y, m, n, shape) = cast_gemm(x.0, x.1, w.0, w.1)?;
+    let Some((b, lb)) = b else {
+        return Ok((y, shape));
+    };
+    let mut cast = None;
+    let (b, lb) = cast_bias(b, lb, w.0.dtype(), &mut cast)?;
+    // a second buffer: bias.cu's kernel takes x and y as distinct (__restrict__) pointers
+    Ok((add_bias(&y, &Layout::contiguous((m, n)), b, &lb)?, shape))
+}
+
 impl CustomOp2 for Linear {
     fn name(&self) -> &'static str {
         OP
@@ -180,8 +198,7 @@ impl CustomOp2 for Linear {
         w: &CpuStorage,
         lw: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (y, _, _, shape) = cast_gemm(x, lx, w, lw)?;
-        Ok((y, shape))
+        forward((x, lx), (w, lw), None, bias::add_cpu)
     }
 
     #[cfg(feature = "cuda")]
@@ -192,8 +209,7 @@ impl CustomOp2 for Linear {
         w: &candle_core::CudaStorage,
         lw: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (y, _, _, shape) = cast_gemm(x, lx, w, lw)?;
-        Ok((y, shape))
+        forward((x, lx), (w, lw), None, bias::add_cuda)
     }
 
     fn bwd(
@@ -222,11 +238,7 @@ impl CustomOp3 for Linear {
         b: &CpuStorage,
         lb: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (y, m, n, shape) = cast_gemm(x, lx, w, lw)?;
-        let mut cast = None;
-        let (b, lb) = cast_bias(b, lb, w.dtype(), &mut cast)?;
-        let y = bias::add_cpu(&y, &Layout::contiguous((m, n)), b, &lb)?;
-        Ok((y, shape))
+        forward((x, lx), (w, lw), Some((b, lb)), bias::add_cpu)
     }
 
     #[cfg(feature = "cuda")]
@@ -239,12 +251,7 @@ impl CustomOp3 for Linear {
         b: &candle_core::CudaStorage,
         lb: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (y, m, n, shape) = cast_gemm(x, lx, w, lw)?;
-        let mut cast = None;
-        let (b, lb) = cast_bias(b, lb, w.dtype(), &mut cast)?;
-        // a second buffer: bias.cu's kernel takes x and y as distinct (__restrict__) pointers
-        let y = bias::add_cuda(&y, &Layout::contiguous((m, n)), b, &lb)?;
-        Ok((y, shape))
+        forward((x, lx), (w, lw), Some((b, lb)), bias::add_cuda)
     }
 
     fn bwd(

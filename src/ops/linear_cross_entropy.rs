@@ -11,9 +11,8 @@
 //! `cross_entropy_rows(h.matmul(w.t()), t)`: the same GEMM and the same kernels.
 
 use super::cross_entropy::CrossEntropyBwd;
-use super::{check_device, check_float, index_u32};
+use super::{check_device, check_float, index_u32, SideOutput};
 use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Storage, Tensor};
-use std::sync::Mutex;
 
 /// Per-row cross-entropy `(N,)` f32 of the logits `h @ w^T` against `targets`, one graph node.
 ///
@@ -53,16 +52,17 @@ pub fn linear_cross_entropy_rows(h: &Tensor, w: &Tensor, targets: &Tensor) -> Re
     // contiguous operands for candle's CUDA GEMM (a no-op for the usual contiguous inputs)
     let (hc, wc) = (h.detach().contiguous()?, w.detach().contiguous()?);
     let logits = hc.matmul(&wc.t()?)?; // (N, V), no graph
-    let loss = super::cross_entropy_rows(&logits, targets)?; // validates targets
+    let targets = index_u32(op, "targets", targets)?;
+    let loss = super::cross_entropy_rows(&logits, &targets)?; // checks the targets' shape
     if n == 0 {
         return Ok(loss);
     }
-    let targets = index_u32(op, "targets", targets)?;
     h.apply_op2(
         w,
         HeadLoss {
             loss,
-            saved: Mutex::new(Some((logits, targets))),
+            targets,
+            logits: SideOutput::holding(logits),
         },
     )
 }
@@ -71,7 +71,9 @@ pub fn linear_cross_entropy_rows(h: &Tensor, w: &Tensor, targets: &Tensor) -> Re
 /// backward the gradients of `h` and `w`.
 struct HeadLoss {
     loss: Tensor,
-    saved: Mutex<Option<(Tensor, Tensor)>>,
+    targets: Tensor,
+    /// Taken (and freed) by the backward.
+    logits: SideOutput,
 }
 
 impl HeadLoss {
@@ -120,15 +122,14 @@ impl CustomOp2 for HeadLoss {
         _loss: &Tensor,
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let saved = self.saved.lock().unwrap_or_else(|e| e.into_inner()).take();
-        let Some((logits, targets)) = saved else {
+        let Some(logits) = self.logits.take() else {
             bail!(
                 "linear_cross_entropy: the backward already ran for this graph (the logits are \
                  freed by the first one); run the forward again"
             )
         };
         let g = g.detach().to_dtype(DType::F32)?.contiguous()?;
-        let dlogits = logits.apply_op3_no_bwd(&targets, &g, &CrossEntropyBwd)?;
+        let dlogits = logits.apply_op3_no_bwd(&self.targets, &g, &CrossEntropyBwd)?;
         drop(logits);
         let dh = dlogits.matmul(&w.detach().contiguous()?)?; // (N, V) @ (V, C)
         let dw = dlogits.t()?.matmul(&h.detach().contiguous()?)?; // (V, N) @ (N, C)
