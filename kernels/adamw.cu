@@ -5,7 +5,9 @@
 // stats[0] (found_inf) is set, so a skipped step changes no parameter, moment or step count.
 // Lists: 0 = master p (f32), 1 = grad g (G), 2 = exp_avg m (f32), 3 = exp_avg_sq v (f32),
 // 4 = working copy w (W, address 0 when the parameter has none). tensor_group = 1 where weight
-// decay applies.
+// decay applies; tensor_index = the parameter's index in the store, whose per-parameter applied
+// step count steps[tensor_index] gives the bias corrections (torch.optim's state['step']; the
+// engine's count_steps kernel advances it after the update).
 #include "multi_tensor.cuh"
 
 struct AdamWArgs {
@@ -31,7 +33,7 @@ __device__ __forceinline__ void adamw_element(float& p, float& m, float& v, floa
 }
 
 template <typename G, typename W>
-__device__ void adamw_block(const TensorListMeta<5>& meta, const float* stats, const float* amp_state,
+__device__ void adamw_block(const TensorListMeta<5>& meta, const float* stats, const long long* steps,
                             AdamWArgs a) {
     if (stats[0] != 0.0f) return;                               // found_inf: skip the whole step
     const int t = meta.block_tensor[blockIdx.x];
@@ -43,7 +45,7 @@ __device__ void adamw_block(const TensorListMeta<5>& meta, const float* stats, c
     float* v = mt_ptr<float>(meta.addr[3][t]) + start;
     W* w = meta.addr[4][t] ? mt_ptr<W>(meta.addr[4][t]) + start : nullptr;
 
-    const double step = (double)amp_state[3] + 1.0;             // this step's t (1-based)
+    const double step = (double)steps[meta.tensor_index[t]] + 1.0; // this parameter's t (1-based)
     AdamWCoeffs k;
     k.beta1 = (float)a.beta1;
     k.one_minus_beta1 = (float)(1.0 - a.beta1);
@@ -92,8 +94,8 @@ __device__ void adamw_block(const TensorListMeta<5>& meta, const float* stats, c
 // ---------------------------------------------------------------------------------------------
 #define ADAMW(GS, WS, G, W)                                                                        \
     extern "C" __global__ void mt_adamw_##GS##_##WS(TensorListMeta<5> meta, const float* stats,   \
-                                                    const float* amp_state, AdamWArgs a) {        \
-        adamw_block<G, W>(meta, stats, amp_state, a);                                             \
+                                                    const long long* steps, AdamWArgs a) {        \
+        adamw_block<G, W>(meta, stats, steps, a);                                             \
     }
 ADAMW(f32, f32, float, float)
 ADAMW(f32, bf16, float, __nv_bfloat16)

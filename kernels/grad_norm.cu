@@ -37,17 +37,21 @@ __device__ void sumsq_block(const TensorListMeta<1>& meta, double* partials, int
 // stats[0] = found_inf (0/1), stats[1] = global L2 norm of the unscaled gradients,
 // stats[2] = multiplier for the optimizer (unscale x clip). One block.
 extern "C" __global__ void finalize_grad_stats(const double* partials, int n, const float* amp_state,
-                                               float weight_sum, float max_norm, float* stats) {
+                                               float weight_sum, float max_norm, const float* loss_probe,
+                                               float* stats) {
     __shared__ double smem[32];
     double acc = 0.0;
     for (int i = threadIdx.x; i < n; i += blockDim.x) acc += partials[i];   // fixed order per thread
     double total = block_sum_d(acc, smem);                                  // fixed tree order
     if (threadIdx.x == 0) {
         double norm = sqrt(total);
-        bool found_inf = !isfinite(total);
+        double unscale = 1.0 / ((double)amp_state[0] * (double)weight_sum);
+        // non-finite gradients, a non-finite scaled loss in the window (loss_probe = sum of
+        // 0 * loss), or a reciprocal of the scale that is not a finite f32 (GradScaler's check)
+        bool found_inf = !isfinite(total) || (loss_probe && !isfinite(*loss_probe)) ||
+                         !isfinite((float)unscale) || !(unscale > 0.0);
         // clip_grad_norm_'s factor, and the multiplier 1 / (scale * sum_w) * clip, in f64 as on the CPU
         double clip = (max_norm > 0.0f && !found_inf) ? fmin(1.0, (double)max_norm / (norm + 1e-6)) : 1.0;
-        double unscale = 1.0 / ((double)amp_state[0] * (double)weight_sum);
         stats[0] = found_inf ? 1.0f : 0.0f;
         stats[1] = (float)norm;
         stats[2] = (float)(unscale * clip);

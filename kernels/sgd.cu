@@ -12,10 +12,10 @@
 //   p = p - d * lr
 //
 // Lists: 0 = master p (f32), 1 = grad g (G), 2 = momentum buffer b (f32; 0 without momentum),
-// 3 = working copy w (W, 0 when the parameter has none), 4 = first_at (one f32: the applied-step
-// count amp_state[3] when the buffer was created; while they are equal no step has been applied
-// to this tensor and the buffer is initialised with d). tensor_group = 1 where weight decay
-// applies.
+// 3 = unused, 4 = working copy w (W, 0 when the parameter has none). tensor_group = 1 where
+// weight decay applies; tensor_index = the parameter's index in the store: while its applied
+// step count steps[tensor_index] is 0 the buffer is initialised with d (torch.optim.SGD's
+// momentum_buffer is None).
 #include "multi_tensor.cuh"
 
 // Coefficients computed in double and rounded to f32 once on the host, exactly as the CPU paths
@@ -47,14 +47,14 @@ __device__ __forceinline__ float sgd_element(float p, float& b, float g, const S
 }
 
 template <typename G, typename W>
-__device__ void sgd_block(const TensorListMeta<5>& meta, const float* stats, const float* amp_state, SgdArgs a) {
+__device__ void sgd_block(const TensorListMeta<5>& meta, const float* stats, const long long* steps, SgdArgs a) {
     if (stats[0] != 0.0f) return;                               // found_inf: skip the whole step
     const int t = meta.block_tensor[blockIdx.x];
     const int64_t start = (int64_t)meta.block_chunk[blockIdx.x] * MT_CHUNK;
     const int64_t n = min((int64_t)MT_CHUNK, meta.numel[t] - start);
     float* p = mt_ptr<float>(meta.addr[0][t]) + start;
     const G* g = mt_ptr<const G>(meta.addr[1][t]) + start;
-    W* w = meta.addr[3][t] ? mt_ptr<W>(meta.addr[3][t]) + start : nullptr;
+    W* w = meta.addr[4][t] ? mt_ptr<W>(meta.addr[4][t]) + start : nullptr;
 
     SgdCoeffs k;
     k.lr = a.lr;
@@ -65,7 +65,7 @@ __device__ void sgd_block(const TensorListMeta<5>& meta, const float* stats, con
     k.nesterov = a.nesterov != 0;
     // without momentum there is no buffer: b points at a dummy local below
     const bool has_buf = k.momentum != 0.0f && meta.addr[2][t] != 0;
-    k.first = has_buf && *mt_ptr<const float>(meta.addr[4][t]) == amp_state[3];
+    k.first = has_buf && steps[meta.tensor_index[t]] == 0;
     if (!has_buf) k.momentum = 0.0f;
     float* b = has_buf ? mt_ptr<float>(meta.addr[2][t]) + start : nullptr;
     const uint32_t seed = a.seed ^ (uint32_t)(meta.tensor_index[t] * 0x9E3779B9u);
@@ -74,7 +74,7 @@ __device__ void sgd_block(const TensorListMeta<5>& meta, const float* stats, con
     // otherwise the scalar loop handles everything.
     const bool aligned = ((meta.addr[0][t] | meta.addr[2][t]) % 16 == 0) &&
                          (meta.addr[1][t] % (4 * sizeof(G)) == 0) &&
-                         (meta.addr[3][t] % (4 * sizeof(W)) == 0);
+                         (meta.addr[4][t] % (4 * sizeof(W)) == 0);
     int64_t done = 0;
     if (aligned) {
         const int64_t n4 = n / 4;
@@ -105,8 +105,8 @@ __device__ void sgd_block(const TensorListMeta<5>& meta, const float* stats, con
 // ---------------------------------------------------------------------------------------------
 #define SGD(GS, WS, G, W)                                                                          \
     extern "C" __global__ void mt_sgd_##GS##_##WS(TensorListMeta<5> meta, const float* stats,     \
-                                                  const float* amp_state, SgdArgs a) {            \
-        sgd_block<G, W>(meta, stats, amp_state, a);                                               \
+                                                  const long long* steps, SgdArgs a) {            \
+        sgd_block<G, W>(meta, stats, steps, a);                                               \
     }
 SGD(f32, f32, float, float)
 SGD(f32, bf16, float, __nv_bfloat16)

@@ -4,26 +4,32 @@
 //! forward (user closure, autocast policy)  → loss (f32 scalar, unscaled)
 //! scale_loss                                → loss * loss_scale
 //! backward                                  → grads w.r.t. working copies / masters
-//! check_coverage (first backward)           → error if a trainable parameter got no grad
+//! check_coverage (until a backward passes)  → error if a trainable parameter got no grad
 //! accumulate                                → fp32 buffers += weight * grad
 //! ── at the accumulation boundary ──
-//! unscale_and_check                         → found_inf, global norm
+//! sync.reduce                               → the global gradient (data parallelism)
+//! check                                     → found_inf (grads, scaled loss, 1/scale), norm
+//! clip_value (optional, after the check)    → clamped buffers, norm measured again
 //! clip                                      → multiplier = unscale * min(1, max_norm / norm)
-//! apply_update (skipped when found_inf)     → masters and moments; step count
-//! refresh_working_copies                    → bf16/f16 copies from the masters
-//! update_scale                              → GradScaler state machine
+//! sync.agree                                → every rank skips together
+//! optimizer.step (skipped when found_inf)   → masters, moments, per-parameter step counts
+//! refresh working copies / sync.after_update→ bf16/f16 copies; ZeRO-1 broadcasts
+//! amp.update                                → applied-step count, loss-scale state machine
 //! advance the LR schedule (every boundary, as scheduler.step() in a GradScaler loop)
 //! ```
+//! On the fused CUDA path every value above stays on the device; nothing waits for it.
 
+use crate::amp::{AmpState, ScaleValue};
 use crate::coverage::Coverage;
+use crate::dist::GradSync;
 use crate::grads::{GradBuffers, GradStats, Limit};
 use crate::optim::{AdamW, AdamWConfig, Impl, LrSchedule, OptimPath, Optimizer, StepInputs};
 use crate::params::{Param, ParamStore};
 use crate::precision::Precision;
 use crate::profile::PhaseTimes;
-use crate::scaler::{LossScaler, ScalerConfig, ScalerState};
+use crate::scaler::{ScalerConfig, ScalerState};
 use crate::timing::{Mark, StepSpans};
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use candle_core::{backprop::GradStore, DType, Tensor};
 
 /// Which optimizer the engine runs.
@@ -142,12 +148,6 @@ pub struct StepReport {
     pub spans: StepSpans,
 }
 
-#[derive(Debug, Clone)]
-enum ScaleValue {
-    Host(f32),
-    Device(Tensor),
-}
-
 impl StepReport {
     /// Per-phase host wall times of this call (data/h2d are zero: the caller measures them).
     /// On CUDA these are the times the host took to *queue* each phase; the GPU's times are in
@@ -175,7 +175,8 @@ impl StepReport {
         })
     }
 
-    /// At a boundary: the global L2 norm of the unscaled gradients, before clipping.
+    /// At a boundary: the global L2 norm of the unscaled gradients, before norm clipping
+    /// (after `clip_value`'s clamp, when set).
     pub fn grad_norm(&self) -> Result<Option<f64>> {
         Ok(match &self.stats {
             Some(s) => Some(s.read()?.norm),
@@ -185,30 +186,25 @@ impl StepReport {
 
     /// The loss scale this micro-batch's backward used.
     pub fn loss_scale(&self) -> Result<f32> {
-        Ok(match &self.loss_scale {
-            ScaleValue::Host(s) => *s,
-            ScaleValue::Device(t) => t.to_vec1::<f32>()?[0],
-        })
+        self.loss_scale.read()
     }
 }
 
-/// The training engine: parameters, optimizer, loss scaler and gradient buffers.
+/// The training engine: parameters, optimizer, mixed-precision state and gradient buffers.
 pub struct Engine {
     store: ParamStore,
     config: EngineConfig,
     optimizer: Box<dyn Optimizer>,
     imp: Impl,
-    scaler: LossScaler,
-    /// `[scale, growth_tracker, hysteresis_left, applied_steps]` on the device (fused CUDA).
-    amp_state: Option<Tensor>,
+    /// Loss scale and applied-step count, on the device on the fused CUDA path.
+    amp: AmpState,
     grads: GradBuffers,
+    /// How gradients are synchronised across ranks ([`GradSync::Solo`]: one process).
+    sync: GradSync,
     /// Accumulation boundaries so far (applied or skipped): the schedule's step.
     boundaries: u64,
-    /// Applied optimizer steps (host paths; on the fused CUDA path `amp_state[3]`).
-    applied_steps: u64,
+    /// The gradient-coverage check runs on every backward until one passes it.
     check_coverage_next: bool,
-    // ---- dist: data parallelism (src/dist/ddp.rs); None: single process, unchanged ----
-    dist: Option<crate::dist::ddp::Ddp>,
 }
 
 impl Engine {
@@ -217,12 +213,18 @@ impl Engine {
     /// `OptimPath::Fused` is asked for on a device without a fused implementation.
     pub fn new(store: ParamStore, config: EngineConfig) -> Result<Self> {
         if config.accumulation_steps == 0 {
-            bail!("accumulation_steps must be >= 1");
+            bail!("EngineConfig::accumulation_steps must be >= 1, got 0");
         }
         if let Some(c) = config.max_grad_norm {
             anyhow::ensure!(
                 c > 0.0 && c.is_finite(),
-                "max_grad_norm must be finite and > 0, got {c}"
+                "EngineConfig::max_grad_norm must be finite and > 0, got {c}"
+            );
+        }
+        if let Some(v) = config.clip_value {
+            anyhow::ensure!(
+                v > 0.0 && v.is_finite(),
+                "EngineConfig::clip_value must be finite and > 0, got {v}"
             );
         }
         config.schedule.validate()?;
@@ -231,41 +233,24 @@ impl Engine {
             OptimizerConfig::AdamW(c) => Box::new(AdamW::new(c.clone(), imp)?),
             OptimizerConfig::Sgd(c) => Box::new(crate::optim::Sgd::new(c.clone(), imp)?),
         };
-        let scaler = LossScaler::new(
-            config
-                .scaler
-                .clone()
-                .unwrap_or_else(|| ScalerConfig::default_for(store.precision())),
-        )?;
-        let amp_state = match imp {
-            Impl::FusedCuda => {
-                let s = scaler.state();
-                let v = [
-                    s.scale,
-                    s.growth_tracker as f32,
-                    s.hysteresis_left as f32,
-                    0.0,
-                ];
-                Some(Tensor::new(&v, store.device())?)
-            }
-            _ => None,
-        };
+        let scaler = config
+            .scaler
+            .clone()
+            .unwrap_or_else(|| ScalerConfig::default_for(store.precision()));
+        let on_device = (imp == Impl::FusedCuda).then(|| store.device());
         Ok(Self {
+            amp: AmpState::new(scaler, on_device)?,
             grads: GradBuffers::new(store.len()),
             store,
             config,
             optimizer,
             imp,
-            scaler,
-            amp_state,
+            sync: GradSync::Solo,
             boundaries: 0,
-            applied_steps: 0,
             check_coverage_next: true,
-            dist: None,
         })
     }
 
-    // ---- dist: data parallelism (src/dist/ddp.rs) ------------------------------------------
     /// Attaches a process group: checks that every rank has the same parameter layout,
     /// broadcasts rank 0's parameters to every rank, and from then on all-reduces the gradients
     /// at each accumulation boundary (in buckets, f32, weighted by the micro-batch weights of
@@ -278,40 +263,22 @@ impl Engine {
         collective: Box<dyn crate::dist::Collective>,
         config: crate::dist::DdpConfig,
     ) -> Result<Self> {
-        if self.grads.micro_steps() != 0 {
-            bail!("Engine::with_collective: attach the collective at an accumulation boundary");
-        }
-        if config.zero1
-            && self.config.stochastic_rounding
-            && collective.world_size() > 1
-            && self.store.precision().is_mixed()
-        {
-            bail!(
-                "Engine::with_collective: ZeRO-1 with stochastic rounding would give the ranks \
-                 different working copies (only a parameter's owner rounds stochastically); \
-                 turn one of them off"
-            );
-        }
-        let mut ddp = crate::dist::ddp::Ddp::new(collective, config)?;
-        ddp.shard_owners(&self.store.params())?;
-        ddp.broadcast_parameters(&self.store)
-            .context("broadcasting the parameters from rank 0")?;
-        self.dist = Some(ddp);
+        GradSync::check_attach(
+            self.grads.micro_steps(),
+            config.zero1,
+            self.config.stochastic_rounding,
+            collective.world_size(),
+            self.store.precision().is_mixed(),
+        )?;
+        self.sync = GradSync::attach(collective, config, &self.store)?;
+        self.optimizer.set_owned(self.sync.owned());
         Ok(self)
-    }
-
-    /// With ZeRO-1: the data-parallel state and each parameter's owner rank (a function of
-    /// the field, so that the optimizer can be borrowed beside it).
-    fn zero1(dist: &Option<crate::dist::ddp::Ddp>) -> Option<(&crate::dist::ddp::Ddp, &[usize])> {
-        let d = dist.as_ref()?;
-        Some((d, d.owners()?))
     }
 
     /// The attached process group, if any.
     pub fn collective(&self) -> Option<&dyn crate::dist::Collective> {
-        self.dist.as_ref().map(|d| d.collective())
+        self.sync.collective()
     }
-    // ---- end dist ----------------------------------------------------------------------------
 
     /// One micro-batch with weight 1 (see [`Engine::step_weighted`]).
     pub fn step<F, E>(&mut self, forward: F) -> Result<StepReport>
@@ -329,14 +296,34 @@ impl Engine {
     /// here waits for the device.
     ///
     /// Errors: the loss is not a one-element float tensor; `weight` not finite and > 0; a
-    /// trainable parameter got no gradient on the first backward (see [`crate::coverage`]).
-    /// An error leaves the parameters and optimizer state untouched.
+    /// trainable parameter got no gradient (see [`crate::coverage`]; checked until a backward
+    /// passes). An error leaves the parameters and optimizer state untouched.
     pub fn step_weighted<F, E>(&mut self, weight: f64, forward: F) -> Result<StepReport>
     where
         F: FnOnce(&StepCtx) -> std::result::Result<Tensor, E>,
         E: Into<anyhow::Error>,
     {
-        let result = self.step_inner(weight, forward);
+        self.run_step(weight, forward, false)
+    }
+
+    /// Like [`Engine::step_weighted`], and closes the accumulation window at this micro-batch
+    /// even when fewer than `accumulation_steps` were accumulated: the step applies `sum w_i
+    /// g_i / sum w_i` over what the window holds (Lightning steps on an epoch's last, partial
+    /// window the same way).
+    pub fn step_weighted_closing<F, E>(&mut self, weight: f64, forward: F) -> Result<StepReport>
+    where
+        F: FnOnce(&StepCtx) -> std::result::Result<Tensor, E>,
+        E: Into<anyhow::Error>,
+    {
+        self.run_step(weight, forward, true)
+    }
+
+    fn run_step<F, E>(&mut self, weight: f64, forward: F, close: bool) -> Result<StepReport>
+    where
+        F: FnOnce(&StepCtx) -> std::result::Result<Tensor, E>,
+        E: Into<anyhow::Error>,
+    {
+        let result = self.step_inner(weight, forward, close);
         #[cfg(feature = "cuda")]
         if let (Err(e), candle_core::Device::Cuda(d)) = (&result, self.store.device()) {
             if crate::cuda::memory::is_out_of_memory(e) {
@@ -347,7 +334,7 @@ impl Engine {
         result
     }
 
-    fn step_inner<F, E>(&mut self, weight: f64, forward: F) -> Result<StepReport>
+    fn step_inner<F, E>(&mut self, weight: f64, forward: F, close: bool) -> Result<StepReport>
     where
         F: FnOnce(&StepCtx) -> std::result::Result<Tensor, E>,
         E: Into<anyhow::Error>,
@@ -365,49 +352,48 @@ impl Engine {
             micro_step: self.grads.micro_steps(),
         };
         let loss = forward(&ctx)
-            .map_err(Into::into)
-            .context("the forward closure failed")?;
+            .map_err(|e| e.into().context("the forward closure failed"))?;
         let loss = scalar_loss(loss)?;
         let m1 = Mark::now(&device)?;
 
         // scale the loss, backward
-        let loss_scale = self.current_scale()?;
-        let grads = self
-            .scale_loss(&loss, &loss_scale)?
+        let loss_scale = self.amp.loss_scale()?;
+        let scaled = loss_scale.scale_loss(&loss)?;
+        let grads = scaled
             .backward()
-            .context("backward failed")?;
+            .map_err(|e| anyhow::Error::from(e).context("backward failed"))?;
         let m2 = Mark::now(&device)?;
 
-        // accumulate; at the boundary: unscale and check, clip, update, update the scale
+        // accumulate; at the boundary: reduce, check, clip, update, update the scale
         if self.check_coverage_next {
             self.check_coverage(&params, &grads)?;
         }
         let keep_raw = self.config.accumulation_steps == 1;
         self.grads.accumulate(&params, &grads, weight, keep_raw)?;
+        self.grads.note_scaled_loss(&scaled)?;
         drop(grads);
-        if let Some(d) = &mut self.dist {
-            d.note_micro_batch(weight); // dist: this rank's weight in the global normaliser
-        }
+        self.sync.note_micro_batch(weight);
         let lr = self.config.schedule.lr(self.boundaries);
         let mut stats = None;
-        if self.grads.micro_steps() >= self.config.accumulation_steps {
-            if let Some(d) = &mut self.dist {
-                // dist: global gradient before clipping, norm and found_inf
-                d.reduce_gradients(&params, &mut self.grads, keep_raw)?;
-            }
-            if let Some(v) = self.config.clip_value {
-                self.clip_values(v, &loss_scale)?;
-            }
-            let s = self.unscale_and_check(&loss_scale)?;
-            let s = match &self.dist {
-                Some(d) => d.agree_stats(s, self.store.device())?, // dist: every rank skips together
-                None => s,
-            };
-            let applied = self.apply_update(&params, &s, lr)?;
+        if close || self.grads.micro_steps() >= self.config.accumulation_steps {
+            self.sync.reduce(&params, &mut self.grads, keep_raw)?;
+            let s = self.check(&loss_scale)?;
+            let s = self.sync.agree(s, &device)?; // every rank skips together
+            let applied = self.optimizer.step(
+                &params,
+                self.grads.buffers(),
+                StepInputs {
+                    stats: &s,
+                    lr,
+                    seed: self.boundaries,
+                    stochastic_rounding: self.config.stochastic_rounding,
+                },
+            )?;
             if applied == Some(true) && !self.optimizer.writes_working_copies() {
                 self.store.refresh_working_copies()?;
             }
-            self.update_scale(&s, applied)?;
+            self.sync.after_update(&params)?;
+            self.amp.update(&s, applied)?;
             self.grads.clear();
             self.boundaries += 1;
             stats = Some(s);
@@ -423,187 +409,101 @@ impl Engine {
         })
     }
 
-    /// The scale for this micro-batch: a host value, or a copy of `amp_state[0]` on the device.
-    fn current_scale(&self) -> Result<ScaleValue> {
-        Ok(match &self.amp_state {
-            Some(a) => ScaleValue::Device(a.narrow(0, 0, 1)?.copy()?),
-            None => ScaleValue::Host(self.scaler.scale()),
-        })
-    }
-
-    fn scale_loss(&self, loss: &Tensor, scale: &ScaleValue) -> Result<Tensor> {
-        Ok(match scale {
-            ScaleValue::Host(s) if *s == 1.0 => loss.clone(),
-            ScaleValue::Host(s) => (loss * *s as f64)?,
-            ScaleValue::Device(t) => loss.mul(&t.reshape(())?)?,
-        })
-    }
-
     fn check_coverage(&mut self, params: &[Param], grads: &GradStore) -> Result<()> {
         let coverage = Coverage::check(params, grads);
-        self.check_coverage_next = false;
         if !coverage.is_complete() {
+            // stays armed: a retried step is checked again
             bail!("gradient coverage: {coverage}");
         }
+        self.check_coverage_next = false;
         if !coverage.missing_frozen.is_empty() {
             tracing::warn!("gradient coverage: {coverage}");
         }
         Ok(())
     }
 
-    /// `clip_grad_value_` on the unscaled gradients, done in the scaled space: the buffers hold
-    /// `scale * sum_w * g`, so they are clamped to `±v * scale * sum_w` (no device read).
-    fn clip_values(&mut self, v: f64, loss_scale: &ScaleValue) -> Result<()> {
+    /// The boundary pass: found_inf (inf/NaN gradients, a non-finite scaled loss, a reciprocal
+    /// of the scale that is not finite), the global norm and the multiplier. With
+    /// `clip_value`, found_inf is taken before the clamp (PyTorch: `unscale_` finds the inf,
+    /// `clip_grad_value_` clamps, the step is skipped) and the norm after it.
+    fn check(&mut self, loss_scale: &ScaleValue) -> Result<GradStats> {
+        let raw = self.grad_stats(loss_scale)?;
+        let Some(v) = self.config.clip_value else {
+            return Ok(raw);
+        };
+        // the buffers hold `scale * sum_w * g`: clamp to `±v * scale * sum_w` (no device read)
         let limit = match loss_scale {
             ScaleValue::Host(s) => Limit::Host(v * *s as f64),
             ScaleValue::Device(t) => Limit::Device((t * v)?),
         };
-        self.grads.clamp(&limit)
+        self.grads.clamp(&limit)?;
+        self.grad_stats(loss_scale)?.with_found_inf_of(&raw)
     }
 
-    fn unscale_and_check(&self, loss_scale: &ScaleValue) -> Result<GradStats> {
-        match (&self.amp_state, loss_scale) {
+    fn grad_stats(&self, loss_scale: &ScaleValue) -> Result<GradStats> {
+        let max_norm = self.config.max_grad_norm;
+        match (&self.amp, loss_scale) {
             #[cfg(feature = "cuda")]
-            (Some(amp), _) => self
-                .grads
-                .unscale_and_check_on_device(amp, self.config.max_grad_norm),
-            (_, ScaleValue::Host(s)) => self.grads.unscale_and_check(
-                *s,
-                self.config.max_grad_norm,
-                self.imp == Impl::FusedCpu,
-            ),
+            (AmpState::Device { scaler, .. }, _) => {
+                self.grads.unscale_and_check_on_device(scaler, max_norm)
+            }
+            (_, ScaleValue::Host(s)) => {
+                self.grads
+                    .unscale_and_check(*s, max_norm, self.imp == Impl::FusedCpu)
+            }
             _ => bail!("device loss scale without the fused CUDA path"),
         }
     }
 
-    fn apply_update(
-        &mut self,
-        params: &[Param],
-        stats: &GradStats,
-        lr: f64,
-    ) -> Result<Option<bool>> {
-        let inputs = StepInputs {
-            stats,
-            lr,
-            amp_state: self.amp_state.as_ref(),
-            seed: self.boundaries,
-            stochastic_rounding: self.config.stochastic_rounding,
-        };
-        let Some((d, owners)) = Self::zero1(&self.dist) else {
-            return self.optimizer.step(params, self.grads.buffers(), inputs);
-        };
-        // dist: ZeRO-1, update the owned parameters, then every owner broadcasts its own
-        let rank = d.collective().rank();
-        let owned = crate::dist::zero::owned_grads(self.grads.buffers(), owners, rank);
-        let applied = self.optimizer.step(params, &owned, inputs)?;
-        crate::dist::zero::broadcast_owned(d.collective(), params, owners, |p| {
-            if let Some(w) = &p.working {
-                w.set(&p.master.as_tensor().to_dtype(w.dtype())?)?;
-            }
-            Ok(())
-        })?;
-        Ok(applied)
-    }
-
-    /// The optimizer state by name (`"{param}.exp_avg"`, ...), as checkpoints save it. With
-    /// ZeRO-1 every rank gathers the owners' state, so the result is the full state on every
-    /// rank (collective: call it on every rank).
+    /// The optimizer state by name (`"{param}.exp_avg"`, ..., `"{param}.step"`), as checkpoints
+    /// save it. With ZeRO-1 every rank gathers the owners' state, so the result is the full
+    /// state on every rank (collective: call it on every rank).
     pub fn optimizer_state(&self) -> Result<Vec<(String, Tensor)>> {
         let params = self.store.params();
         let local = self.optimizer.state_tensors(&params)?;
-        match Self::zero1(&self.dist) {
-            Some((d, owners)) => crate::dist::zero::gather_state(
-                d.collective(),
-                &params,
-                owners,
-                local,
-                self.optimizer.state_suffixes(),
-            ),
-            None => Ok(local),
-        }
-    }
-
-    fn update_scale(&mut self, stats: &GradStats, applied: Option<bool>) -> Result<()> {
-        match &self.amp_state {
-            #[cfg(feature = "cuda")]
-            Some(amp) => crate::cuda::scaler::update_scale(amp, stats, self.scaler.config()),
-            _ => {
-                let found_inf = match applied {
-                    Some(a) => !a,
-                    None => stats.read()?.found_inf,
-                };
-                self.applied_steps += u64::from(!found_inf);
-                self.scaler.update(found_inf);
-                Ok(())
-            }
-        }
+        self.sync
+            .gather_state(&params, local, &self.optimizer.state_suffixes())
     }
 
     /// The counters and scaler state (device reads on the fused CUDA path). Only meaningful at
-    /// an accumulation boundary; errors in the middle of an accumulation window.
+    /// an accumulation boundary; errors in the middle of an accumulation window, and when the
+    /// scaler state is one a checkpoint could not restore.
     pub fn state(&self) -> Result<EngineState> {
         if self.grads.micro_steps() != 0 {
-            bail!("Engine::state: {} micro-batches are accumulated; checkpoint at an accumulation boundary", self.grads.micro_steps());
+            bail!(
+                "Engine::state: {} micro-batches are accumulated; checkpoint at an accumulation                  boundary (or close the window with Engine::step_weighted_closing)",
+                self.grads.micro_steps()
+            );
         }
+        let scaler = self.scaler_state()?;
+        scaler.validate()?;
         Ok(EngineState {
             boundaries: self.boundaries,
             applied_steps: self.optimizer_steps()?,
-            scaler: self.scaler_state()?,
+            scaler,
         })
     }
 
-    /// Restores counters, scaler state and optimizer state (see [`Optimizer::load_state_tensors`]).
-    /// Parameters are restored separately, into the store (then call
-    /// [`ParamStore::refresh_working_copies`]). Nothing changes when an error is returned.
+    /// Restores counters, scaler state and optimizer state (see [`Optimizer::load_state_tensors`];
+    /// under ZeRO-1 each rank keeps its share). Parameters are restored separately, into the
+    /// store (then call [`ParamStore::refresh_working_copies`]). Nothing changes when an error
+    /// is returned.
     pub fn load_state(
         &mut self,
         state: &EngineState,
         optimizer: &std::collections::HashMap<String, Tensor>,
     ) -> Result<()> {
+        state.scaler.validate()?;
         let params = self.store.params();
-        match Self::zero1(&self.dist) {
-            Some((d, owners)) => {
-                // dist: ZeRO-1 keeps the state of this rank's share only
-                let rank = d.collective().rank();
-                let mine: std::collections::HashMap<String, Tensor> = params
-                    .iter()
-                    .zip(owners)
-                    .filter(|(_, &o)| o == rank)
-                    .flat_map(|(p, _)| {
-                        let prefix = format!("{}.", p.name);
-                        optimizer
-                            .iter()
-                            .filter(move |(k, _)| {
-                                k.strip_prefix(&prefix).is_some_and(|r| !r.contains('.'))
-                            })
-                            .map(|(k, v)| (k.clone(), v.clone()))
-                    })
-                    .collect();
-                self.optimizer
-                    .load_state_tensors(&params, &mine, state.applied_steps)?
-            }
-            None => self
-                .optimizer
-                .load_state_tensors(&params, optimizer, state.applied_steps)?,
-        }
+        self.optimizer
+            .load_state_tensors(&params, optimizer, state.applied_steps)?;
+        self.amp.load(state.scaler, state.applied_steps)?;
         self.boundaries = state.boundaries;
-        self.applied_steps = state.applied_steps;
-        self.scaler.load_state(state.scaler);
-        if let Some(a) = &self.amp_state {
-            let s = state.scaler;
-            let v = [
-                s.scale,
-                s.growth_tracker as f32,
-                s.hysteresis_left as f32,
-                state.applied_steps as f32,
-            ];
-            self.amp_state = Some(Tensor::new(&v, a.device())?);
-        }
         self.grads.clear();
         Ok(())
     }
 
-    /// Runs the gradient-coverage check again on the next backward.
+    /// Runs the gradient-coverage check again on the next backward (and until one passes).
     pub fn check_gradient_coverage_next_step(&mut self) {
         self.check_coverage_next = true;
     }
@@ -615,17 +515,7 @@ impl Engine {
 
     /// The loss scaler's state (read from the device on the fused CUDA path).
     pub fn scaler_state(&self) -> Result<ScalerState> {
-        match &self.amp_state {
-            Some(a) => {
-                let v: Vec<f32> = a.to_vec1()?;
-                Ok(ScalerState {
-                    scale: v[0],
-                    growth_tracker: v[1] as u32,
-                    hysteresis_left: v[2] as u32,
-                })
-            }
-            None => Ok(self.scaler.state()),
-        }
+        self.amp.scaler_state()
     }
 
     /// The current loss scale (a device read on the fused CUDA path).
@@ -633,9 +523,10 @@ impl Engine {
         Ok(self.scaler_state()?.scale)
     }
 
-    /// The loss scaler (its configuration; use [`Self::scaler_state`] for the state).
-    pub fn scaler(&self) -> &LossScaler {
-        &self.scaler
+    /// The mixed-precision state: the loss scaler's configuration and state, and the
+    /// applied-step count.
+    pub fn scaler(&self) -> &AmpState {
+        &self.amp
     }
 
     /// The optimizer (for its state).
@@ -651,10 +542,7 @@ impl Engine {
     /// Applied optimizer steps so far (skipped steps do not count; a device read on the fused
     /// CUDA path).
     pub fn optimizer_steps(&self) -> Result<u64> {
-        match &self.amp_state {
-            Some(a) => Ok(a.to_vec1::<f32>()?[3] as u64),
-            None => Ok(self.applied_steps),
-        }
+        self.amp.applied_steps()
     }
 
     /// Accumulation boundaries so far (applied or skipped optimizer steps); the LR schedule's

@@ -26,6 +26,8 @@ pub struct GradBuffers {
     pool: Vec<Option<Tensor>>,
     weight_sum: f64,
     micro_steps: usize,
+    /// Sum over the window of `0 * scaled_loss`: NaN when some scaled loss was inf or NaN.
+    loss_probe: Option<Tensor>,
 }
 
 /// found_inf, norm and multiplier as host values.
@@ -39,26 +41,25 @@ pub struct HostStats {
     pub multiplier: f64,
 }
 
-/// What the boundary pass found: on the host (CPU paths) or in a device tensor
-/// `[found_inf, norm, multiplier]` (f32, fused CUDA path), read only when asked.
+/// What the boundary pass found: on the host (CPU paths) or in a `(3,)` f32 device tensor
+/// `[found_inf, norm, multiplier]` (fused CUDA path), read only when asked.
 #[derive(Debug, Clone)]
-pub struct GradStats {
-    host: Option<HostStats>,
-    device: Option<Tensor>,
+pub enum GradStats {
+    /// Known on the host.
+    Host(HostStats),
+    /// `[found_inf (0/1), norm, multiplier]`, f32, on the device.
+    Device(Tensor),
 }
 
 impl GradStats {
     /// Stats known on the host.
     pub fn host(stats: HostStats) -> Self {
-        Self {
-            host: Some(stats),
-            device: None,
-        }
+        Self::Host(stats)
     }
 
     /// Finite gradients to be multiplied by `multiplier` (benchmarks, direct optimizer use).
     pub fn clean(multiplier: f64) -> Self {
-        Self::host(HostStats {
+        Self::Host(HostStats {
             found_inf: false,
             norm: f64::NAN,
             multiplier,
@@ -67,31 +68,49 @@ impl GradStats {
 
     /// Stats living in a `(3,)` f32 device tensor `[found_inf, norm, multiplier]`.
     pub fn device(t: Tensor) -> Self {
-        Self {
-            host: None,
-            device: Some(t),
-        }
+        Self::Device(t)
     }
 
     /// The device tensor, when the stats live on the device.
     pub fn tensor(&self) -> Option<&Tensor> {
-        self.device.as_ref()
+        match self {
+            Self::Device(t) => Some(t),
+            Self::Host(_) => None,
+        }
     }
 
     /// The values; reads them back from the device when they live there (a synchronisation).
     pub fn read(&self) -> Result<HostStats> {
-        if let Some(h) = self.host {
-            return Ok(h);
+        match self {
+            Self::Host(h) => Ok(*h),
+            Self::Device(t) => {
+                let v: Vec<f32> = t.to_vec1()?;
+                let [inf, norm, mult] = v[..] else {
+                    bail!("device gradient stats have {} values, expected 3", v.len())
+                };
+                Ok(HostStats {
+                    found_inf: inf != 0.0,
+                    norm: norm as f64,
+                    multiplier: mult as f64,
+                })
+            }
         }
-        let t = self
-            .device
-            .as_ref()
-            .ok_or_else(|| anyhow::anyhow!("empty GradStats"))?;
-        let v: Vec<f32> = t.to_vec1()?;
-        Ok(HostStats {
-            found_inf: v[0] != 0.0,
-            norm: v[1] as f64,
-            multiplier: v[2] as f64,
+    }
+
+    /// `self` with found_inf also set where `earlier` found it: the stats of value-clipped
+    /// gradients keep the overflow seen before the clamp (PyTorch: `unscale_` finds the inf,
+    /// then `clip_grad_value_`, then the step is skipped). No device read.
+    pub fn with_found_inf_of(self, earlier: &GradStats) -> Result<GradStats> {
+        Ok(match (self, earlier) {
+            (Self::Host(h), Self::Host(e)) => Self::Host(HostStats {
+                found_inf: h.found_inf || e.found_inf,
+                ..h
+            }),
+            (Self::Device(t), Self::Device(e)) => {
+                let inf = t.narrow(0, 0, 1)?.maximum(&e.narrow(0, 0, 1)?)?;
+                Self::Device(Tensor::cat(&[&inf, &t.narrow(0, 1, 2)?], 0)?)
+            }
+            _ => bail!("gradient stats on the host and on the device cannot be combined"),
         })
     }
 }
@@ -129,7 +148,44 @@ impl GradBuffers {
             pool: vec![None; n],
             weight_sum: 0.0,
             micro_steps: 0,
+            loss_probe: None,
         }
+    }
+
+    /// Records this micro-batch's scaled loss (a scalar f32 tensor): a window in which one is
+    /// inf or NaN is skipped whatever its gradients. No device read.
+    pub fn note_scaled_loss(&mut self, scaled_loss: &Tensor) -> Result<()> {
+        let z = scaled_loss.affine(0.0, 0.0)?.reshape(1)?;
+        self.loss_probe = Some(match self.loss_probe.take() {
+            Some(p) => (p + z)?,
+            None => z,
+        });
+        Ok(())
+    }
+
+    /// Replaces the gradients of the parameters where `reduced[i]` is set by the global
+    /// (all-reduced, weight-normalised) gradient, and the normaliser by 1: what data
+    /// parallelism writes back before the boundary pass. Other buffers keep their values.
+    pub fn set_reduced(&mut self, reduced: Vec<Option<Tensor>>) -> Result<()> {
+        if reduced.len() != self.bufs.len() {
+            bail!(
+                "set_reduced: {} gradients for {} buffers",
+                reduced.len(),
+                self.bufs.len()
+            );
+        }
+        for (b, r) in self.bufs.iter_mut().zip(reduced) {
+            if let Some(r) = r {
+                *b = Some(r);
+            }
+        }
+        self.weight_sum = 1.0;
+        Ok(())
+    }
+
+    /// The normaliser `sum_i w_i` of this window.
+    pub fn weight_sum(&self) -> f64 {
+        self.weight_sum
     }
 
     /// Adds `weight * grad` for every parameter that received a gradient (frozen parameters
@@ -210,6 +266,7 @@ impl GradBuffers {
         self.bufs.iter_mut().for_each(|b| *b = None);
         self.weight_sum = 0.0;
         self.micro_steps = 0;
+        self.loss_probe = None;
     }
 
     /// The boundary pass: `found_inf`, the global norm of the true gradients for a loss scaled
@@ -226,12 +283,20 @@ impl GradBuffers {
         }
         let unscale = 1.0 / (loss_scale as f64 * self.weight_sum);
         let bufs: Vec<&Tensor> = self.bufs.iter().flatten().collect();
-        let (sumsq, found_inf) = if fused {
+        let (sumsq, grads_bad) = if fused {
             fused_sumsq(&bufs)?
         } else {
             reference_sumsq(&bufs)?
         };
+        let loss_bad = match &self.loss_probe {
+            Some(p) => !p.to_vec1::<f32>()?[0].is_finite(),
+            None => false,
+        };
         let norm = sumsq.sqrt() * unscale;
+        // GradScaler checks the reciprocal of the scale: a multiplier that is not finite in
+        // f32 (an underflowed scale) would write 0 * inf = NaN into every weight
+        let mult_bad = !((unscale as f32).is_finite() && unscale > 0.0);
+        let found_inf = grads_bad || loss_bad || mult_bad;
         let clip = if found_inf {
             1.0
         } else {
@@ -261,6 +326,7 @@ impl GradBuffers {
             amp_state,
             self.weight_sum as f32,
             max_norm.map(|m| m as f32),
+            self.loss_probe.as_ref(),
         )?;
         Ok(GradStats::device(t))
     }
@@ -357,6 +423,7 @@ mod tests {
             pool: vec![],
             weight_sum: 2.0,
             micro_steps: 1,
+            loss_probe: None,
         };
         for fused in [false, true] {
             let s = bufs.unscale_and_check(4.0, Some(0.25), fused)?.read()?;
@@ -371,6 +438,7 @@ mod tests {
             pool: vec![],
             weight_sum: 1.0,
             micro_steps: 1,
+            loss_probe: None,
         };
         assert!(bufs.unscale_and_check(1.0, None, true)?.read()?.found_inf);
         assert!(bufs.unscale_and_check(1.0, None, false)?.read()?.found_inf);

@@ -1,25 +1,34 @@
 //! Loss scaling for f16 training, with the semantics and defaults of PyTorch's
-//! `torch.amp.GradScaler` (`_amp_update_scale_`), plus optional hysteresis as in
-//! apex/DeepSpeed's `DynamicLossScaler`.
+//! `torch.amp.GradScaler` (`_amp_update_scale_`), plus optional hysteresis with the semantics
+//! of DeepSpeed's `DynamicLossScaler` (`deepspeed/runtime/fp16/loss_scaler.py`,
+//! `consecutive_hysteresis=False`) and a positive floor for the scale (DeepSpeed's
+//! `min_loss_scale`).
 //!
 //! State machine (dynamic), after each optimizer step with `found_inf`:
 //! ```text
 //! if found_inf:
 //!     growth_tracker = 0
-//!     hysteresis_left -= 1
-//!     if hysteresis_left == 0:            # with hysteresis = 1 (default): every overflow
+//!     if hysteresis_left <= 1:            # with hysteresis = 1 (default): every overflow
 //!         scale = max(scale * backoff_factor, min_scale)
-//!         hysteresis_left = hysteresis
+//!     else:
+//!         hysteresis_left -= 1            # tolerated; not refilled by a backoff
 //! else:
 //!     growth_tracker += 1
 //!     if growth_tracker == growth_interval:
 //!         if isfinite(scale * growth_factor): scale = min(scale * growth_factor, max_scale)
 //!         growth_tracker = 0
-//!         hysteresis_left = hysteresis
+//!         hysteresis_left = hysteresis    # refilled only when the scale grows
 //! ```
-//! A step with `found_inf` is skipped by the engine whatever the scaler kind.
+//! With hysteresis 2 and overflows T T T T F T T from 65536 the scales are 65536, 32768,
+//! 16384, 8192, 8192, 4096, 2048, as DeepSpeed's. With hysteresis 1 it is GradScaler's
+//! machine, except that the scale never goes below `min_scale` (> 0; GradScaler has no floor
+//! and can halve to exactly 0, after which `loss * 0` trains nothing). A step with
+//! `found_inf` is skipped by the engine whatever the scaler kind.
 
 use crate::precision::Precision;
+
+/// The default floor of the loss scale: 2^-14, the smallest normal f16.
+pub const DEFAULT_MIN_SCALE: f32 = 6.103_515_6e-5;
 
 /// How the loss is scaled.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -46,10 +55,12 @@ pub struct ScalerConfig {
     pub backoff_factor: f32,
     /// Clean steps between growths (≥ 1).
     pub growth_interval: u32,
-    /// Consecutive overflows tolerated before backing off (1 = back off on every overflow,
-    /// GradScaler's behaviour; DeepSpeed's `hysteresis`).
+    /// Overflows tolerated before backing off (1 = back off on every overflow, GradScaler's
+    /// behaviour; DeepSpeed's `hysteresis`, refilled only when the scale grows).
     pub hysteresis: u32,
-    /// Lower bound for the scale.
+    /// Lower bound for the scale: finite and > 0. Default 2^-14 (the smallest normal f16),
+    /// far below any scale f16 training recovers from, and far above the f32 underflow whose
+    /// reciprocal is inf.
     pub min_scale: f32,
     /// Upper bound for the scale.
     pub max_scale: f32,
@@ -64,7 +75,7 @@ impl Default for ScalerConfig {
             backoff_factor: 0.5,
             growth_interval: 2000,
             hysteresis: 1,
-            min_scale: 0.0,
+            min_scale: DEFAULT_MIN_SCALE,
             max_scale: f32::MAX,
         }
     }
@@ -106,6 +117,11 @@ impl ScalerConfig {
         anyhow::ensure!(self.growth_interval >= 1, "growth_interval must be >= 1");
         anyhow::ensure!(self.hysteresis >= 1, "hysteresis must be >= 1");
         anyhow::ensure!(
+            self.min_scale.is_finite() && self.min_scale > 0.0,
+            "min_scale must be finite and > 0 (a scale of 0 trains nothing), got {}",
+            self.min_scale
+        );
+        anyhow::ensure!(
             self.min_scale <= self.max_scale,
             "min_scale must be <= max_scale"
         );
@@ -122,6 +138,19 @@ pub struct ScalerState {
     pub growth_tracker: u32,
     /// Overflows still tolerated before the next backoff.
     pub hysteresis_left: u32,
+}
+
+impl ScalerState {
+    /// Checks what a checkpoint may hold: a finite scale > 0. `Engine::state` (and so every
+    /// save) and checkpoint loading both apply it, so what `save` writes, `load` accepts.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            self.scale.is_finite() && self.scale > 0.0,
+            "invalid loss scale {} (must be finite and > 0)",
+            self.scale
+        );
+        Ok(())
+    }
 }
 
 /// A loss scaler: multiplies the loss by `scale` before backward and updates `scale` from
@@ -178,10 +207,10 @@ impl LossScaler {
         let s = &mut self.state;
         if found_inf {
             s.growth_tracker = 0;
-            s.hysteresis_left = s.hysteresis_left.saturating_sub(1);
-            if s.hysteresis_left == 0 {
+            if s.hysteresis_left <= 1 {
                 s.scale = (s.scale * c.backoff_factor).max(c.min_scale);
-                s.hysteresis_left = c.hysteresis;
+            } else {
+                s.hysteresis_left -= 1;
             }
         } else {
             s.growth_tracker += 1;

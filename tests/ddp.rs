@@ -9,8 +9,8 @@ use candle_core::{DType, Device, Module, Tensor};
 use rand::{Rng, SeedableRng};
 use std::sync::Arc;
 use wick::data::{DistributedSampler, Sampler};
-use wick::dist::ddp::{all_gather_unpad, assign_buckets, average_buckets, reduce_scatter_average};
-use wick::dist::{BucketConfig, Collective, DdpConfig, LocalCollective, ShardLayout};
+use wick::dist::ddp::assign_buckets;
+use wick::dist::{BucketConfig, Collective, DdpConfig, LocalCollective};
 use wick::{loss, nn, Engine, EngineConfig, ParamStore, Precision, ScalerConfig};
 
 const IN: usize = 6;
@@ -170,61 +170,6 @@ fn bucketing_covers_every_parameter_once_and_respects_the_cap() -> Result<()> {
     let b = ddp.buckets(&store.params())?;
     assert!(b.len() > 1);
     assert_eq!(b.iter().map(|b| b.members.len()).sum::<usize>(), 6);
-    Ok(())
-}
-
-#[test]
-fn bucketed_averaging_is_exact() -> Result<()> {
-    let shapes: Vec<Vec<usize>> = vec![vec![4, 5], vec![7], vec![3, 2, 2], vec![1], vec![33]];
-    let numels: Vec<usize> = shapes.iter().map(|s| s.iter().product()).collect();
-    fn data(rank: usize) -> Vec<Vec<f32>> {
-        let mut rng = rand::rngs::StdRng::seed_from_u64(rank as u64);
-        [20usize, 7, 12, 1, 33]
-            .iter()
-            .map(|&n| (0..n).map(|_| rng.random_range(-3.0f32..3.0)).collect())
-            .collect()
-    }
-    for world in [2usize, 3] {
-        let shapes2 = shapes.clone();
-        let numels2 = numels.clone();
-        let out = run_ranks(world, move |rank, c| {
-            let ts: Vec<Tensor> = data(rank)
-                .into_iter()
-                .zip(&shapes2)
-                .map(|(v, s)| Tensor::from_vec(v, s.as_slice(), &Device::Cpu).unwrap())
-                .collect();
-            // 40 bytes: several buckets, one of them a single oversize tensor
-            let cfg = BucketConfig {
-                bucket_cap_mb: 40.0 / (1024.0 * 1024.0),
-                first_bucket_cap_mb: None,
-            };
-            let b = assign_buckets(&numels2, 4, &cfg)?;
-            assert!(b.len() >= 3);
-            let avg = average_buckets(c.as_ref(), &ts, &b)?;
-            Ok(avg
-                .iter()
-                .map(|t| t.flatten_all().unwrap().to_vec1::<f32>().unwrap())
-                .collect::<Vec<_>>())
-        });
-        let all: Vec<Vec<Vec<f32>>> = (0..world).map(data).collect();
-        for (rank, o) in out.into_iter().enumerate() {
-            let o = o?;
-            for (i, t) in o.iter().enumerate() {
-                for (j, &v) in t.iter().enumerate() {
-                    let mut s = all[0][i][j];
-                    for r in all.iter().skip(1) {
-                        s += r[i][j];
-                    }
-                    // bitwise: sum in rank order, one IEEE division
-                    assert_eq!(
-                        v.to_bits(),
-                        (s / world as f32).to_bits(),
-                        "world {world} rank {rank} tensor {i}[{j}]"
-                    );
-                }
-            }
-        }
-    }
     Ok(())
 }
 
@@ -564,60 +509,6 @@ fn different_models_on_two_ranks_are_refused_on_both() {
         let e = format!("{:#}", o.unwrap_err());
         assert!(e.contains("parameter layout differs across ranks"), "{e}");
     }
-}
-
-#[test]
-fn zero_shards_partition_the_flat_parameter_space() -> Result<()> {
-    let mut rng = rand::rngs::StdRng::seed_from_u64(9);
-    for _ in 0..200 {
-        let numels: Vec<usize> = (0..rng.random_range(1..12))
-            .map(|_| rng.random_range(0..50))
-            .collect();
-        let total: usize = numels.iter().sum();
-        let world = rng.random_range(1..9);
-        let align = [1, 2, 4, 32][rng.random_range(0..4)];
-        let l = ShardLayout::new(total, world, align)?;
-        assert_eq!(l.shard_len % align, 0);
-        assert!(l.padded_len() >= total && l.padding() < world * align + world);
-        let mut covered = vec![0u8; total];
-        let mut per_param: Vec<Vec<u8>> = numels.iter().map(|&n| vec![0; n]).collect();
-        for r in 0..world {
-            let s = l.shard_range(r);
-            assert_eq!(s.len(), l.shard_len);
-            assert_eq!(s.start, r * l.shard_len);
-            for i in l.owned_range(r) {
-                covered[i] += 1;
-            }
-            let mut at = 0;
-            for ps in l.param_slices(r, &numels) {
-                assert_eq!(ps.in_param.len(), ps.in_shard.len());
-                assert!(ps.in_shard.start >= at, "slices in shard order");
-                at = ps.in_shard.end;
-                for i in ps.in_param.clone() {
-                    per_param[ps.param][i] += 1;
-                }
-            }
-        }
-        assert!(covered.iter().all(|&c| c == 1));
-        assert!(per_param.iter().flatten().all(|&c| c == 1));
-    }
-    // reduce-scatter + all-gather (ZeRO-1's two halves) = all-reduce average
-    let out = run_ranks(3, |rank, c| {
-        let v: Vec<f32> = (0..10).map(|i| (i * (rank + 1)) as f32 * 0.25).collect();
-        let flat = Tensor::from_vec(v, 10, &Device::Cpu)?;
-        let l = ShardLayout::new(10, 3, 2)?;
-        let shard = reduce_scatter_average(c.as_ref(), &l, &flat)?;
-        assert_eq!(shard.elem_count(), 4);
-        let full = all_gather_unpad(c.as_ref(), &l, &shard)?;
-        Ok(full.to_vec1::<f32>()?)
-    });
-    for o in out {
-        let want: Vec<f32> = (0..10)
-            .map(|i| (i as f32 * 0.25 + (i * 2) as f32 * 0.25 + (i * 3) as f32 * 0.25) / 3.0)
-            .collect();
-        assert_eq!(o?, want);
-    }
-    Ok(())
 }
 
 #[test]

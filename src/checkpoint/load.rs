@@ -53,13 +53,11 @@ pub fn read_state(path: impl AsRef<Path>) -> Result<TrainerState> {
     );
     let state: TrainerState = serde_json::from_value(raw)
         .with_context(|| format!("checkpoint {}: invalid trainer state", file.display()))?;
-    let s = state.engine.scaler;
-    ensure!(
-        s.scale.is_finite() && s.scale > 0.0,
-        "checkpoint {}: invalid loss scale {} in engine.scaler",
-        file.display(),
-        s.scale
-    );
+    state
+        .engine
+        .scaler
+        .validate()
+        .with_context(|| format!("checkpoint {}: engine.scaler", file.display()))?;
     ensure!(
         state.engine.applied_steps <= state.engine.boundaries,
         "checkpoint {}: engine.applied_steps {} > engine.boundaries {}",

@@ -11,13 +11,16 @@ use std::collections::BTreeMap;
 
 /// `[found_inf, norm, multiplier]` (f32, on the device) for gradient buffers `grads` (any mix of
 /// f32/bf16/f16), a loss scale in `amp_state[0]`, the accumulation normaliser
-/// `weight_sum = sum_w` and an optional clip threshold. Deterministic: per-block
+/// `weight_sum = sum_w` and an optional clip threshold. found_inf is also set when the
+/// `(1,)` `loss_probe` (the window's `sum 0 * scaled_loss`) is not finite, and when the
+/// multiplier's unscale factor is not a finite positive f32 (an underflowed scale). Deterministic: per-block
 /// partial sums of squares in f64 in a fixed order, no float atomics. No host synchronisation.
 pub fn grad_stats(
     grads: &[&Tensor],
     amp_state: &Tensor,
     weight_sum: f32,
     max_norm: Option<f32>,
+    loss_probe: Option<&Tensor>,
 ) -> Result<Tensor> {
     let dev = cuda_device(amp_state)?;
     let mut keep = Vec::new();
@@ -70,12 +73,14 @@ pub fn grad_stats(
         dev.get_or_load_custom_func("finalize_grad_stats", "wick_grad_norm", ptx::GRAD_NORM)?;
     let n = blocks as i32;
     let max_norm = max_norm.unwrap_or(0.0);
+    let probe_addr = loss_probe.map(addr).transpose()?.unwrap_or(0);
     let mut b = func.builder();
     b.arg(&partials_addr)
         .arg(&n)
         .arg(&amp_addr)
         .arg(&weight_sum)
         .arg(&max_norm)
+        .arg(&probe_addr)
         .arg(&stats_addr);
     let cfg = LaunchConfig {
         grid_dim: (1, 1, 1),

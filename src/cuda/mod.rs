@@ -7,12 +7,11 @@
 //! tests compare against (`cargo test --features cuda` on a GPU machine).
 
 pub mod accumulate;
-pub mod adamw;
 pub mod debug;
 pub mod grad_norm;
 pub mod memory;
 pub mod scaler;
-pub mod sgd;
+pub mod update;
 
 /// The embedded PTX modules, one constant per `kernels/*.cu` file.
 pub mod ptx {
@@ -32,7 +31,8 @@ pub fn cuda_device(t: &Tensor) -> Result<CudaDevice> {
     }
 }
 
-/// Device address of the first element of a contiguous CUDA tensor (f32, bf16, f16, u32, f64).
+/// Device address of the first element of a contiguous CUDA tensor (f32, bf16, f16, u32, f64,
+/// i64).
 ///
 /// The address stays valid while `t` (or a clone sharing its storage) is alive; candle never
 /// moves a storage. Every launch goes to candle's single stream, so ordering with candle's
@@ -55,6 +55,7 @@ pub fn addr(t: &Tensor) -> Result<u64> {
         DType::F16 => (c.as_cuda_slice::<half::f16>()?.device_ptr(&stream).0, 2),
         DType::U32 => (c.as_cuda_slice::<u32>()?.device_ptr(&stream).0, 4),
         DType::F64 => (c.as_cuda_slice::<f64>()?.device_ptr(&stream).0, 8),
+        DType::I64 => (c.as_cuda_slice::<i64>()?.device_ptr(&stream).0, 8),
         d => bail!("unsupported dtype {d:?} for a wick kernel"),
     };
     Ok(base + (layout.start_offset() * elem) as u64)
@@ -146,35 +147,3 @@ pub fn update_operands(
 /// the kernel instantiation each group needs.
 pub type UpdateGroups<const D: usize> =
     std::collections::BTreeMap<(&'static str, &'static str), Vec<crate::multi_tensor::Row<D>>>;
-
-/// Enqueues `{prefix}_{grad}_{working}(meta, stats, amp_state, args)` for every group, one
-/// launch per [`crate::multi_tensor::plan`] launch (the AdamW and SGD updates share this shape).
-/// No host synchronisation.
-#[allow(clippy::too_many_arguments)]
-pub fn launch_update_groups<const D: usize, A: candle_core::cuda::cudarc::driver::DeviceRepr>(
-    dev: &CudaDevice,
-    prefix: &str,
-    module: &str,
-    ptx: &'static str,
-    groups: UpdateGroups<D>,
-    stats_addr: u64,
-    amp_addr: u64,
-    args: &A,
-) -> Result<()>
-where
-    crate::multi_tensor::Meta<D>: candle_core::cuda::cudarc::driver::DeviceRepr,
-{
-    use candle_core::cuda::cudarc::driver::PushKernelArg;
-    use candle_core::cuda::WrapErr;
-    for ((gs, ws), list) in groups {
-        let func = dev.get_or_load_custom_func(&format!("{prefix}_{gs}_{ws}"), module, ptx)?;
-        for l in crate::multi_tensor::plan(&list) {
-            let mut b = func.builder();
-            b.arg(&l.meta).arg(&stats_addr).arg(&amp_addr).arg(args);
-            // SAFETY: the table holds live device addresses of `numel` elements per list, of
-            // the dtypes the kernel's suffixes name; stats and amp_state are f32 device tensors.
-            unsafe { b.launch(mt_config(&l)) }.w()?;
-        }
-    }
-    Ok(())
-}

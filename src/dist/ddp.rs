@@ -38,9 +38,7 @@ use super::{Collective, ReduceOp};
 use crate::grads::{GradBuffers, GradStats, HostStats};
 use crate::params::{Param, ParamStore};
 use anyhow::{bail, Context, Result};
-use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor};
-use std::ops::Range;
 
 /// Bytes per MiB (PyTorch's `bucket_cap_mb` is in MiB: `int(bucket_cap_mb * 1024 * 1024)`).
 const MIB: f64 = 1024.0 * 1024.0;
@@ -178,84 +176,6 @@ pub fn assign_buckets(
     Ok(buckets)
 }
 
-/// One f32 vector: the concatenation of the flattened `tensors` (any float dtype, one device).
-pub fn flatten(tensors: &[&Tensor]) -> Result<Tensor> {
-    if tensors.is_empty() {
-        bail!("flatten: no tensors");
-    }
-    let parts = tensors
-        .iter()
-        .map(|t| Ok(t.flatten_all()?.to_dtype(DType::F32)?))
-        .collect::<Result<Vec<_>>>()?;
-    Ok(Tensor::cat(&parts, 0)?)
-}
-
-/// The inverse of [`flatten`]: consecutive pieces of `flat` reshaped to `shapes` (f32).
-pub fn unflatten(flat: &Tensor, shapes: &[&[usize]]) -> Result<Vec<Tensor>> {
-    let total: usize = shapes.iter().map(|s| s.iter().product::<usize>()).sum();
-    if flat.rank() != 1 || flat.elem_count() < total {
-        bail!(
-            "unflatten: a flat tensor of {} elements cannot hold shapes {shapes:?}",
-            flat.elem_count()
-        );
-    }
-    let mut out = Vec::with_capacity(shapes.len());
-    let mut off = 0;
-    for s in shapes {
-        let n: usize = s.iter().product();
-        out.push(flat.narrow(0, off, n)?.reshape(*s)?);
-        off += n;
-    }
-    Ok(out)
-}
-
-/// `sum over ranks / world_size` of every tensor, one collective call per bucket (PyTorch
-/// DDP's averaging). `tensors` are this rank's (same shapes on every rank); the results are f32,
-/// in the order of `tensors`. The division is an exact IEEE division (not a multiplication by
-/// the reciprocal).
-pub fn average_buckets(
-    coll: &dyn Collective,
-    tensors: &[Tensor],
-    buckets: &[Bucket],
-) -> Result<Vec<Tensor>> {
-    check_cover(buckets, tensors.len())?;
-    let mut out: Vec<Option<Tensor>> = vec![None; tensors.len()];
-    let w = coll.world_size();
-    for b in buckets {
-        let members: Vec<&Tensor> = b.members.iter().map(|&i| &tensors[i]).collect();
-        let flat = flatten(&members)?;
-        let mut sum = coll.all_reduce_sum(&flat)?;
-        if w > 1 {
-            sum = sum.broadcast_div(&Tensor::new(w as f32, sum.device())?)?;
-        }
-        let shapes: Vec<&[usize]> = members.iter().map(|t| t.dims()).collect();
-        for (&i, t) in b.members.iter().zip(unflatten(&sum, &shapes)?) {
-            out[i] = Some(t);
-        }
-    }
-    out.into_iter()
-        .enumerate()
-        .map(|(i, t)| t.with_context(|| format!("tensor {i} is in no bucket")))
-        .collect()
-}
-
-/// Errors unless the buckets cover `0..n` exactly once.
-fn check_cover(buckets: &[Bucket], n: usize) -> Result<()> {
-    let mut seen = vec![false; n];
-    for b in buckets {
-        for &i in &b.members {
-            if i >= n || seen[i] {
-                bail!("buckets do not partition {n} tensors (index {i} out of range or repeated)");
-            }
-            seen[i] = true;
-        }
-    }
-    if let Some(i) = seen.iter().position(|s| !s) {
-        bail!("tensor {i} is in no bucket");
-    }
-    Ok(())
-}
-
 /// The global found_inf: all-reduce MAX of this rank's flag (a one-element tensor on `device`).
 pub fn agree_found_inf(coll: &dyn Collective, local: bool, device: &Device) -> Result<bool> {
     if coll.world_size() == 1 {
@@ -264,144 +184,6 @@ pub fn agree_found_inf(coll: &dyn Collective, local: bool, device: &Device) -> R
     let flag = Tensor::new(&[f32::from(u8::from(local))], device)?;
     let v = coll.all_reduce(&flag, ReduceOp::Max)?.to_vec1::<f32>()?;
     Ok(v.first().is_some_and(|&x| x != 0.0))
-}
-
-// ------------------------------------------------------------------------------------------
-// ZeRO-1 shard arithmetic
-// ------------------------------------------------------------------------------------------
-
-/// How a flat vector of `total` elements splits into `world` equal shards (ZeRO-1): each shard
-/// has `shard_len` elements (a multiple of `align`), the vector is padded at the end to
-/// `world * shard_len`, and rank `r` owns `r * shard_len .. (r + 1) * shard_len`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ShardLayout {
-    /// Elements of the unpadded flat vector.
-    pub total: usize,
-    /// Number of shards (ranks).
-    pub world: usize,
-    /// Elements per shard (padding included).
-    pub shard_len: usize,
-}
-
-/// The part of one parameter that one shard holds.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ParamSlice {
-    /// Index of the parameter (position in the `numels` list).
-    pub param: usize,
-    /// Elements of the flattened parameter held by the shard.
-    pub in_param: Range<usize>,
-    /// Where they sit in the shard.
-    pub in_shard: Range<usize>,
-}
-
-impl ShardLayout {
-    /// Shards of `ceil(total / world)` elements rounded up to a multiple of `align` (≥ 1; e.g.
-    /// 32 f32 elements keep every shard 128-byte aligned).
-    pub fn new(total: usize, world: usize, align: usize) -> Result<Self> {
-        if world == 0 {
-            bail!("ShardLayout: world must be >= 1");
-        }
-        if align == 0 {
-            bail!("ShardLayout: align must be >= 1");
-        }
-        let per = total.div_ceil(world);
-        let shard_len = per.div_ceil(align) * align;
-        Ok(Self {
-            total,
-            world,
-            shard_len,
-        })
-    }
-
-    /// `world * shard_len`: the padded length, what reduce-scatter and all-gather carry.
-    pub fn padded_len(&self) -> usize {
-        self.world * self.shard_len
-    }
-
-    /// Padding elements at the end of the flat vector.
-    pub fn padding(&self) -> usize {
-        self.padded_len() - self.total
-    }
-
-    /// Rank `rank`'s range in the padded vector (empty for a rank outside the group).
-    pub fn shard_range(&self, rank: usize) -> Range<usize> {
-        if rank >= self.world {
-            return 0..0;
-        }
-        rank * self.shard_len..(rank + 1) * self.shard_len
-    }
-
-    /// Rank `rank`'s range of real (unpadded) elements: `shard_range ∩ 0..total` (possibly
-    /// empty for the last ranks of a tiny vector).
-    pub fn owned_range(&self, rank: usize) -> Range<usize> {
-        let r = self.shard_range(rank);
-        r.start.min(self.total)..r.end.min(self.total)
-    }
-
-    /// The slices of the parameters (of `numels` elements each, concatenated in order into the
-    /// flat vector) that rank `rank` owns, in flat order.
-    pub fn param_slices(&self, rank: usize, numels: &[usize]) -> Vec<ParamSlice> {
-        let own = self.owned_range(rank);
-        let base = self.shard_range(rank).start;
-        let mut out = Vec::new();
-        let mut start = 0;
-        for (i, &n) in numels.iter().enumerate() {
-            let (a, b) = (start.max(own.start), (start + n).min(own.end));
-            if a < b {
-                out.push(ParamSlice {
-                    param: i,
-                    in_param: a - start..b - start,
-                    in_shard: a - base..b - base,
-                });
-            }
-            start += n;
-        }
-        out
-    }
-
-    /// `flat` (1-D, `total` elements) padded with zeros to [`Self::padded_len`].
-    pub fn pad(&self, flat: &Tensor) -> Result<Tensor> {
-        if flat.rank() != 1 || flat.elem_count() != self.total {
-            bail!(
-                "ShardLayout::pad: expected a flat tensor of {} elements, got shape {:?}",
-                self.total,
-                flat.dims()
-            );
-        }
-        if self.padding() == 0 {
-            return Ok(flat.clone());
-        }
-        let z = Tensor::zeros(self.padding(), flat.dtype(), flat.device())?;
-        Ok(Tensor::cat(&[flat, &z], 0)?)
-    }
-}
-
-/// ZeRO-1's gradient step on a flat gradient: pads it, reduce-scatters the sum and divides by
-/// the world size. Returns this rank's averaged shard (`layout.shard_len` elements).
-pub fn reduce_scatter_average(
-    coll: &dyn Collective,
-    layout: &ShardLayout,
-    flat: &Tensor,
-) -> Result<Tensor> {
-    let padded = layout.pad(&flat.to_dtype(DType::F32)?)?;
-    let shard = coll.reduce_scatter_sum(&padded)?;
-    Ok(shard.broadcast_div(&Tensor::new(coll.world_size() as f32, shard.device())?)?)
-}
-
-/// ZeRO-1's parameter step: all-gathers every rank's updated shard and drops the padding.
-pub fn all_gather_unpad(
-    coll: &dyn Collective,
-    layout: &ShardLayout,
-    shard: &Tensor,
-) -> Result<Tensor> {
-    if shard.elem_count() != layout.shard_len {
-        bail!(
-            "all_gather_unpad: shard of {} elements, layout says {}",
-            shard.elem_count(),
-            layout.shard_len
-        );
-    }
-    Ok(coll.all_gather(shard)?.narrow(0, 0, layout.total)?)
 }
 
 // ------------------------------------------------------------------------------------------
@@ -611,7 +393,7 @@ impl Ddp {
                     .with_context(|| format!("all-reduce of gradient bucket {bi}"))?;
                 self.unpack_bucket(params, &idx, b, bi, sum, &mut total_weight, &mut reduced)?;
             }
-            return self.install(params, grads, reduced);
+            return grads.set_reduced(reduced);
         }
         {
             let bufs = grads.buffers();
@@ -640,7 +422,7 @@ impl Ddp {
                 self.unpack_bucket(params, &idx, b, bi, sum, &mut total_weight, &mut reduced)?;
             }
         }
-        self.install(params, grads, reduced)
+        grads.set_reduced(reduced)
     }
 
     /// CUDA: one f32 buffer holding the bucket's gradients (times `scale` when given) and, for
@@ -708,28 +490,6 @@ impl Ddp {
         Ok(())
     }
 
-    /// Installs the reduced gradients with normaliser 1 (GradBuffers' single-micro-batch path
-    /// keeps them as they are); parameters outside the reduction keep their buffers.
-    fn install(
-        &self,
-        params: &[Param],
-        grads: &mut GradBuffers,
-        mut reduced: Vec<Option<Tensor>>,
-    ) -> Result<()> {
-        let mut store = GradStore::default();
-        for (i, p) in params.iter().enumerate() {
-            let g = match reduced[i].take() {
-                Some(g) => Some(g),
-                None => grads.buffers().get(i).cloned().flatten(),
-            };
-            if let Some(g) = g {
-                store.insert(p.differentiated(), g);
-            }
-        }
-        grads.clear();
-        grads.accumulate(params, &store, 1.0, true)
-    }
-
     /// Makes the boundary statistics agree across ranks (all-reduce MAX; see
     /// [`DdpConfig::agree_found_inf`]): on the device the whole `[found_inf, norm, multiplier]`
     /// tensor (no host synchronisation), on the host the found_inf flag.
@@ -775,31 +535,6 @@ mod tests {
         )
         .is_err());
         assert!(assign_buckets(&[], 4, &cfg)?.is_empty());
-        Ok(())
-    }
-
-    #[test]
-    fn shard_layout_pads_and_slices() -> Result<()> {
-        let l = ShardLayout::new(10, 3, 2)?;
-        assert_eq!((l.shard_len, l.padded_len(), l.padding()), (4, 12, 2));
-        assert_eq!((l.owned_range(0), l.owned_range(2)), (0..4, 8..10));
-        let s = l.param_slices(1, &[3, 4, 3]);
-        assert_eq!(
-            s,
-            vec![
-                ParamSlice {
-                    param: 1,
-                    in_param: 1..4,
-                    in_shard: 0..3
-                },
-                ParamSlice {
-                    param: 2,
-                    in_param: 0..1,
-                    in_shard: 3..4
-                },
-            ]
-        );
-        assert!(ShardLayout::new(1, 0, 1).is_err());
         Ok(())
     }
 }

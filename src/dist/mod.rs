@@ -39,10 +39,12 @@ pub mod local;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod rendezvous;
+pub mod sync;
 pub mod watchdog;
 pub mod zero;
 
-pub use ddp::{Bucket, BucketConfig, DdpConfig, ShardLayout};
+pub use ddp::{Bucket, BucketConfig, DdpConfig};
+pub use sync::GradSync;
 pub use local::LocalCollective;
 pub use rendezvous::DistEnv;
 

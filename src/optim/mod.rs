@@ -11,14 +11,18 @@
 //! L2 decay), both with `torch.optim` semantics.
 //!
 //! The engine hands the optimizer raw fp32 gradient buffers plus one multiplier
-//! (`unscale * clip`), so unscaling and clipping cost no extra pass.
+//! (`unscale * clip`), so unscaling and clipping cost no extra pass. What every optimizer
+//! shares (work list, state, step counts, save/load, ZeRO-1 ownership) is in [`driver`]; an
+//! optimizer file holds only its [`UpdateRule`].
 
 pub mod adamw;
+pub mod driver;
 pub mod schedule;
 pub mod sgd;
 
 pub use crate::grads::{GradStats, HostStats};
 pub use adamw::{AdamW, AdamWConfig};
+pub use driver::{Driver, UpdateRule};
 pub use schedule::LrSchedule;
 pub use sgd::{Sgd, SgdConfig};
 
@@ -84,9 +88,6 @@ pub struct StepInputs<'a> {
     pub stats: &'a GradStats,
     /// This step's learning rate.
     pub lr: f64,
-    /// The engine's device state `[scale, growth_tracker, hysteresis_left, applied_steps]`
-    /// (fused CUDA path only).
-    pub amp_state: Option<&'a Tensor>,
     /// Seed for stochastic rounding of working copies at this step (the engine's boundary
     /// count, which checkpoints record, so a resumed run rounds the same way).
     pub seed: u64,
@@ -96,24 +97,26 @@ pub struct StepInputs<'a> {
 }
 
 impl<'a> StepInputs<'a> {
-    /// Inputs for a host-side step (CPU paths, benchmarks): `stats` and `lr`, no device state.
+    /// Inputs for a step with `stats` at learning rate `lr`: seed 0, round to nearest.
     pub fn host(stats: &'a GradStats, lr: f64) -> Self {
         Self {
             stats,
             lr,
-            amp_state: None,
             seed: 0,
             stochastic_rounding: false,
         }
     }
 }
 
-/// The optimizer seam: update masters (and moments) from gradient buffers.
+/// The optimizer seam: update masters (and moments) from gradient buffers. Implemented once,
+/// by [`Driver`], for every [`UpdateRule`].
 pub trait Optimizer: Send {
     /// Applies one update. `grads[i]` is the gradient buffer of `params[i]` (`None`: no
     /// gradient, parameter untouched), to be multiplied by the stats' multiplier before use.
     /// The step is skipped when the stats report found_inf. Returns whether it was applied when
     /// that is known on the host (`None`: decided on the device, without synchronisation).
+    /// Errors (a gradient of the wrong shape, dtype or device, named) leave everything as it
+    /// was.
     fn step(
         &mut self,
         params: &[Param],
@@ -124,103 +127,29 @@ pub trait Optimizer: Send {
     /// True when the update also writes the working copies (no separate refresh needed).
     fn writes_working_copies(&self) -> bool;
 
-    /// Optimizer state by name (`"{param}.exp_avg"`, ...), for checkpoints and tests.
+    /// ZeRO-1: the parameters this rank updates and keeps state for (`owned[i]` for
+    /// `params[i]`); `None`: all of them.
+    fn set_owned(&mut self, owned: Option<Vec<bool>>);
+
+    /// Optimizer state by name (`"{param}.exp_avg"`, ..., and `"{param}.step"`, an exact
+    /// `i64`), for checkpoints and tests (a device read on the fused CUDA path).
     fn state_tensors(&self, params: &[Param]) -> Result<Vec<(String, Tensor)>>;
 
     /// Every suffix a name from [`Self::state_tensors`] can have after `"{param}."`; a tensor
     /// named `step` has one element, the others have the parameter's shape. Used to gather
     /// sharded state (ZeRO-1) without knowing the optimizer.
-    fn state_suffixes(&self) -> &'static [&'static str];
+    fn state_suffixes(&self) -> Vec<&'static str>;
 
     /// Restores state saved by [`Self::state_tensors`] (tensors on any device; copied to the
-    /// parameters' device). `applied_steps` is the engine's count of applied steps, used where a
-    /// per-parameter step is absent. Errors name the missing tensor or the shape mismatch.
+    /// parameters' device); under ZeRO-1 only the owned parameters' share is kept.
+    /// `applied_steps` is the engine's count of applied steps, used where a per-parameter step
+    /// is absent (older checkpoints). Errors name the missing tensor or the shape mismatch.
     fn load_state_tensors(
         &mut self,
         params: &[Param],
         tensors: &std::collections::HashMap<String, Tensor>,
         applied_steps: u64,
     ) -> Result<()>;
-}
-
-/// How a step begins (shared by every optimizer).
-pub(crate) enum Begin {
-    /// found_inf was read on the host: skip everything.
-    Skip,
-    /// Run the update; host stats on the host paths, `None` on the fused CUDA path (which
-    /// reads found_inf and the multiplier on the device).
-    Run(Option<HostStats>),
-}
-
-/// Checks that there is one gradient slot per parameter, grows `states` to the parameter count,
-/// on the host paths reads found_inf, and unless the step is skipped creates the state
-/// (`new_state`) of every trainable parameter that got its first gradient.
-pub(crate) fn begin_step<S>(
-    name: &str,
-    imp: Impl,
-    params: &[Param],
-    grads: &[Option<Tensor>],
-    states: &mut Vec<Option<S>>,
-    stats: &GradStats,
-    mut new_state: impl FnMut(&Param) -> Result<S>,
-) -> Result<Begin> {
-    if grads.len() != params.len() {
-        anyhow::bail!(
-            "{name}::step: {} gradient slots for {} parameters",
-            grads.len(),
-            params.len()
-        );
-    }
-    if states.len() < params.len() {
-        states.resize_with(params.len(), || None);
-    }
-    let begin = if imp == Impl::FusedCuda {
-        Begin::Run(None)
-    } else {
-        let h = stats.read()?;
-        if h.found_inf {
-            return Ok(Begin::Skip);
-        }
-        Begin::Run(Some(h))
-    };
-    for ((p, g), s) in params.iter().zip(grads).zip(states.iter_mut()) {
-        if g.is_some() && s.is_none() && !p.options.frozen {
-            *s = Some(new_state(p)?);
-        }
-    }
-    Ok(begin)
-}
-
-/// The (parameter, gradient, state) triples to update: parameters with a gradient and a state
-/// that are not frozen.
-pub(crate) fn work_list<'a, S>(
-    params: &'a [Param],
-    grads: &'a [Option<Tensor>],
-    states: &'a mut [Option<S>],
-) -> Vec<(&'a Param, &'a Tensor, &'a mut S)> {
-    params
-        .iter()
-        .zip(grads)
-        .zip(states.iter_mut())
-        .filter_map(|((p, g), s)| Some((p, g.as_ref()?, s.as_mut()?)))
-        .filter(|(p, _, _)| !p.options.frozen)
-        .collect()
-}
-
-/// The contiguous f32 data of a master weight inside a fused CPU `InplaceOp1` (`who` names the
-/// optimizer in errors).
-pub(crate) fn master_slice<'a>(
-    storage: &'a mut candle_core::CpuStorage,
-    layout: &candle_core::Layout,
-    who: &str,
-) -> candle_core::Result<&'a mut [f32]> {
-    let candle_core::CpuStorage::F32(data) = storage else {
-        candle_core::bail!("fused {who}: master weights must be f32")
-    };
-    let Some((a, b)) = layout.contiguous_offsets() else {
-        candle_core::bail!("fused {who}: master weights must be contiguous")
-    };
-    Ok(&mut data[a..b])
 }
 
 /// Fetches `name` from a state map, checks its shape against `shape`, and moves it to `device`.

@@ -19,15 +19,13 @@
 //!
 //! Every implementation (candle reference, fused CPU, fused CUDA in kernels/sgd.cu) performs
 //! the same f32 operations in the same order on the same f32 constants (`Coeffs`), so the
-//! fused CPU path reproduces the reference bit for bit.
+//! fused CPU path reproduces the reference bit for bit. "First step" is the parameter's first
+//! applied step (its per-parameter count is 0, [`super::driver`]), where PyTorch finds
+//! `momentum_buffer is None`.
 
-use super::{Impl, Optimizer, StepInputs};
-use crate::grads::with_cpu_f32;
-use crate::params::Param;
-use anyhow::{bail, Result};
-use candle_core::{CpuStorage, DType, Layout, Tensor};
-use rayon::prelude::*;
-use std::sync::Mutex;
+use super::driver::{Driver, UpdateRule};
+use anyhow::Result;
+use candle_core::Tensor;
 
 /// SGD hyper-parameters; defaults are `torch.optim.SGD`'s (with `lr = 1e-3`).
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -108,16 +106,16 @@ impl SgdConfig {
 /// reference, fused CPU and fused CUDA paths perform bit-identical arithmetic (same constants,
 /// same operation order).
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Coeffs {
-    pub lr: f32,
-    pub momentum: f32,
+pub struct Coeffs {
+    pub(crate) lr: f32,
+    pub(crate) momentum: f32,
     /// `1 - dampening`.
-    pub one_minus_dampening: f32,
+    pub(crate) one_minus_dampening: f32,
     /// The weight decay of this parameter's group (0 for groups without decay).
-    pub weight_decay: f32,
-    pub nesterov: bool,
+    pub(crate) weight_decay: f32,
+    pub(crate) nesterov: bool,
     /// `unscale * clip`.
-    pub grad_mult: f32,
+    pub(crate) grad_mult: f32,
 }
 
 impl Coeffs {
@@ -158,342 +156,120 @@ impl Coeffs {
     }
 }
 
-/// A parameter's momentum buffer, in the representation of the implementation.
-enum Buffer {
-    /// Not initialised yet (torch's `momentum_buffer is None`), or no momentum at all.
-    Empty,
-    /// candle tensor (reference path).
-    Tensor(Tensor),
-    /// Host vector updated in place by the fused CPU pass.
-    Host(Vec<f32>),
-    /// Device buffer written in place by kernels/sgd.cu. `first_at` is a `(1,)` f32 tensor
-    /// holding the applied-step count (`amp_state[3]`) at which the buffer was created: while
-    /// the device count still equals it, no step has been applied and the kernel initialises
-    /// the buffer with the gradient (-1 for buffers loaded from a checkpoint). The host cannot
-    /// tell without a synchronisation whether the creating step was skipped, so a checkpoint
-    /// taken on this path before a parameter's first applied step stores a zero buffer that
-    /// resumes as initialised (its next step uses `(1 - dampening) * d`: identical to PyTorch
-    /// when dampening is 0).
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    Device { buf: Tensor, first_at: Tensor },
-}
+/// SGD over fp32 masters, reference or fused: [`SgdConfig`] run by the optimizer driver.
+pub type Sgd = Driver<SgdConfig>;
 
-struct State {
-    /// Applied steps of this parameter (host paths; the fused CUDA path counts on the device).
-    step: u64,
-    buf: Buffer,
-}
+impl UpdateRule for SgdConfig {
+    const NAME: &'static str = "SGD";
+    type Coeffs = Coeffs;
 
-/// SGD over fp32 masters, reference or fused.
-pub struct Sgd {
-    config: SgdConfig,
-    imp: Impl,
-    states: Vec<Option<State>>,
-}
-
-impl Sgd {
-    /// An optimizer running implementation `imp` (see [`super::OptimPath::resolve`]).
-    /// Errors when the configuration is out of range.
-    pub fn new(config: SgdConfig, imp: Impl) -> Result<Self> {
-        config.validate()?;
-        Ok(Self {
-            config,
-            imp,
-            states: Vec::new(),
-        })
+    fn validate(&self) -> Result<()> {
+        SgdConfig::validate(self)
     }
 
-    /// The implementation in use.
-    pub fn implementation(&self) -> Impl {
-        self.imp
-    }
-
-    /// The configuration.
-    pub fn config(&self) -> &SgdConfig {
-        &self.config
-    }
-}
-
-impl Optimizer for Sgd {
-    fn step(
-        &mut self,
-        params: &[Param],
-        grads: &[Option<Tensor>],
-        inputs: StepInputs,
-    ) -> Result<Option<bool>> {
-        // the fused CUDA path decides on the device; the others read found_inf here
-        let host = match super::begin_step(
-            "SGD",
-            self.imp,
-            params,
-            grads,
-            &mut self.states,
-            inputs.stats,
-            |_| {
-                Ok(State {
-                    step: 0,
-                    buf: Buffer::Empty,
-                })
-            },
-        )? {
-            super::Begin::Skip => return Ok(Some(false)),
-            super::Begin::Run(h) => h,
-        };
-        let config = self.config.clone();
-        let lr = inputs.lr;
-        let work = super::work_list(params, grads, &mut self.states);
-        match (self.imp, host) {
-            #[cfg(feature = "cuda")]
-            (Impl::FusedCuda, _) => {
-                let amp = inputs.amp_state.ok_or_else(|| {
-                    anyhow::anyhow!("fused CUDA SGD needs the engine's amp_state")
-                })?;
-                let stats = inputs
-                    .stats
-                    .tensor()
-                    .ok_or_else(|| anyhow::anyhow!("fused CUDA SGD needs device stats"))?;
-                let mut rows = Vec::with_capacity(work.len());
-                for (p, g, s) in work {
-                    if config.uses_momentum() && matches!(s.buf, Buffer::Empty) {
-                        s.buf = Buffer::Device {
-                            buf: p.master.zeros_like()?,
-                            // the applied-step count now, before this step's kernel (stream order)
-                            first_at: amp.narrow(0, 3, 1)?.copy()?,
-                        };
-                    }
-                    let (buf, first_at) = match &s.buf {
-                        Buffer::Device { buf, first_at } => (Some(buf), Some(first_at)),
-                        Buffer::Empty => (None, None),
-                        _ => bail!("SGD state/path mismatch"),
-                    };
-                    rows.push(crate::cuda::sgd::Row {
-                        param: p,
-                        grad: g,
-                        buf,
-                        first_at,
-                    });
-                }
-                crate::cuda::sgd::step(
-                    &rows,
-                    stats,
-                    amp,
-                    &config,
-                    lr,
-                    inputs.seed,
-                    inputs.stochastic_rounding,
-                )?;
-                return Ok(None);
-            }
-            (Impl::FusedCpu, Some(h)) => work.into_par_iter().try_for_each(|(p, g, s)| {
-                s.step += 1;
-                let k = Coeffs::new(&config, lr, p.options.weight_decay, h.multiplier);
-                fused_update(p, g, s, k)
-            })?,
-            (Impl::Reference, Some(h)) => {
-                for (p, g, s) in work {
-                    s.step += 1;
-                    let k = Coeffs::new(&config, lr, p.options.weight_decay, h.multiplier);
-                    reference_update(p, g, s, k)?;
-                }
-            }
-            (imp, _) => bail!("SGD: implementation {imp:?} is not available in this build"),
+    fn state_names(&self) -> &'static [&'static str] {
+        if self.uses_momentum() {
+            &["momentum_buffer"]
+        } else {
+            &[] // no buffer at all, as in PyTorch
         }
-        Ok(Some(true))
     }
 
-    fn writes_working_copies(&self) -> bool {
-        self.imp == Impl::FusedCuda
+    fn coeffs(&self, _t: u64, lr: f64, decayed: bool, grad_mult: f64) -> Coeffs {
+        Coeffs::new(self, lr, decayed, grad_mult)
     }
 
-    fn state_tensors(&self, params: &[Param]) -> Result<Vec<(String, Tensor)>> {
-        let mut out = Vec::new();
-        for (p, s) in params.iter().zip(&self.states) {
-            let Some(s) = s else { continue };
-            let buf = match &s.buf {
-                Buffer::Empty => None,
-                Buffer::Tensor(t) | Buffer::Device { buf: t, .. } => Some(t.clone()),
-                Buffer::Host(v) => {
-                    Some(Tensor::from_slice(v, p.master.shape(), p.master.device())?)
+    fn update_host(k: &Coeffs, p: &mut [f32], g: &[f32], states: &mut [&mut [f32]], first: bool) {
+        match states {
+            [b] => {
+                for i in 0..p.len() {
+                    p[i] = k.apply(p[i], &mut b[i], g[i], first);
                 }
-            };
-            if let Some(b) = buf {
-                out.push((format!("{}.momentum_buffer", p.name), b));
             }
-            if self.imp != Impl::FusedCuda {
-                // the fused CUDA path counts steps once, on the device (Engine::optimizer_steps)
-                let step = Tensor::new(&[s.step as f32], p.master.device())?;
-                out.push((format!("{}.step", p.name), step));
+            _ => {
+                let mut unused = 0f32;
+                for i in 0..p.len() {
+                    p[i] = k.apply(p[i], &mut unused, g[i], false);
+                }
             }
         }
-        Ok(out)
     }
 
-    fn state_suffixes(&self) -> &'static [&'static str] {
-        &["momentum_buffer", "step"]
-    }
-
-    fn load_state_tensors(
-        &mut self,
-        params: &[Param],
-        tensors: &std::collections::HashMap<String, Tensor>,
-        applied_steps: u64,
-    ) -> Result<()> {
-        let mut states = Vec::with_capacity(params.len());
-        for p in params {
-            let buf_key = format!("{}.momentum_buffer", p.name);
-            let step_key = format!("{}.step", p.name);
-            let has_buf = tensors.contains_key(&buf_key);
-            if !has_buf && !tensors.contains_key(&step_key) {
-                states.push(None); // never stepped (no gradient yet, or frozen)
-                continue;
-            }
-            let step = match tensors.get(&step_key) {
-                Some(t) => t
-                    .flatten_all()?
-                    .to_dtype(DType::F64)?
-                    .to_vec1::<f64>()?
-                    .first()
-                    .copied()
-                    .unwrap_or(0.0) as u64,
-                None => applied_steps,
-            };
-            let buf = if has_buf && self.config.uses_momentum() {
-                let dev = p.master.device();
-                let b = super::state_tensor(tensors, &buf_key, p.master.shape(), dev)?;
-                match self.imp {
-                    Impl::FusedCpu => Buffer::Host(b.flatten_all()?.to_vec1()?),
-                    Impl::Reference => Buffer::Tensor(b),
-                    // a fresh allocation: the kernel writes it in place; -1 = initialised
-                    Impl::FusedCuda => Buffer::Device {
-                        buf: b.copy()?,
-                        first_at: Tensor::new(&[-1f32], dev)?,
-                    },
-                }
+    /// In [`Coeffs::apply`]'s order.
+    fn update_reference(
+        k: &Coeffs,
+        p: &Tensor,
+        g: &Tensor,
+        states: &mut [Tensor],
+        first: bool,
+    ) -> Result<Tensor> {
+        let mut d = (g * k.grad_mult as f64)?;
+        if k.weight_decay != 0.0 {
+            d = (d + (p * k.weight_decay as f64)?)?;
+        }
+        if let [b] = states {
+            let buf = if first {
+                d.clone()
             } else {
-                // momentum 0 (a buffer in the checkpoint is ignored, as PyTorch does), or
-                // momentum without a buffer yet: the next step initialises it
-                Buffer::Empty
+                ((&*b * k.momentum as f64)? + (&d * k.one_minus_dampening as f64)?)?
             };
-            states.push(Some(State { step, buf }));
+            d = if k.nesterov {
+                (d + (&buf * k.momentum as f64)?)?
+            } else {
+                buf.clone()
+            };
+            *b = buf;
         }
-        self.states = states;
-        Ok(())
+        Ok((p - (d * k.lr as f64)?)?)
+    }
+
+    #[cfg(feature = "cuda")]
+    type KernelArgs = KernelArgs;
+
+    #[cfg(feature = "cuda")]
+    fn kernel(&self) -> crate::cuda::update::Kernel {
+        crate::cuda::update::Kernel {
+            prefix: "mt_sgd",
+            module: "wick_sgd",
+            ptx: crate::cuda::ptx::SGD,
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn kernel_args(&self, lr: f64, seed: u32, stochastic: bool) -> KernelArgs {
+        // the multiplier is read on the device (stats[2]); the group picks the decay
+        let k = Coeffs::new(self, lr, true, 1.0);
+        KernelArgs {
+            lr: k.lr,
+            momentum: k.momentum,
+            one_minus_dampening: k.one_minus_dampening,
+            weight_decay: k.weight_decay,
+            nesterov: i32::from(k.nesterov),
+            seed,
+            stochastic: i32::from(stochastic),
+        }
     }
 }
 
-/// Reference update in candle tensor ops (f32), in [`Coeffs::apply`]'s order.
-fn reference_update(p: &Param, g: &Tensor, s: &mut State, k: Coeffs) -> Result<()> {
-    if p.elem_count() == 0 {
-        // candle's ops return empty tensors that alias their input; the state still gets its
-        // (empty) buffer, as on the fused path
-        if k.momentum != 0.0 && matches!(s.buf, Buffer::Empty) {
-            s.buf = Buffer::Tensor(p.master.zeros_like()?);
-        }
-        return Ok(());
-    }
-    let master = p.master.as_detached_tensor();
-    let mut d = (g.to_dtype(DType::F32)? * k.grad_mult as f64)?;
-    if k.weight_decay != 0.0 {
-        d = (d + (&master * k.weight_decay as f64)?)?;
-    }
-    if k.momentum != 0.0 {
-        let buf = match &s.buf {
-            Buffer::Empty => d.clone(),
-            Buffer::Tensor(b) => ((b * k.momentum as f64)? + (&d * k.one_minus_dampening as f64)?)?,
-            _ => bail!("SGD state/path mismatch"),
-        };
-        d = if k.nesterov {
-            (d + (&buf * k.momentum as f64)?)?
-        } else {
-            buf.clone()
-        };
-        s.buf = Buffer::Tensor(buf);
-    }
-    let p_new = (master - (d * k.lr as f64)?)?;
-    p.master.set(&p_new)?;
-    Ok(())
+/// Mirror of `SgdArgs` in kernels/sgd.cu: the f32 values of [`Coeffs`], rounded once on the
+/// host exactly as the CPU paths round them.
+#[cfg(feature = "cuda")]
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct KernelArgs {
+    lr: f32,
+    momentum: f32,
+    one_minus_dampening: f32,
+    /// Weight decay of decayed groups (`tensor_group = 1`); the others use 0.
+    weight_decay: f32,
+    nesterov: i32,
+    seed: u32,
+    stochastic: i32,
 }
 
-/// The fused CPU update: one pass over each element of p, g and the momentum buffer.
-fn fused_update(p: &Param, g: &Tensor, s: &mut State, k: Coeffs) -> Result<()> {
-    let first = match &s.buf {
-        Buffer::Empty if k.momentum != 0.0 => {
-            s.buf = Buffer::Host(vec![0.0; p.elem_count()]);
-            true
-        }
-        Buffer::Empty | Buffer::Host(_) => false,
-        _ => bail!("SGD state/path mismatch"),
-    };
-    let mut none: Vec<f32> = Vec::new();
-    let buf = match &mut s.buf {
-        Buffer::Host(b) => b.as_mut_slice(),
-        _ => none.as_mut_slice(),
-    };
-    with_cpu_f32(g, |g| {
-        let op = FusedSgd {
-            g,
-            buf: Mutex::new(buf),
-            first,
-            k,
-        };
-        p.master.as_tensor().inplace_op1(&op)
-    })??;
-    Ok(())
-}
-
-struct FusedSgd<'a> {
-    g: &'a [f32],
-    /// Momentum buffer (empty without momentum).
-    buf: Mutex<&'a mut [f32]>,
-    first: bool,
-    k: Coeffs,
-}
-
-impl candle_core::InplaceOp1 for FusedSgd<'_> {
-    fn name(&self) -> &'static str {
-        "wick-fused-sgd-cpu"
-    }
-
-    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
-        let p = super::master_slice(storage, layout, "SGD")?;
-        let mut guard = self
-            .buf
-            .lock()
-            .map_err(|_| candle_core::Error::Msg("poisoned".into()))?;
-        let buf: &mut [f32] = &mut guard;
-        let momentum = self.k.momentum != 0.0;
-        if p.len() != self.g.len() || (momentum && buf.len() != p.len()) {
-            candle_core::bail!(
-                "fused SGD: {} params, {} grads, {} momentum buffer elements",
-                p.len(),
-                self.g.len(),
-                buf.len()
-            );
-        }
-        let (k, first) = (self.k, self.first);
-        const CHUNK: usize = 1 << 14;
-        if momentum {
-            p.par_chunks_mut(CHUNK)
-                .zip(buf.par_chunks_mut(CHUNK))
-                .zip(self.g.par_chunks(CHUNK))
-                .for_each(|((p, b), g)| {
-                    for i in 0..p.len() {
-                        p[i] = k.apply(p[i], &mut b[i], g[i], first);
-                    }
-                });
-        } else {
-            p.par_chunks_mut(CHUNK)
-                .zip(self.g.par_chunks(CHUNK))
-                .for_each(|(p, g)| {
-                    let mut unused = 0f32;
-                    for i in 0..p.len() {
-                        p[i] = k.apply(p[i], &mut unused, g[i], false);
-                    }
-                });
-        }
-        Ok(())
-    }
-}
+// SAFETY: plain-old-data with the C layout of the kernel's by-value parameter.
+#[cfg(feature = "cuda")]
+unsafe impl candle_core::cuda::cudarc::driver::DeviceRepr for KernelArgs {}
 
 #[cfg(test)]
 mod tests {

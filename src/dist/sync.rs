@@ -1,0 +1,157 @@
+//! The engine's gradient-synchronisation seam: how the gradients of one accumulation window
+//! become the gradient the optimizer applies, and how the update reaches every rank.
+//!
+//! | variant | at the boundary | after the update |
+//! |---|---|---|
+//! | [`GradSync::Solo`] | nothing | nothing |
+//! | [`GradSync::Ddp`] | all-reduce in buckets (PyTorch DDP), found_inf agreed | nothing: every rank applied the same update |
+//! | [`GradSync::Zero1`] | as DDP; each rank updates the parameters it owns ([`super::zero`]) | every owner broadcasts its updated masters |
+//!
+//! `Engine::step` calls the same methods whatever the variant.
+
+use super::ddp::Ddp;
+use super::{Collective, DdpConfig};
+use crate::grads::{GradBuffers, GradStats};
+use crate::params::{Param, ParamStore};
+use anyhow::{bail, Context, Result};
+use candle_core::{Device, Tensor};
+
+/// How gradients are synchronised across ranks (see the module docs).
+#[derive(Debug, Default)]
+pub enum GradSync {
+    /// One process: the local gradient is the gradient.
+    #[default]
+    Solo,
+    /// Data parallelism: gradients all-reduced, every rank updates everything.
+    Ddp(Ddp),
+    /// ZeRO-1: gradients all-reduced, each rank updates (and keeps optimizer state for) the
+    /// parameters it owns, then broadcasts them.
+    Zero1(Ddp),
+}
+
+impl GradSync {
+    /// Attaches `collective` for `store`'s parameters: checks that every rank has the same
+    /// layout, broadcasts rank 0's parameters, and with `config.zero1` partitions the
+    /// parameters among the ranks.
+    pub fn attach(
+        collective: Box<dyn Collective>,
+        config: DdpConfig,
+        store: &ParamStore,
+    ) -> Result<Self> {
+        let zero1 = config.zero1;
+        let mut ddp = Ddp::new(collective, config)?;
+        ddp.shard_owners(&store.params())?;
+        ddp.broadcast_parameters(store)
+            .context("broadcasting the parameters from rank 0")?;
+        Ok(if zero1 {
+            GradSync::Zero1(ddp)
+        } else {
+            GradSync::Ddp(ddp)
+        })
+    }
+
+    fn ddp(&self) -> Option<&Ddp> {
+        match self {
+            GradSync::Solo => None,
+            GradSync::Ddp(d) | GradSync::Zero1(d) => Some(d),
+        }
+    }
+
+    /// The collective, when one is attached.
+    pub fn collective(&self) -> Option<&dyn Collective> {
+        self.ddp().map(|d| d.collective())
+    }
+
+    /// Records one micro-batch of weight `weight` (this rank's share of the global
+    /// normaliser).
+    pub fn note_micro_batch(&mut self, weight: f64) {
+        if let GradSync::Ddp(d) | GradSync::Zero1(d) = self {
+            d.note_micro_batch(weight);
+        }
+    }
+
+    /// At the boundary, before the norm and found_inf: replaces the buffers by the global
+    /// gradient (see [`Ddp::reduce_gradients`]).
+    pub fn reduce(
+        &mut self,
+        params: &[Param],
+        grads: &mut GradBuffers,
+        keep_raw: bool,
+    ) -> Result<()> {
+        match self {
+            GradSync::Solo => Ok(()),
+            GradSync::Ddp(d) | GradSync::Zero1(d) => d.reduce_gradients(params, grads, keep_raw),
+        }
+    }
+
+    /// Makes every rank see the same boundary statistics, so that every rank skips together.
+    pub fn agree(&self, stats: GradStats, device: &Device) -> Result<GradStats> {
+        match self.ddp() {
+            None => Ok(stats),
+            Some(d) => d.agree_stats(stats, device),
+        }
+    }
+
+    /// ZeRO-1: which parameters this rank updates (`None`: every one).
+    pub fn owned(&self) -> Option<Vec<bool>> {
+        let GradSync::Zero1(d) = self else {
+            return None;
+        };
+        let rank = d.collective().rank();
+        d.owners().map(|o| o.iter().map(|&r| r == rank).collect())
+    }
+
+    /// After the optimizer step: ZeRO-1 owners broadcast their updated masters and the other
+    /// ranks refresh those working copies. Nothing otherwise.
+    pub fn after_update(&self, params: &[Param]) -> Result<()> {
+        let GradSync::Zero1(d) = self else {
+            return Ok(());
+        };
+        let owners = d.owners().context("ZeRO-1 without a partition")?;
+        super::zero::broadcast_owned(d.collective(), params, owners, |p| {
+            if let Some(w) = &p.working {
+                w.set(&p.master.as_tensor().to_dtype(w.dtype())?)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// The full optimizer state from this rank's `local` share (ZeRO-1 gathers every owner's;
+    /// collective: call it on every rank). Otherwise `local` as is.
+    pub fn gather_state(
+        &self,
+        params: &[Param],
+        local: Vec<(String, Tensor)>,
+        suffixes: &[&str],
+    ) -> Result<Vec<(String, Tensor)>> {
+        match self {
+            GradSync::Zero1(d) => {
+                let owners = d.owners().context("ZeRO-1 without a partition")?;
+                super::zero::gather_state(d.collective(), params, owners, local, suffixes)
+            }
+            _ => Ok(local),
+        }
+    }
+
+    /// Checks that attaching is allowed now (at an accumulation boundary, and ZeRO-1 not with
+    /// stochastic rounding of mixed-precision working copies).
+    pub fn check_attach(
+        micro_steps: usize,
+        zero1: bool,
+        stochastic_rounding: bool,
+        world: usize,
+        mixed: bool,
+    ) -> Result<()> {
+        if micro_steps != 0 {
+            bail!("Engine::with_collective: attach the collective at an accumulation boundary");
+        }
+        if zero1 && stochastic_rounding && world > 1 && mixed {
+            bail!(
+                "Engine::with_collective: ZeRO-1 with stochastic rounding would give the ranks \
+                 different working copies (only a parameter's owner rounds stochastically); \
+                 turn one of them off"
+            );
+        }
+        Ok(())
+    }
+}

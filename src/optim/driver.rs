@@ -1,0 +1,625 @@
+//! The optimizer driver: everything an optimizer over fp32 master weights needs besides its
+//! arithmetic, written once.
+//!
+//! An optimizer is an [`UpdateRule`]: its hyper-parameters, the names of its per-parameter state
+//! tensors, its per-step coefficients, its element update (host), its reference update (candle
+//! ops) and its CUDA kernel. [`Driver`] does the rest, the same way for every rule:
+//!
+//! - the work list: parameters with a gradient, trainable, non-empty and (under ZeRO-1) owned by
+//!   this rank;
+//! - validation of every row before anything changes, so a failed step changes nothing;
+//! - state creation (zeros, f32, the parameter's shape) at a parameter's first gradient;
+//! - per-parameter step counts, as `torch.optim` counts them: a parameter's `t` counts the
+//!   applied steps in which it had a gradient (on the host, or an `i64` device tensor on the
+//!   fused CUDA path, counted by a kernel that reads found_inf, so nothing waits);
+//! - named state tensors (`"{param}.{name}"`, `"{param}.step"` as an exact `i64`) for
+//!   checkpoints, and their restore.
+//!
+//! Adding an optimizer is one file with its rule plus one kernel.
+
+use super::{Impl, Optimizer, StepInputs};
+use crate::grads::{with_cpu_f32, GradStats, HostStats};
+use crate::params::Param;
+use anyhow::{bail, Result};
+use candle_core::{CpuStorage, DType, Device, Layout, Tensor};
+use rayon::prelude::*;
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+/// Elements per rayon task of the host update.
+const HOST_CHUNK: usize = 1 << 14;
+
+/// An optimizer's arithmetic; see the module docs for what the driver adds.
+///
+/// Every implementation (reference, host, kernel) must perform the same f32 operations in the
+/// same order on the same f32 coefficients, so that the paths agree bit for bit where the
+/// tests say they do.
+pub trait UpdateRule: Clone + Send + Sync + std::fmt::Debug + 'static {
+    /// The optimizer's name in errors (`"AdamW"`).
+    const NAME: &'static str;
+    /// Per-parameter scalars of one step, rounded to f32 once on the host.
+    type Coeffs: Copy + Send + Sync;
+
+    /// Checks the hyper-parameters (errors name the field and its range).
+    fn validate(&self) -> Result<()>;
+
+    /// Suffixes of the state tensors each stepped parameter keeps (f32, the parameter's
+    /// shape), in the order [`Self::update_host`], [`Self::update_reference`] and the kernel
+    /// take them (at most 2). SGD without momentum keeps none.
+    fn state_names(&self) -> &'static [&'static str];
+
+    /// The coefficients of a parameter at its step `t` (1-based: this step included), at
+    /// learning rate `lr`, in a weight-decay group or not, with gradient multiplier `mult`
+    /// (unscale × clip).
+    fn coeffs(&self, t: u64, lr: f64, decayed: bool, mult: f64) -> Self::Coeffs;
+
+    /// The element update over one chunk of a parameter: `p` (f32 master), `g` (f32
+    /// gradient buffer, to be multiplied by the coefficients' multiplier), `states` (the same
+    /// range of each state tensor). `first`: this is the parameter's first applied step.
+    fn update_host(
+        k: &Self::Coeffs,
+        p: &mut [f32],
+        g: &[f32],
+        states: &mut [&mut [f32]],
+        first: bool,
+    );
+
+    /// The same update in candle tensor ops (the correctness oracle): returns the new master
+    /// and replaces `states` with their new values. `g` is f32.
+    fn update_reference(
+        k: &Self::Coeffs,
+        p: &Tensor,
+        g: &Tensor,
+        states: &mut [Tensor],
+        first: bool,
+    ) -> Result<Tensor>;
+
+    /// The CUDA kernel of this rule (`{prefix}_{grad}_{working}` in `module`).
+    #[cfg(feature = "cuda")]
+    fn kernel(&self) -> crate::cuda::update::Kernel;
+
+    /// The kernel's by-value argument for a step at `lr` (the kernel computes what depends
+    /// on each parameter's step count and group itself, as [`Self::coeffs`] does).
+    #[cfg(feature = "cuda")]
+    fn kernel_args(&self, lr: f64, seed: u32, stochastic: bool) -> Self::KernelArgs;
+
+    /// The by-value argument struct of the kernel (C layout).
+    #[cfg(feature = "cuda")]
+    type KernelArgs: candle_core::cuda::cudarc::driver::DeviceRepr + Copy;
+}
+
+/// One state tensor in the representation of the implementation.
+enum Buf {
+    /// candle tensor (reference path; the fused CUDA kernel writes it in place).
+    Tensor(Tensor),
+    /// Host vector updated in place by the fused CPU pass.
+    Host(Vec<f32>),
+}
+
+impl Buf {
+    fn zeros(imp: Impl, p: &Param) -> Result<Self> {
+        Ok(match imp {
+            Impl::FusedCpu => Buf::Host(vec![0.0; p.elem_count()]),
+            // a fresh allocation each: the fused CUDA kernel writes them in place
+            _ => Buf::Tensor(p.master.zeros_like()?),
+        })
+    }
+
+    fn from_tensor(imp: Impl, t: Tensor) -> Result<Self> {
+        Ok(match imp {
+            Impl::FusedCpu => Buf::Host(t.flatten_all()?.to_vec1()?),
+            _ => Buf::Tensor(t.copy()?),
+        })
+    }
+
+    fn to_tensor(&self, p: &Param) -> Result<Tensor> {
+        Ok(match self {
+            Buf::Tensor(t) => t.clone(),
+            Buf::Host(v) => Tensor::from_slice(v, p.master.shape(), p.master.device())?,
+        })
+    }
+
+    fn tensor(&self) -> Result<&Tensor> {
+        match self {
+            Buf::Tensor(t) => Ok(t),
+            Buf::Host(_) => bail!("optimizer state/path mismatch"),
+        }
+    }
+}
+
+/// Per-parameter applied-step counts.
+enum StepCounts {
+    /// Host counters (CPU paths).
+    Host(Vec<u64>),
+    /// `(n,)` i64 counters on the device (fused CUDA path), with the `(k,)` u32 index list of
+    /// the last work list on the device (re-uploaded only when the work list changes).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    Device {
+        counts: Option<Tensor>,
+        index: Option<(Vec<u32>, Tensor)>,
+    },
+}
+
+impl StepCounts {
+    fn new(imp: Impl) -> Self {
+        match imp {
+            Impl::FusedCuda => StepCounts::Device {
+                counts: None,
+                index: None,
+            },
+            _ => StepCounts::Host(Vec::new()),
+        }
+    }
+
+    /// Every count as a host value (a device read on the CUDA path).
+    fn read(&self, n: usize) -> Result<Vec<u64>> {
+        let mut v = match self {
+            StepCounts::Host(v) => v.clone(),
+            StepCounts::Device { counts: None, .. } => Vec::new(),
+            StepCounts::Device {
+                counts: Some(t), ..
+            } => t.to_vec1::<i64>()?.into_iter().map(|c| c as u64).collect(),
+        };
+        v.resize(n.max(v.len()), 0);
+        Ok(v)
+    }
+
+    /// Replaces every count (on `device` for the CUDA path).
+    fn set(&mut self, v: Vec<u64>, device: &Device) -> Result<()> {
+        match self {
+            StepCounts::Host(h) => *h = v,
+            StepCounts::Device { counts, .. } => {
+                let v: Vec<i64> = v.into_iter().map(|c| c as i64).collect();
+                *counts = Some(Tensor::new(v.as_slice(), device)?);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// An optimizer over fp32 masters: an [`UpdateRule`] run by the shared driver, on the
+/// implementation chosen at construction (see [`super::OptimPath::resolve`]).
+pub struct Driver<R: UpdateRule> {
+    rule: R,
+    imp: Impl,
+    /// State tensors per parameter (store order), `None` until its first gradient.
+    states: Vec<Option<Vec<Buf>>>,
+    steps: StepCounts,
+    /// ZeRO-1: the parameters this rank updates (`None`: all).
+    owned: Option<Vec<bool>>,
+}
+
+impl<R: UpdateRule> Driver<R> {
+    /// An optimizer with hyper-parameters `rule` running implementation `imp`. Errors when the
+    /// hyper-parameters are out of range.
+    pub fn new(rule: R, imp: Impl) -> Result<Self> {
+        rule.validate()?;
+        Ok(Self {
+            steps: StepCounts::new(imp),
+            rule,
+            imp,
+            states: Vec::new(),
+            owned: None,
+        })
+    }
+
+    /// The implementation in use.
+    pub fn implementation(&self) -> Impl {
+        self.imp
+    }
+
+    /// The hyper-parameters.
+    pub fn config(&self) -> &R {
+        &self.rule
+    }
+
+    /// The parameters to update this step (indices into `params`), every one checked; an
+    /// error names the first bad parameter and nothing has changed.
+    fn work_list(&self, params: &[Param], grads: &[Option<Tensor>]) -> Result<Vec<usize>> {
+        let mut work = Vec::new();
+        for (i, (p, g)) in params.iter().zip(grads).enumerate() {
+            let Some(g) = g else { continue };
+            let owned = self.owned.as_ref().is_none_or(|o| o.get(i) == Some(&true));
+            if p.options.frozen || !owned || p.elem_count() == 0 {
+                continue;
+            }
+            if g.elem_count() != p.elem_count() {
+                bail!(
+                    "{}::step: the gradient of {} has shape {:?}, the parameter {:?}; nothing \
+                     was updated",
+                    R::NAME,
+                    p.name,
+                    g.dims(),
+                    p.master.dims()
+                );
+            }
+            if p.master.dtype() != DType::F32 || !g.dtype().is_float() {
+                bail!(
+                    "{}::step: {} has an f32 master and a float gradient? master {:?}, \
+                     gradient {:?}; nothing was updated",
+                    R::NAME,
+                    p.name,
+                    p.master.dtype(),
+                    g.dtype()
+                );
+            }
+            if !g.device().same_device(p.master.device()) {
+                bail!(
+                    "{}::step: the gradient of {} is on {:?}, the master on {:?}; nothing was \
+                     updated",
+                    R::NAME,
+                    p.name,
+                    g.device(),
+                    p.master.device()
+                );
+            }
+            work.push(i);
+        }
+        Ok(work)
+    }
+
+    /// Creates zero state for every work-list parameter that has none yet.
+    fn ensure_states(&mut self, params: &[Param], work: &[usize]) -> Result<()> {
+        if self.states.len() < params.len() {
+            self.states.resize_with(params.len(), || None);
+        }
+        let n = self.rule.state_names().len();
+        for &i in work {
+            if self.states[i].is_none() {
+                let bufs = (0..n)
+                    .map(|_| Buf::zeros(self.imp, &params[i]))
+                    .collect::<Result<Vec<_>>>()?;
+                self.states[i] = Some(bufs);
+            }
+        }
+        Ok(())
+    }
+
+    fn host_step(
+        &mut self,
+        params: &[Param],
+        grads: &[Option<Tensor>],
+        work: &[usize],
+        h: HostStats,
+        lr: f64,
+    ) -> Result<()> {
+        let StepCounts::Host(steps) = &mut self.steps else {
+            bail!("{}: host step on a device step counter", R::NAME)
+        };
+        steps.resize(params.len().max(steps.len()), 0);
+        let rule = &self.rule;
+        let coeffs = |i: usize| {
+            let p = &params[i];
+            rule.coeffs(steps[i] + 1, lr, p.options.weight_decay, h.multiplier)
+        };
+        let ks: Vec<R::Coeffs> = work.iter().map(|&i| coeffs(i)).collect();
+        let firsts: Vec<bool> = work.iter().map(|&i| steps[i] == 0).collect();
+        // disjoint mutable state of the work-list parameters
+        let mut slots: Vec<(usize, &mut Vec<Buf>)> = self
+            .states
+            .iter_mut()
+            .enumerate()
+            .filter_map(|(i, s)| Some((i, s.as_mut()?)))
+            .filter(|(i, _)| work.binary_search(i).is_ok())
+            .collect();
+        match self.imp {
+            Impl::FusedCpu => slots
+                .par_iter_mut()
+                .zip(ks.par_iter().zip(firsts.par_iter()))
+                .try_for_each(|((i, bufs), (k, first))| {
+                    host_update::<R>(&params[*i], grad(grads, *i)?, bufs, k, *first)
+                })?,
+            _ => {
+                for ((i, bufs), (k, first)) in slots.iter_mut().zip(ks.iter().zip(&firsts)) {
+                    let p = &params[*i];
+                    let g = grad(grads, *i)?.to_dtype(DType::F32)?;
+                    let mut ts = bufs
+                        .iter()
+                        .map(|b| b.tensor().cloned())
+                        .collect::<Result<Vec<_>>>()?;
+                    let new_p =
+                        R::update_reference(k, &p.master.as_detached_tensor(), &g, &mut ts, *first)?;
+                    p.master.set(&new_p)?;
+                    for (b, t) in bufs.iter_mut().zip(ts) {
+                        *b = Buf::Tensor(t);
+                    }
+                }
+            }
+        }
+        for &i in work {
+            steps[i] += 1;
+        }
+        Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn device_step(
+        &mut self,
+        params: &[Param],
+        grads: &[Option<Tensor>],
+        work: &[usize],
+        stats: &Tensor,
+        inputs: &StepInputs,
+    ) -> Result<()> {
+        let StepCounts::Device { counts, index } = &mut self.steps else {
+            bail!("{}: device step on a host step counter", R::NAME)
+        };
+        let dev = stats.device();
+        let have = counts.as_ref().map_or(0, |c| c.elem_count());
+        if have < params.len() {
+            let more = Tensor::zeros(params.len() - have, DType::I64, dev)?;
+            *counts = Some(match counts.take() {
+                Some(c) => Tensor::cat(&[&c, &more], 0)?,
+                None => more,
+            });
+        }
+        let counts = counts.as_ref().expect("allocated above");
+        let idx: Vec<u32> = work.iter().map(|&i| i as u32).collect();
+        if index.as_ref().is_none_or(|(v, _)| *v != idx) {
+            let t = Tensor::new(idx.as_slice(), dev)?;
+            *index = Some((idx, t));
+        }
+        let (_, idx_t) = index.as_ref().expect("set above");
+        let mut rows = Vec::with_capacity(work.len());
+        for &i in work {
+            let bufs = self.states[i].as_ref().expect("created by ensure_states");
+            let mut st = [None, None];
+            for (s, b) in st.iter_mut().zip(bufs) {
+                *s = Some(b.tensor()?);
+            }
+            rows.push(crate::cuda::update::Row {
+                param: &params[i],
+                grad: grad(grads, i)?,
+                states: st,
+                index: i,
+            });
+        }
+        let seed = inputs.seed;
+        let seed = (seed as u32) ^ ((seed >> 32) as u32).wrapping_mul(0x9E37_79B9);
+        let args = self
+            .rule
+            .kernel_args(inputs.lr, seed, inputs.stochastic_rounding);
+        crate::cuda::update::launch(&self.rule.kernel(), &rows, stats, counts, &args)?;
+        crate::cuda::update::count_steps(counts, idx_t, stats)
+    }
+}
+
+fn grad(grads: &[Option<Tensor>], i: usize) -> Result<&Tensor> {
+    grads[i]
+        .as_ref()
+        .ok_or_else(|| anyhow::anyhow!("parameter {i} is in the work list without a gradient"))
+}
+
+/// The fused CPU update of one parameter: one pass over each element of p, g and the state.
+fn host_update<R: UpdateRule>(
+    p: &Param,
+    g: &Tensor,
+    bufs: &mut [Buf],
+    k: &R::Coeffs,
+    first: bool,
+) -> Result<()> {
+    let mut states = Vec::with_capacity(bufs.len());
+    for b in bufs.iter_mut() {
+        match b {
+            Buf::Host(v) => states.push(v.as_mut_slice()),
+            Buf::Tensor(_) => bail!("{}: state/path mismatch", R::NAME),
+        }
+    }
+    with_cpu_f32(g, |g| {
+        let op = HostUpdate::<R> {
+            g,
+            states: Mutex::new(states),
+            k: *k,
+            first,
+        };
+        p.master.as_tensor().inplace_op1(&op)
+    })??;
+    Ok(())
+}
+
+struct HostUpdate<'a, R: UpdateRule> {
+    g: &'a [f32],
+    states: Mutex<Vec<&'a mut [f32]>>,
+    k: R::Coeffs,
+    first: bool,
+}
+
+impl<R: UpdateRule> candle_core::InplaceOp1 for HostUpdate<'_, R> {
+    fn name(&self) -> &'static str {
+        "wick-fused-update-cpu"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
+        let CpuStorage::F32(data) = storage else {
+            candle_core::bail!("fused {}: master weights must be f32", R::NAME)
+        };
+        let Some((a, b)) = layout.contiguous_offsets() else {
+            candle_core::bail!("fused {}: master weights must be contiguous", R::NAME)
+        };
+        let p = &mut data[a..b];
+        let mut guard = self
+            .states
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("poisoned".into()))?;
+        if p.len() != self.g.len() || guard.iter().any(|s| s.len() != p.len()) {
+            candle_core::bail!(
+                "fused {}: {} params, {} grads, state lengths {:?}",
+                R::NAME,
+                p.len(),
+                self.g.len(),
+                guard.iter().map(|s| s.len()).collect::<Vec<_>>()
+            );
+        }
+        // chunk i of the master, the gradient and every state tensor
+        let mut tasks: Vec<(&mut [f32], &[f32], Vec<&mut [f32]>)> = p
+            .chunks_mut(HOST_CHUNK)
+            .zip(self.g.chunks(HOST_CHUNK))
+            .map(|(p, g)| (p, g, Vec::new()))
+            .collect();
+        for s in guard.iter_mut() {
+            for (t, c) in tasks.iter_mut().zip(s.chunks_mut(HOST_CHUNK)) {
+                t.2.push(c);
+            }
+        }
+        let (k, first) = (self.k, self.first);
+        tasks
+            .into_par_iter()
+            .for_each(|(p, g, mut s)| R::update_host(&k, p, g, &mut s, first));
+        Ok(())
+    }
+}
+
+/// Stats as the device kernels read them (`[found_inf, norm, multiplier]`, f32).
+#[cfg(feature = "cuda")]
+fn device_stats(stats: &GradStats, device: &Device) -> Result<Tensor> {
+    Ok(match stats {
+        GradStats::Device(t) => t.clone(),
+        GradStats::Host(h) => Tensor::new(
+            &[
+                f32::from(u8::from(h.found_inf)),
+                h.norm as f32,
+                h.multiplier as f32,
+            ],
+            device,
+        )?,
+    })
+}
+
+impl<R: UpdateRule> Optimizer for Driver<R> {
+    fn step(
+        &mut self,
+        params: &[Param],
+        grads: &[Option<Tensor>],
+        inputs: StepInputs,
+    ) -> Result<Option<bool>> {
+        if grads.len() != params.len() {
+            bail!(
+                "{}::step: {} gradient slots for {} parameters",
+                R::NAME,
+                grads.len(),
+                params.len()
+            );
+        }
+        let work = self.work_list(params, grads)?;
+        if let GradStats::Host(h) = inputs.stats {
+            if h.found_inf {
+                return Ok(Some(false));
+            }
+        }
+        self.ensure_states(params, &work)?;
+        match (self.imp, inputs.stats) {
+            #[cfg(feature = "cuda")]
+            (Impl::FusedCuda, stats) => {
+                let Some(first) = work.first() else {
+                    return Ok(match stats {
+                        GradStats::Host(_) => Some(true),
+                        GradStats::Device(_) => None,
+                    });
+                };
+                let dev = params[*first].master.device().clone();
+                let t = device_stats(stats, &dev)?;
+                self.device_step(params, grads, &work, &t, &inputs)?;
+                Ok(match stats {
+                    GradStats::Host(_) => Some(true),
+                    GradStats::Device(_) => None,
+                })
+            }
+            (_, GradStats::Host(h)) => {
+                self.host_step(params, grads, &work, *h, inputs.lr)?;
+                Ok(Some(true))
+            }
+            (imp, _) => bail!(
+                "{}: implementation {imp:?} with device statistics is not available in this \
+                 build",
+                R::NAME
+            ),
+        }
+    }
+
+    fn writes_working_copies(&self) -> bool {
+        self.imp == Impl::FusedCuda
+    }
+
+    fn set_owned(&mut self, owned: Option<Vec<bool>>) {
+        self.owned = owned;
+    }
+
+    fn state_tensors(&self, params: &[Param]) -> Result<Vec<(String, Tensor)>> {
+        let steps = self.steps.read(params.len())?;
+        let names = self.rule.state_names();
+        let mut out = Vec::new();
+        for (i, (p, s)) in params.iter().zip(&self.states).enumerate() {
+            let Some(bufs) = s else { continue };
+            for (n, b) in names.iter().zip(bufs) {
+                out.push((format!("{}.{n}", p.name), b.to_tensor(p)?));
+            }
+            let step = Tensor::new(&[steps[i] as i64], p.master.device())?;
+            out.push((format!("{}.step", p.name), step));
+        }
+        Ok(out)
+    }
+
+    fn state_suffixes(&self) -> Vec<&'static str> {
+        let mut v = self.rule.state_names().to_vec();
+        v.push("step");
+        v
+    }
+
+    fn load_state_tensors(
+        &mut self,
+        params: &[Param],
+        tensors: &HashMap<String, Tensor>,
+        applied_steps: u64,
+    ) -> Result<()> {
+        let names = self.rule.state_names();
+        let mut states = Vec::with_capacity(params.len());
+        let mut steps = Vec::with_capacity(params.len());
+        for (i, p) in params.iter().enumerate() {
+            let owned = self.owned.as_ref().is_none_or(|o| o.get(i) == Some(&true));
+            let step_key = format!("{}.step", p.name);
+            let has_state = names
+                .iter()
+                .any(|n| tensors.contains_key(&format!("{}.{n}", p.name)));
+            if !owned || (!has_state && !tensors.contains_key(&step_key)) {
+                states.push(None); // never stepped (no gradient yet, frozen), or not this rank's
+                steps.push(0);
+                continue;
+            }
+            let mut step = match tensors.get(&step_key) {
+                Some(t) => read_step(t, &step_key)?,
+                // checkpoints of the fused CUDA path before per-parameter counts
+                None => applied_steps,
+            };
+            let mut bufs = Vec::with_capacity(names.len());
+            for n in names {
+                let key = format!("{}.{n}", p.name);
+                if !has_state {
+                    // a state the checkpoint's optimizer did not keep (SGD saved without
+                    // momentum): it starts fresh, and the next step initialises it
+                    bufs.push(Buf::zeros(self.imp, p)?);
+                    step = 0;
+                    continue;
+                }
+                let t = super::state_tensor(tensors, &key, p.master.shape(), p.master.device())?;
+                bufs.push(Buf::from_tensor(self.imp, t)?);
+            }
+            states.push(Some(bufs));
+            steps.push(step);
+        }
+        let device = params
+            .first()
+            .map_or(Device::Cpu, |p| p.master.device().clone());
+        self.steps.set(steps, &device)?;
+        self.states = states;
+        Ok(())
+    }
+}
+
+/// A saved step count: one element of any numeric dtype, a whole number `>= 0`.
+fn read_step(t: &Tensor, name: &str) -> Result<u64> {
+    let v = t.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
+    match v.as_slice() {
+        [s] if *s >= 0.0 && s.fract() == 0.0 => Ok(*s as u64),
+        _ => bail!("optimizer state {name:?} must be one whole number >= 0, got {v:?}"),
+    }
+}
