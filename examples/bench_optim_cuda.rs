@@ -123,14 +123,14 @@ fn main() -> Result<()> {
         );
     }
     // wick fused multi-tensor kernel, update only
-    let amp = Tensor::new(&[1f32, 0.0, 1.0, 0.0], &dev)?;
+    let amp = Tensor::new(&[1f32, 0.0, 1.0], &dev)?; // [scale, growth_tracker, hysteresis_left]
+    let applied = Tensor::new(&[0i64], &dev)?;
     {
         let mut opt = AdamW::new(cfg.clone(), Impl::FusedCuda)?;
         let stats = GradStats::device(Tensor::new(&[0f32, 0.0, 1.0], &dev)?);
         let inputs = StepInputs {
             stats: &stats,
             lr: 1e-4,
-            amp_state: Some(&amp),
             seed: 0,
             stochastic_rounding: false,
         };
@@ -164,6 +164,7 @@ fn main() -> Result<()> {
                 &amp,
                 1.0,
                 Some(1.0),
+                None,
             )?);
             opt.step(
                 &params,
@@ -171,12 +172,12 @@ fn main() -> Result<()> {
                 StepInputs {
                     stats: &stats,
                     lr: 1e-4,
-                    amp_state: Some(&amp),
                     seed: 0,
                     stochastic_rounding: false,
                 },
             )?;
-            wick::cuda::scaler::update_scale(&amp, &stats, &scaler)
+            let t = stats.tensor().expect("device stats");
+            wick::cuda::scaler::update_scale(&amp, &applied, t, &scaler)
         })?;
         println!(
             "wick fused boundary {:<11} (norm+clip+AdamW+scaler) {ms:8.3} ms",

@@ -174,9 +174,7 @@ impl AmpState {
     pub fn applied_steps(&self) -> Result<u64> {
         match self {
             AmpState::Host { applied_steps, .. } => Ok(*applied_steps),
-            AmpState::Device { applied_steps, .. } => {
-                Ok(applied_steps.to_vec1::<i64>()?[0] as u64)
-            }
+            AmpState::Device { applied_steps, .. } => Ok(applied_steps.to_vec1::<i64>()?[0] as u64),
         }
     }
 

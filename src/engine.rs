@@ -351,8 +351,7 @@ impl Engine {
             store: &self.store,
             micro_step: self.grads.micro_steps(),
         };
-        let loss = forward(&ctx)
-            .map_err(|e| e.into().context("the forward closure failed"))?;
+        let loss = forward(&ctx).map_err(|e| e.into().context("the forward closure failed"))?;
         let loss = scalar_loss(loss)?;
         let m1 = Mark::now(&device)?;
 
@@ -471,7 +470,8 @@ impl Engine {
     pub fn state(&self) -> Result<EngineState> {
         if self.grads.micro_steps() != 0 {
             bail!(
-                "Engine::state: {} micro-batches are accumulated; checkpoint at an accumulation                  boundary (or close the window with Engine::step_weighted_closing)",
+                "Engine::state: {} micro-batches are accumulated; checkpoint at an accumulation \
+                 boundary (or close the window with Engine::step_weighted_closing)",
                 self.grads.micro_steps()
             );
         }

@@ -30,7 +30,6 @@
 pub mod amp;
 pub mod checkpoint;
 pub mod coverage;
-#[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod data;
 pub mod dist;
@@ -39,7 +38,6 @@ pub mod engine;
 pub mod grads;
 pub mod loss;
 pub mod models;
-pub mod multi_tensor;
 pub mod nn;
 pub mod ops;
 pub mod optim;

@@ -60,7 +60,7 @@ fn fused_matches_reference_over_200_steps() -> anyhow::Result<()> {
     let steps = |st: &[(String, candle_core::Tensor)]| -> Vec<f32> {
         st.iter()
             .filter(|(n, _)| n.ends_with(".step"))
-            .map(|(_, t)| t.to_vec1::<f32>().unwrap()[0])
+            .map(|(_, t)| flat(t)[0])
             .collect()
     };
     assert!(steps(&st_f)

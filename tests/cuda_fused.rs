@@ -303,18 +303,16 @@ fn device_scaler_matches_the_host_state_machine() -> anyhow::Result<()> {
     };
     assert_eq!(cfg.kind, ScalerKind::Dynamic);
     let mut host = wick::LossScaler::new(cfg.clone())?;
-    let amp = Tensor::new(&[1024f32, 0.0, 2.0, 0.0], &dev)?;
+    let scaler = Tensor::new(&[1024f32, 0.0, 2.0], &dev)?;
+    let applied = Tensor::new(&[0i64], &dev)?;
     let pattern = [
         true, false, false, true, true, false, false, false, false, false, false, true, false,
     ];
     for (i, &inf) in pattern.iter().cycle().take(200).enumerate() {
-        let stats = wick::grads::GradStats::device(Tensor::new(
-            &[if inf { 1f32 } else { 0.0 }, 0.0, 1.0],
-            &dev,
-        )?);
-        wick::cuda::scaler::update_scale(&amp, &stats, &cfg)?;
+        let stats = Tensor::new(&[if inf { 1f32 } else { 0.0 }, 0.0, 1.0], &dev)?;
+        wick::cuda::scaler::update_scale(&scaler, &applied, &stats, &cfg)?;
         host.update(inf);
-        let v: Vec<f32> = amp.to_vec1()?;
+        let v: Vec<f32> = scaler.to_vec1()?;
         let h = host.state();
         assert_eq!(
             (v[0], v[1] as u32, v[2] as u32),

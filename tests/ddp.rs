@@ -276,7 +276,7 @@ fn train_full(
     let full_state = engine
         .optimizer_state()?
         .into_iter()
-        .map(|(k, t)| Ok((k, t.flatten_all()?.to_vec1::<f32>()?)))
+        .map(|(k, t)| Ok((k, t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)))
         .collect::<Result<Vec<_>>>()?;
     Ok(Outcome {
         masters: masters(&store),

@@ -132,14 +132,16 @@ fn hysteresis_tolerates_overflows_before_backing_off() {
     assert_eq!(s.scale(), 65536.0);
     s.update(true); // second backs off
     assert_eq!(s.scale(), 32768.0);
-    s.update(true); // hysteresis restored after the backoff: tolerated again
-    assert_eq!(s.scale(), 32768.0);
+    // DeepSpeed: a backoff does not refill hysteresis, so the next overflow backs off too
+    // (issue 14, item 8; the earlier assertion here encoded the refill)
+    s.update(true);
+    assert_eq!(s.scale(), 16384.0);
     s.update(false);
     s.update(false); // growth restores hysteresis
     assert_eq!(
         s.state(),
         ScalerState {
-            scale: 65536.0,
+            scale: 32768.0,
             growth_tracker: 0,
             hysteresis_left: 2
         }

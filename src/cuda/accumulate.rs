@@ -1,7 +1,7 @@
 //! Launcher of kernels/accumulate.cu: fp32 accumulation of (half) gradients with a weight.
 
-use super::{addr, cuda_device, dtype_suffix, mt_config, ptx};
-use crate::multi_tensor::{plan, Row};
+use super::{addr, cuda_device, launch::dtype_name, mt_config, ptx};
+use crate::cuda::multi_tensor::{plan, Row};
 use anyhow::Result;
 use candle_core::cuda::cudarc::driver::PushKernelArg;
 use candle_core::cuda::WrapErr;
@@ -33,7 +33,7 @@ pub fn accumulate(
         let acc = pool[i].as_ref().expect("allocated above");
         let first = bufs[i].is_none();
         groups
-            .entry(dtype_suffix(g.dtype())?)
+            .entry(dtype_name("wick kernel", g.dtype())?)
             .or_default()
             .push(Row {
                 addrs: [addr(acc)?, addr(&g)?],

@@ -1,8 +1,8 @@
 //! Launchers of kernels/grad_norm.cu: gradient statistics at the accumulation boundary and
 //! the in-place unscale with found_inf detection.
 
-use super::{addr, cuda_device, dtype_suffix, mt_config, ptx};
-use crate::multi_tensor::{plan, total_blocks, Row};
+use super::{addr, cuda_device, launch::dtype_name, mt_config, ptx};
+use crate::cuda::multi_tensor::{plan, total_blocks, Row};
 use anyhow::Result;
 use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda::WrapErr;
@@ -32,7 +32,7 @@ pub fn grad_stats(
             g.contiguous()?
         };
         groups
-            .entry(dtype_suffix(g.dtype())?)
+            .entry(dtype_name("wick kernel", g.dtype())?)
             .or_default()
             .push(Row {
                 addrs: [addr(&g)?],
@@ -107,7 +107,7 @@ pub fn unscale_check(grads: &[&Tensor], inv_scale: f32) -> Result<Tensor> {
     let mut groups: BTreeMap<&'static str, Vec<Row<1>>> = BTreeMap::new();
     for (i, g) in grads.iter().enumerate() {
         groups
-            .entry(dtype_suffix(g.dtype())?)
+            .entry(dtype_name("wick kernel", g.dtype())?)
             .or_default()
             .push(Row {
                 addrs: [addr(g)?],

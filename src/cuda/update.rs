@@ -7,7 +7,7 @@
 //! copy (0 where absent); `tensor_index` is the parameter's index in the store, into `steps`.
 
 use super::{addr, cuda_device, mt_config, update_operands, UpdateGroups};
-use crate::multi_tensor::Row as MtRow;
+use crate::cuda::multi_tensor::Row as MtRow;
 use crate::params::Param;
 use anyhow::{bail, Result};
 use candle_core::cuda::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
@@ -39,7 +39,7 @@ pub struct Row<'a> {
 }
 
 /// Enqueues `kernel` for every row on candle's stream: one launch per (gradient dtype,
-/// working-copy dtype) group and per [`crate::multi_tensor::MAX_TENSORS`] tensors. `stats` is
+/// working-copy dtype) group and per [`crate::cuda::multi_tensor::MAX_TENSORS`] tensors. `stats` is
 /// the device `[found_inf, norm, multiplier]` (nothing is written when found_inf is set),
 /// `steps` the `(n,)` i64 per-parameter step counts. No host synchronisation.
 pub fn launch<A: DeviceRepr>(
@@ -85,7 +85,7 @@ pub fn launch<A: DeviceRepr>(
     for ((gs, ws), list) in groups {
         let name = format!("{}_{gs}_{ws}", kernel.prefix);
         let func = dev.get_or_load_custom_func(&name, kernel.module, kernel.ptx)?;
-        for l in crate::multi_tensor::plan(&list) {
+        for l in crate::cuda::multi_tensor::plan(&list) {
             let mut b = func.builder();
             b.arg(&l.meta).arg(&stats_addr).arg(&steps_addr).arg(args);
             // SAFETY: the table holds live device addresses of `numel` elements per list, of

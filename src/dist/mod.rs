@@ -44,9 +44,9 @@ pub mod watchdog;
 pub mod zero;
 
 pub use ddp::{Bucket, BucketConfig, DdpConfig};
-pub use sync::GradSync;
 pub use local::LocalCollective;
 pub use rendezvous::DistEnv;
+pub use sync::GradSync;
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Tensor};

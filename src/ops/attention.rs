@@ -389,7 +389,7 @@ impl CustomOp3 for AttentionBwd {
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::{Dims, HEAD_DIM};
-    use crate::ops::cuda::{alloc, dtype_name, in_ptr, out_ptr};
+    use crate::cuda::launch::{alloc, dtype_name, in_ptr, out_ptr};
     use candle_core::backend::BackendStorage;
     use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
     use candle_core::cuda::WrapErr;

@@ -183,7 +183,7 @@ impl CustomOp3 for CrossEntropyBwd {
 /// CUDA launchers for `kernels/cross_entropy.cu`.
 #[cfg(feature = "cuda")]
 mod cuda {
-    use crate::ops::cuda::{alloc, dtype_name, in_ptr, out_ptr, rows_cols, vec_ok};
+    use crate::cuda::launch::{alloc, dtype_name, in_ptr, out_ptr, rows_cols, vec_ok};
     use candle_core::backend::BackendStorage;
     use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
     use candle_core::cuda::WrapErr;

@@ -193,7 +193,7 @@ impl CustomOp2 for EmbeddingBwd {
 /// CUDA launchers for `kernels/embedding.cu`.
 #[cfg(feature = "cuda")]
 mod cuda {
-    use crate::ops::cuda::{alloc, dtype_name, grid_stride_cfg, in_ptr, out_ptr, zeros_f32};
+    use crate::cuda::launch::{alloc, dtype_name, grid_stride_cfg, in_ptr, out_ptr, zeros_f32};
     use candle_core::backend::BackendStorage;
     use candle_core::cuda::cudarc::driver::PushKernelArg;
     use candle_core::cuda::WrapErr;

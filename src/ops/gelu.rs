@@ -139,7 +139,7 @@ impl CustomOp2 for GeluBwd {
 /// CUDA launcher for `kernels/gelu.cu`.
 #[cfg(feature = "cuda")]
 mod cuda {
-    use crate::ops::cuda::{alloc, dtype_name, grid_stride_cfg, in_ptr, out_ptr, vec_ok};
+    use crate::cuda::launch::{alloc, dtype_name, grid_stride_cfg, in_ptr, out_ptr, vec_ok};
     use candle_core::backend::BackendStorage;
     use candle_core::cuda::cudarc::driver::PushKernelArg;
     use candle_core::cuda::WrapErr;

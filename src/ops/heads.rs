@@ -238,7 +238,7 @@ mod cuda {
         let func = dev.get_or_load_custom_func(&name, MODULE, crate::cuda::ptx::HEADS)?;
         let [_, d1, d2, d3] = map.dims.map(|d| d as i32);
         let [s0, s1, s2, s3] = map.strides.map(|s| s as i64);
-        let cfg = crate::ops::cuda::grid_stride_cfg(total as usize);
+        let cfg = crate::cuda::launch::grid_stride_cfg(total as usize);
         let mut lb = func.builder();
         lb.arg(&src)
             .arg(&dst)

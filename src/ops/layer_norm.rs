@@ -497,7 +497,7 @@ impl CustomOp3 for NormBwd {
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::{Kind, NormFwd};
-    use crate::ops::cuda::{
+    use crate::cuda::launch::{
         alloc, dtype_name, in_ptr, out_ptr, row_cfg, rows_cols, vec_ok, zeros_f32, ROW_THREADS,
         ROW_WARPS,
     };

@@ -92,7 +92,7 @@ impl CustomOp2 for ResidualAdd {
 /// CUDA launcher for `kernels/residual.cu`.
 #[cfg(feature = "cuda")]
 mod cuda {
-    use crate::ops::cuda::{alloc, dtype_name, grid_stride_cfg, in_ptr, out_ptr};
+    use crate::cuda::launch::{alloc, dtype_name, grid_stride_cfg, in_ptr, out_ptr};
     use candle_core::backend::BackendStorage;
     use candle_core::cuda::cudarc::driver::PushKernelArg;
     use candle_core::cuda::WrapErr;

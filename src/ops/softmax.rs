@@ -200,7 +200,7 @@ impl CustomOp2 for SoftmaxBwd {
 /// CUDA launchers for `kernels/softmax.cu`.
 #[cfg(feature = "cuda")]
 mod cuda {
-    use crate::ops::cuda::{alloc, dtype_name, in_ptr, out_ptr, row_cfg, rows_cols, vec_ok};
+    use crate::cuda::launch::{alloc, dtype_name, in_ptr, out_ptr, row_cfg, rows_cols, vec_ok};
     use candle_core::backend::BackendStorage;
     use candle_core::cuda::cudarc::driver::PushKernelArg;
     use candle_core::cuda::WrapErr;

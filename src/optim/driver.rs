@@ -5,8 +5,9 @@
 //! tensors, its per-step coefficients, its element update (host), its reference update (candle
 //! ops) and its CUDA kernel. [`Driver`] does the rest, the same way for every rule:
 //!
-//! - the work list: parameters with a gradient, trainable, non-empty and (under ZeRO-1) owned by
-//!   this rank;
+//! - the work list: parameters with a gradient, trainable and (under ZeRO-1) owned by this
+//!   rank; empty ones get their (empty) state and step count, as in PyTorch, but no update pass
+//!   (candle's in-place ops reject some zero-size layouts);
 //! - validation of every row before anything changes, so a failed step changes nothing;
 //! - state creation (zeros, f32, the parameter's shape) at a parameter's first gradient;
 //! - per-parameter step counts, as `torch.optim` counts them: a parameter's `t` counts the
@@ -220,7 +221,7 @@ impl<R: UpdateRule> Driver<R> {
         for (i, (p, g)) in params.iter().zip(grads).enumerate() {
             let Some(g) = g else { continue };
             let owned = self.owned.as_ref().is_none_or(|o| o.get(i) == Some(&true));
-            if p.options.frozen || !owned || p.elem_count() == 0 {
+            if p.options.frozen || !owned {
                 continue;
             }
             if g.elem_count() != p.elem_count() {
@@ -302,23 +303,40 @@ impl<R: UpdateRule> Driver<R> {
             .filter_map(|(i, s)| Some((i, s.as_mut()?)))
             .filter(|(i, _)| work.binary_search(i).is_ok())
             .collect();
+        // empty parameters: state and count, no pass over zero elements
+        let nonempty: Vec<bool> = slots
+            .iter()
+            .map(|(i, _)| params[*i].elem_count() > 0)
+            .collect();
         match self.imp {
             Impl::FusedCpu => slots
                 .par_iter_mut()
                 .zip(ks.par_iter().zip(firsts.par_iter()))
-                .try_for_each(|((i, bufs), (k, first))| {
+                .zip(nonempty.par_iter())
+                .filter(|(_, &n)| n)
+                .try_for_each(|(((i, bufs), (k, first)), _)| {
                     host_update::<R>(&params[*i], grad(grads, *i)?, bufs, k, *first)
                 })?,
             _ => {
-                for ((i, bufs), (k, first)) in slots.iter_mut().zip(ks.iter().zip(&firsts)) {
+                for (((i, bufs), (k, first)), _) in slots
+                    .iter_mut()
+                    .zip(ks.iter().zip(&firsts))
+                    .zip(&nonempty)
+                    .filter(|(_, &n)| n)
+                {
                     let p = &params[*i];
                     let g = grad(grads, *i)?.to_dtype(DType::F32)?;
                     let mut ts = bufs
                         .iter()
                         .map(|b| b.tensor().cloned())
                         .collect::<Result<Vec<_>>>()?;
-                    let new_p =
-                        R::update_reference(k, &p.master.as_detached_tensor(), &g, &mut ts, *first)?;
+                    let new_p = R::update_reference(
+                        k,
+                        &p.master.as_detached_tensor(),
+                        &g,
+                        &mut ts,
+                        *first,
+                    )?;
                     p.master.set(&new_p)?;
                     for (b, t) in bufs.iter_mut().zip(ts) {
                         *b = Buf::Tensor(t);

@@ -39,9 +39,14 @@ pub fn random_grads(
         .collect()
 }
 
-/// The values of a tensor, flattened.
+/// The values of a tensor (any dtype; step counts are i64), flattened, as f32.
 pub fn flat(t: &Tensor) -> Vec<f32> {
-    t.flatten_all().unwrap().to_vec1().unwrap()
+    t.flatten_all()
+        .unwrap()
+        .to_dtype(candle_core::DType::F32)
+        .unwrap()
+        .to_vec1()
+        .unwrap()
 }
 
 /// Largest `|a - b| / max(|b|, 1e-3)`.
