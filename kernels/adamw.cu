@@ -91,14 +91,4 @@ __device__ void adamw_block(const TensorListMeta<5>& meta, const float* stats, c
     }
 }
 
-// ---------------------------------------------------------------------------------------------
-#define ADAMW(GS, WS, G, W)                                                                        \
-    extern "C" __global__ void mt_adamw_##GS##_##WS(TensorListMeta<5> meta, const float* stats,   \
-                                                    const long long* steps, AdamWArgs a) {        \
-        adamw_block<G, W>(meta, stats, steps, a);                                             \
-    }
-ADAMW(f32, f32, float, float)
-ADAMW(f32, bf16, float, __nv_bfloat16)
-ADAMW(f32, f16, float, __half)
-ADAMW(bf16, bf16, __nv_bfloat16, __nv_bfloat16)
-ADAMW(f16, f16, __half, __half)
+MT_UPDATE_KERNELS(adamw, adamw_block, AdamWArgs)

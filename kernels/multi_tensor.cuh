@@ -93,3 +93,19 @@ __device__ __forceinline__ double block_sum_d(double v, double* smem) {
     __syncthreads();
     return v; // valid in thread 0
 }
+
+// The fused optimizer updates (adamw.cu, sgd.cu) share one signature: the table, the device
+// stats [found_inf, norm, multiplier], the per-parameter step counts, and the rule's arguments.
+// MT_UPDATE_KERNELS(name, block, Args) instantiates mt_<name>_<grad>_<working> for the five
+// (gradient, working copy) dtype pairs the launcher (src/cuda/update.rs) asks for.
+#define MT_UPDATE_KERNEL(NAME, BLOCK, ARGS, GS, WS, G, W)                                         \
+    extern "C" __global__ void mt_##NAME##_##GS##_##WS(TensorListMeta<5> meta, const float* stats, \
+                                                       const long long* steps, ARGS a) {           \
+        BLOCK<G, W>(meta, stats, steps, a);                                                        \
+    }
+#define MT_UPDATE_KERNELS(NAME, BLOCK, ARGS)                                                       \
+    MT_UPDATE_KERNEL(NAME, BLOCK, ARGS, f32, f32, float, float)                                    \
+    MT_UPDATE_KERNEL(NAME, BLOCK, ARGS, f32, bf16, float, __nv_bfloat16)                           \
+    MT_UPDATE_KERNEL(NAME, BLOCK, ARGS, f32, f16, float, __half)                                   \
+    MT_UPDATE_KERNEL(NAME, BLOCK, ARGS, bf16, bf16, __nv_bfloat16, __nv_bfloat16)                  \
+    MT_UPDATE_KERNEL(NAME, BLOCK, ARGS, f16, f16, __half, __half)

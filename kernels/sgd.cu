@@ -102,14 +102,4 @@ __device__ void sgd_block(const TensorListMeta<5>& meta, const float* stats, con
     }
 }
 
-// ---------------------------------------------------------------------------------------------
-#define SGD(GS, WS, G, W)                                                                          \
-    extern "C" __global__ void mt_sgd_##GS##_##WS(TensorListMeta<5> meta, const float* stats,     \
-                                                  const long long* steps, SgdArgs a) {            \
-        sgd_block<G, W>(meta, stats, steps, a);                                               \
-    }
-SGD(f32, f32, float, float)
-SGD(f32, bf16, float, __nv_bfloat16)
-SGD(f32, f16, float, __half)
-SGD(bf16, bf16, __nv_bfloat16, __nv_bfloat16)
-SGD(f16, f16, __half, __half)
+MT_UPDATE_KERNELS(sgd, sgd_block, SgdArgs)

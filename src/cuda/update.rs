@@ -14,14 +14,12 @@ use candle_core::cuda::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg}
 use candle_core::cuda::WrapErr;
 use candle_core::{DType, Tensor};
 
-/// Where a rule's update kernel lives.
+/// Where a rule's update kernel lives: `mt_{name}_{grad}_{working}` (kernels/multi_tensor.cuh's
+/// `MT_UPDATE_KERNELS`) in `ptx`, loaded as module `wick_{name}`.
 #[derive(Debug, Clone, Copy)]
 pub struct Kernel {
-    /// Kernel-name prefix (`"mt_adamw"`); the full name adds the gradient and working-copy
-    /// dtype suffixes.
-    pub prefix: &'static str,
-    /// Module name under which candle caches the loaded PTX.
-    pub module: &'static str,
+    /// The rule's kernel name (`"adamw"`).
+    pub name: &'static str,
     /// The PTX source ([`super::ptx`]).
     pub ptx: &'static str,
 }
@@ -58,7 +56,7 @@ pub fn launch<A: DeviceRepr>(
     let mut keep = Vec::new();
     let mut groups: UpdateGroups<5> = Default::default();
     for r in rows {
-        let o = update_operands(kernel.prefix, r.param, r.grad, &mut keep)?;
+        let o = update_operands(kernel.name, r.param, r.grad, &mut keep)?;
         let mut st = [0u64; 2];
         for (a, s) in st.iter_mut().zip(&r.states) {
             if let Some(s) = s {
@@ -82,9 +80,10 @@ pub fn launch<A: DeviceRepr>(
                 index: r.index as i32,
             });
     }
+    let module = format!("wick_{}", kernel.name);
     for ((gs, ws), list) in groups {
-        let name = format!("{}_{gs}_{ws}", kernel.prefix);
-        let func = dev.get_or_load_custom_func(&name, kernel.module, kernel.ptx)?;
+        let name = format!("mt_{}_{gs}_{ws}", kernel.name);
+        let func = dev.get_or_load_custom_func(&name, &module, kernel.ptx)?;
         for l in crate::cuda::multi_tensor::plan(&list) {
             let mut b = func.builder();
             b.arg(&l.meta).arg(&stats_addr).arg(&steps_addr).arg(args);

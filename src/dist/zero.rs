@@ -145,7 +145,11 @@ pub fn gather_state(
             for (n, p, shape) in &names {
                 let k: usize = shape.iter().product();
                 match local.get(n) {
-                    Some(t) if t.elem_count() == k => {
+                    Some(t) if n.ends_with(".step") && t.elem_count() == 1 => {
+                        flags.push(1f32);
+                        data.push(encode_step(t)?);
+                    }
+                    Some(t) if !n.ends_with(".step") && t.elem_count() == k => {
                         flags.push(1f32);
                         data.push(t.to_dtype(DType::F32)?.flatten_all()?);
                     }
@@ -197,7 +201,9 @@ pub fn gather_state(
         let mut off = names.len();
         for ((n, _, shape), f) in names.iter().zip(flags) {
             let k: usize = shape.iter().product();
-            if f == 1.0 {
+            if f == 1.0 && n.ends_with(".step") {
+                out.insert(n.clone(), decode_step(&got.narrow(0, off, k)?)?);
+            } else if f == 1.0 {
                 out.insert(n.clone(), got.narrow(0, off, k)?.reshape(shape.as_slice())?);
             }
             off += k;
@@ -215,14 +221,29 @@ pub fn gather_state(
     Ok(ordered)
 }
 
-/// Shape of a state tensor: the per-parameter step counter is `[1]`, moments have the
-/// parameter's shape.
+/// Shape of a state tensor in transit: the per-parameter step count travels as two f32
+/// ([`encode_step`]), moments have the parameter's shape.
 fn state_shape(suffix: &str, p: &Param) -> Vec<usize> {
     if suffix == "step" {
-        vec![1]
+        vec![2]
     } else {
         p.master.dims().to_vec()
     }
+}
+
+/// An exact step count `s < 2^48` as the two f32 `[s / 2^24, s % 2^24]` (the collectives move
+/// floats; one f32 is exact only below 2^24).
+fn encode_step(t: &Tensor) -> Result<Tensor> {
+    let s = t.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?[0] as u64;
+    let v = [(s >> 24) as f32, (s & 0xff_ffff) as f32];
+    Ok(Tensor::new(&v, t.device())?)
+}
+
+/// The inverse of [`encode_step`]: a `(1,)` i64 count.
+fn decode_step(t: &Tensor) -> Result<Tensor> {
+    let v = t.to_vec1::<f32>()?;
+    let s = ((v[0] as i64) << 24) + v[1] as i64;
+    Ok(Tensor::new(&[s], t.device())?)
 }
 
 fn flat_f32<'a>(ts: impl Iterator<Item = &'a Tensor>) -> Result<Tensor> {
@@ -235,6 +256,15 @@ fn flat_f32<'a>(ts: impl Iterator<Item = &'a Tensor>) -> Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn step_counts_cross_the_collective_exactly() -> Result<()> {
+        for s in [0i64, 7, (1 << 24) + 1, (1 << 40) + 3] {
+            let t = Tensor::new(&[s], &candle_core::Device::Cpu)?;
+            assert_eq!(decode_step(&encode_step(&t)?)?.to_vec1::<i64>()?, vec![s]);
+        }
+        Ok(())
+    }
 
     #[test]
     fn partition_is_greedy_largest_first_and_balanced() -> Result<()> {

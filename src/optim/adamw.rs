@@ -133,13 +133,10 @@ impl UpdateRule for AdamWConfig {
     type KernelArgs = KernelArgs;
 
     #[cfg(feature = "cuda")]
-    fn kernel(&self) -> crate::cuda::update::Kernel {
-        crate::cuda::update::Kernel {
-            prefix: "mt_adamw",
-            module: "wick_adamw",
-            ptx: crate::cuda::ptx::ADAMW,
-        }
-    }
+    const KERNEL: crate::cuda::update::Kernel = crate::cuda::update::Kernel {
+        name: "adamw",
+        ptx: crate::cuda::ptx::ADAMW,
+    };
 
     #[cfg(feature = "cuda")]
     fn kernel_args(&self, lr: f64, seed: u32, stochastic: bool) -> KernelArgs {

@@ -75,9 +75,9 @@ pub trait UpdateRule: Clone + Send + Sync + std::fmt::Debug + 'static {
         first: bool,
     ) -> Result<Tensor>;
 
-    /// The CUDA kernel of this rule (`{prefix}_{grad}_{working}` in `module`).
+    /// The CUDA kernel of this rule.
     #[cfg(feature = "cuda")]
-    fn kernel(&self) -> crate::cuda::update::Kernel;
+    const KERNEL: crate::cuda::update::Kernel;
 
     /// The kernel's by-value argument for a step at `lr` (the kernel computes what depends
     /// on each parameter's step count and group itself, as [`Self::coeffs`] does).
@@ -397,7 +397,7 @@ impl<R: UpdateRule> Driver<R> {
         let args = self
             .rule
             .kernel_args(inputs.lr, seed, inputs.stochastic_rounding);
-        crate::cuda::update::launch(&self.rule.kernel(), &rows, stats, counts, &args)?;
+        crate::cuda::update::launch(&R::KERNEL, &rows, stats, counts, &args)?;
         crate::cuda::update::count_steps(counts, idx_t, stats)
     }
 }

@@ -227,13 +227,10 @@ impl UpdateRule for SgdConfig {
     type KernelArgs = KernelArgs;
 
     #[cfg(feature = "cuda")]
-    fn kernel(&self) -> crate::cuda::update::Kernel {
-        crate::cuda::update::Kernel {
-            prefix: "mt_sgd",
-            module: "wick_sgd",
-            ptx: crate::cuda::ptx::SGD,
-        }
-    }
+    const KERNEL: crate::cuda::update::Kernel = crate::cuda::update::Kernel {
+        name: "sgd",
+        ptx: crate::cuda::ptx::SGD,
+    };
 
     #[cfg(feature = "cuda")]
     fn kernel_args(&self, lr: f64, seed: u32, stochastic: bool) -> KernelArgs {
