@@ -310,11 +310,12 @@ impl GradBuffers {
     }
 
     /// The boundary pass on the device (fused CUDA path): reads the loss scale from
-    /// `amp_state[0]` and returns stats in a device tensor, without synchronisation.
+    /// `scaler[0]` (the device [`crate::amp::AmpState`]) and returns stats in a device tensor,
+    /// without synchronisation.
     #[cfg(feature = "cuda")]
     pub fn unscale_and_check_on_device(
         &self,
-        amp_state: &Tensor,
+        scaler: &Tensor,
         max_norm: Option<f64>,
     ) -> Result<GradStats> {
         if self.weight_sum <= 0.0 {
@@ -323,7 +324,7 @@ impl GradBuffers {
         let bufs: Vec<&Tensor> = self.bufs.iter().flatten().collect();
         let t = crate::cuda::grad_norm::grad_stats(
             &bufs,
-            amp_state,
+            scaler,
             self.weight_sum as f32,
             max_norm.map(|m| m as f32),
             self.loss_probe.as_ref(),

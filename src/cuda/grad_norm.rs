@@ -10,7 +10,7 @@ use candle_core::{DType, Tensor};
 use std::collections::BTreeMap;
 
 /// `[found_inf, norm, multiplier]` (f32, on the device) for gradient buffers `grads` (any mix of
-/// f32/bf16/f16), a loss scale in `amp_state[0]`, the accumulation normaliser
+/// f32/bf16/f16), a loss scale in `scaler[0]` (the device [`crate::amp::AmpState`]), the accumulation normaliser
 /// `weight_sum = sum_w` and an optional clip threshold. found_inf is also set when the
 /// `(1,)` `loss_probe` (the window's `sum 0 * scaled_loss`) is not finite, and when the
 /// multiplier's unscale factor is not a finite positive f32 (an underflowed scale). Deterministic: per-block

@@ -28,11 +28,8 @@
 //! (a sharded update, a rank-local check) were to differ.
 //!
 //! **ZeRO-1** in the engine is [`super::zero`]: optimizer state partitioned by whole parameters
-//! (PyTorch's `ZeroRedundancyOptimizer` scheme) after this module's all-reduce. The flat-shard
-//! arithmetic here ([`ShardLayout`]: the parameters as one flat vector padded to `world_size`
-//! equal shards, [`reduce_scatter_average`], [`all_gather_unpad`]; Rajbhandari et al., "ZeRO",
-//! SC 2020) is the reduce-scatter / all-gather variant, tested on its own; the fused kernels
-//! would need per-shard slices of parameters to use it.
+//! (PyTorch's `ZeroRedundancyOptimizer` scheme) after this module's all-reduce. The engine
+//! reaches both through [`super::GradSync`].
 
 use super::{Collective, ReduceOp};
 use crate::grads::{GradBuffers, GradStats, HostStats};

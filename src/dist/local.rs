@@ -330,7 +330,7 @@ impl Collective for LocalCollective {
         let n = flat.elem_count();
         let w = self.shared.world;
         if n % w != 0 {
-            bail!("reduce_scatter_sum: {n} elements do not split into {w} equal shards (pad first, see ShardLayout)");
+            bail!("reduce_scatter_sum: {n} elements do not split into {w} equal shards (pad the input to a multiple of the world size first)");
         }
         let k = n / w;
         let slot = self.slot("reduce_scatter(Sum)".into(), flat)?;

@@ -410,7 +410,7 @@ impl Collective for NcclCollective {
         check_flat(flat, "reduce_scatter_sum")?;
         let n = flat.elem_count();
         if n % self.world != 0 {
-            bail!("reduce_scatter_sum: {n} elements do not split into {} equal shards (pad first, see ShardLayout)", self.world);
+            bail!("reduce_scatter_sum: {n} elements do not split into {} equal shards (pad the input to a multiple of the world size first)", self.world);
         }
         let src = self.staging(flat)?;
         let dst = Tensor::zeros(n / self.world, src.dtype(), &self.device)?;
