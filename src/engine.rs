@@ -363,7 +363,7 @@ impl Engine {
             .map_err(|e| anyhow::Error::from(e).context("backward failed"))?;
         let m2 = Mark::now(&device)?;
 
-        // accumulate; at the boundary: reduce, check, clip, update, update the scale
+        // accumulate; every `accumulation_steps` micro-batches (or when asked): the boundary
         if self.check_coverage_next {
             self.check_coverage(&params, &grads)?;
         }
@@ -373,30 +373,12 @@ impl Engine {
         drop(grads);
         self.sync.note_micro_batch(weight);
         let lr = self.config.schedule.lr(self.boundaries);
-        let mut stats = None;
-        if close || self.grads.micro_steps() >= self.config.accumulation_steps {
-            self.sync.reduce(&params, &mut self.grads, keep_raw)?;
-            let s = self.check(&loss_scale)?;
-            let s = self.sync.agree(s, &device)?; // every rank skips together
-            let applied = self.optimizer.step(
-                &params,
-                self.grads.buffers(),
-                StepInputs {
-                    stats: &s,
-                    lr,
-                    seed: self.boundaries,
-                    stochastic_rounding: self.config.stochastic_rounding,
-                },
-            )?;
-            if applied == Some(true) && !self.optimizer.writes_working_copies() {
-                self.store.refresh_working_copies()?;
-            }
-            self.sync.after_update(&params)?;
-            self.amp.update(&s, applied)?;
-            self.grads.clear();
-            self.boundaries += 1;
-            stats = Some(s);
-        }
+        let at_boundary = close || self.grads.micro_steps() >= self.config.accumulation_steps;
+        let stats = if at_boundary {
+            Some(self.boundary(&params, &loss_scale, lr, keep_raw)?)
+        } else {
+            None
+        };
         let spans = StepSpans::from_marks([m0, m1, m2, Mark::now(&device)?]);
         Ok(StepReport {
             loss,
@@ -406,6 +388,35 @@ impl Engine {
             lr,
             spans,
         })
+    }
+
+    /// The accumulation boundary: the global gradient, its statistics (every rank alike), the
+    /// update (skipped on found_inf), the working copies, the scaler; then a new window.
+    fn boundary(
+        &mut self,
+        params: &[Param],
+        loss_scale: &ScaleValue,
+        lr: f64,
+        keep_raw: bool,
+    ) -> Result<GradStats> {
+        self.sync.reduce(params, &mut self.grads, keep_raw)?;
+        let stats = self.check(loss_scale)?;
+        let stats = self.sync.agree(stats, self.store.device())?; // every rank skips together
+        let inputs = StepInputs {
+            stats: &stats,
+            lr,
+            seed: self.boundaries,
+            stochastic_rounding: self.config.stochastic_rounding,
+        };
+        let applied = self.optimizer.step(params, self.grads.buffers(), inputs)?;
+        if applied == Some(true) && !self.optimizer.writes_working_copies() {
+            self.store.refresh_working_copies()?;
+        }
+        self.sync.after_update(params)?;
+        self.amp.update(&stats, applied)?;
+        self.grads.clear();
+        self.boundaries += 1;
+        Ok(stats)
     }
 
     fn check_coverage(&mut self, params: &[Param], grads: &GradStore) -> Result<()> {
