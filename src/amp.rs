@@ -71,12 +71,12 @@ impl AmpState {
             applied_steps: 0,
         };
         if let Some(d) = device {
-            amp = amp.to_device(d)?;
+            amp = amp.into_device(d)?;
         }
         Ok(amp)
     }
 
-    fn to_device(self, device: &Device) -> Result<Self> {
+    fn into_device(self, device: &Device) -> Result<Self> {
         let AmpState::Host {
             scaler,
             applied_steps,

@@ -20,7 +20,7 @@ fn scalar(store: &ParamStore, name: &str) -> f32 {
         .unwrap()[0]
 }
 
-/// 1. `clip_value` must not hide an overflow: fp32, SGD lr 0.1, a finite loss whose gradient
+/// Item 1: `clip_value` must not hide an overflow: fp32, SGD lr 0.1, a finite loss whose gradient
 /// is +inf (d/dp sqrt(p - 0.5) at p = 0.5). Before: clamped to 1 and applied (p 0.5 -> 0.4).
 #[test]
 fn clip_value_does_not_hide_an_inf_gradient() -> anyhow::Result<()> {
@@ -40,7 +40,7 @@ fn clip_value_does_not_hide_an_inf_gradient() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// 1. Under 16-mixed an f16 gradient overflow must back the scale off even with
+/// Item 1: Under 16-mixed an f16 gradient overflow must back the scale off even with
 /// `clip_value` (before: clamped, applied, scale stayed 65536).
 #[test]
 fn clip_value_keeps_the_f16_overflow_backoff() -> anyhow::Result<()> {
@@ -58,7 +58,7 @@ fn clip_value_keeps_the_f16_overflow_backoff() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// 2. A loss that is NaN on every step: the scale stops at a positive floor and every step is
+/// Item 2: A loss that is NaN on every step: the scale stops at a positive floor and every step is
 /// skipped and counted as skipped (before: the scale reached exactly 0 after ~166 steps and
 /// 34 of 200 steps were reported as applied).
 #[test]
@@ -68,7 +68,7 @@ fn a_nan_loss_never_drives_the_scale_to_zero() -> anyhow::Result<()> {
     let mut engine = Engine::new(store.clone(), EngineConfig::adamw(1e-3))?;
     let mut skipped = 0;
     for _ in 0..200 {
-        let r = engine.step(|_| (w.to_dtype(DType::F32)?.sum_all()? * f64::NAN))?;
+        let r = engine.step(|_| w.to_dtype(DType::F32)?.sum_all()? * f64::NAN)?;
         skipped += usize::from(r.skipped()?);
     }
     assert_eq!(skipped, 200);
@@ -86,7 +86,7 @@ fn a_nan_loss_never_drives_the_scale_to_zero() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// 2. A non-finite scaled loss skips the step whatever the gradients: here the loss is NaN
+/// Item 2: A non-finite scaled loss skips the step whatever the gradients: here the loss is NaN
 /// but carries no gradient to the parameter (its NaN factor is a constant).
 #[test]
 fn a_non_finite_loss_skips_the_step_even_with_finite_gradients() -> anyhow::Result<()> {
@@ -102,7 +102,7 @@ fn a_non_finite_loss_skips_the_step_even_with_finite_gradients() -> anyhow::Resu
     Ok(())
 }
 
-/// 3. A clean step at a scale whose reciprocal overflows f32 must be skipped, not write
+/// Item 3: A clean step at a scale whose reciprocal overflows f32 must be skipped, not write
 /// `0 * inf = NaN` into the weights (GradScaler checks the reciprocal of its scale).
 #[test]
 fn an_underflowed_scale_counts_as_found_inf() -> anyhow::Result<()> {
@@ -121,7 +121,7 @@ fn an_underflowed_scale_counts_as_found_inf() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// 4. A checkpoint state that `load` refuses is refused by `Engine::state` for the same
+/// Item 4: A checkpoint state that `load` refuses is refused by `Engine::state` for the same
 /// reason, and a refused load changes nothing.
 #[test]
 fn save_and_load_share_the_scaler_check() -> anyhow::Result<()> {
@@ -167,7 +167,7 @@ fn store_of(shapes: &[Vec<usize>]) -> anyhow::Result<ParamStore> {
     Ok(store)
 }
 
-/// 5. Empty tensors of rank >= 2 among 24 others: the fused CPU AdamW and SGD steps skip them
+/// Item 5: Empty tensors of rank >= 2 among 24 others: the fused CPU AdamW and SGD steps skip them
 /// (before: candle's "dst has repeated elements" error after 17-25 others were updated).
 #[test]
 fn empty_tensors_of_any_rank_are_skipped_by_every_path() -> anyhow::Result<()> {
@@ -200,7 +200,7 @@ fn empty_tensors_of_any_rank_are_skipped_by_every_path() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// 5. A step that fails on one parameter changes no parameter and no optimizer state, and
+/// Item 5: A step that fails on one parameter changes no parameter and no optimizer state, and
 /// the error names the parameter.
 #[test]
 fn a_failed_step_is_all_or_nothing() -> anyhow::Result<()> {
@@ -239,7 +239,7 @@ fn a_failed_step_is_all_or_nothing() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// 6. The coverage check stays armed until a backward passes it: retrying a step whose loss
+/// Item 6: The coverage check stays armed until a backward passes it: retrying a step whose loss
 /// does not reach the model fails again instead of counting an optimizer step.
 #[test]
 fn the_coverage_check_stays_armed_after_a_failure() -> anyhow::Result<()> {
@@ -264,7 +264,7 @@ fn the_coverage_check_stays_armed_after_a_failure() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// 8. Hysteresis with DeepSpeed's semantics: hysteresis 2, overflows T T T T F T T from
+/// Item 8: Hysteresis with DeepSpeed's semantics: hysteresis 2, overflows T T T T F T T from
 /// 65536 give DeepSpeed's scales (it refills hysteresis only when the scale grows).
 #[test]
 fn hysteresis_follows_deepspeed() -> anyhow::Result<()> {

@@ -435,6 +435,9 @@ fn host_update<R: UpdateRule>(
     Ok(())
 }
 
+/// One rayon task of the host update: a chunk of the master, of the gradient, of each state.
+type Chunk<'a> = (&'a mut [f32], &'a [f32], Vec<&'a mut [f32]>);
+
 struct HostUpdate<'a, R: UpdateRule> {
     g: &'a [f32],
     states: Mutex<Vec<&'a mut [f32]>>,
@@ -469,7 +472,7 @@ impl<R: UpdateRule> candle_core::InplaceOp1 for HostUpdate<'_, R> {
             );
         }
         // chunk i of the master, the gradient and every state tensor
-        let mut tasks: Vec<(&mut [f32], &[f32], Vec<&mut [f32]>)> = p
+        let mut tasks: Vec<Chunk> = p
             .chunks_mut(HOST_CHUNK)
             .zip(self.g.chunks(HOST_CHUNK))
             .map(|(p, g)| (p, g, Vec::new()))
