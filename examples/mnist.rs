@@ -226,11 +226,13 @@ fn main() -> Result<()> {
         args.workers
     );
 
-    let batches_per_epoch = loader.num_batches() as u64 / args.accum as u64;
+    let num_batches = loader.num_batches();
     let hooks = Hooks {
         after_step: Some(Box::new(|engine: &mut Engine, _r, pos: &LoaderState| {
             let Some(c) = &ckpt else { return Ok(false) };
-            let end_of_epoch = engine.boundaries() % batches_per_epoch == 0;
+            // the loader's position after the epoch's last batch (the trainer steps on an
+            // epoch's last window even when it is partial, so this is always a boundary)
+            let end_of_epoch = pos.batch >= num_batches;
             if end_of_epoch || checkpoint::interrupted() {
                 let path = c.save_with_loader(engine, pos, serde_json::Value::Null)?;
                 if checkpoint::interrupted() {

@@ -336,7 +336,7 @@ impl Engine {
         F: FnOnce(&StepCtx) -> std::result::Result<Tensor, E>,
         E: Into<anyhow::Error>,
     {
-        let result = self.step_inner(weight, forward);
+        let result = self.step_inner(weight, false, forward);
         #[cfg(feature = "cuda")]
         if let (Err(e), candle_core::Device::Cuda(d)) = (&result, self.store.device()) {
             if crate::cuda::memory::is_out_of_memory(e) {
@@ -347,7 +347,29 @@ impl Engine {
         result
     }
 
-    fn step_inner<F, E>(&mut self, weight: f64, forward: F) -> Result<StepReport>
+    /// Runs one micro-batch like [`Engine::step_weighted`] and closes the accumulation window
+    /// at it even if fewer than `accumulation_steps` micro-batches were accumulated (the applied
+    /// gradient is the weighted mean of what the window holds): for an epoch's last, partial
+    /// window, which Lightning steps on too.
+    ///
+    /// Errors: as [`Engine::step_weighted`].
+    pub fn step_weighted_closing<F, E>(&mut self, weight: f64, forward: F) -> Result<StepReport>
+    where
+        F: FnOnce(&StepCtx) -> std::result::Result<Tensor, E>,
+        E: Into<anyhow::Error>,
+    {
+        let result = self.step_inner(weight, true, forward);
+        #[cfg(feature = "cuda")]
+        if let (Err(e), candle_core::Device::Cuda(d)) = (&result, self.store.device()) {
+            if crate::cuda::memory::is_out_of_memory(e) {
+                let d = d.clone();
+                return result.map_err(|e| crate::cuda::memory::explain_out_of_memory(e, &d));
+            }
+        }
+        result
+    }
+
+    fn step_inner<F, E>(&mut self, weight: f64, close: bool, forward: F) -> Result<StepReport>
     where
         F: FnOnce(&StepCtx) -> std::result::Result<Tensor, E>,
         E: Into<anyhow::Error>,
@@ -390,7 +412,7 @@ impl Engine {
         }
         let lr = self.config.schedule.lr(self.boundaries);
         let mut stats = None;
-        if self.grads.micro_steps() >= self.config.accumulation_steps {
+        if close || self.grads.micro_steps() >= self.config.accumulation_steps {
             if let Some(d) = &mut self.dist {
                 // dist: global gradient before clipping, norm and found_inf
                 d.reduce_gradients(&params, &mut self.grads, keep_raw)?;

@@ -3,7 +3,10 @@
 //! bar, metrics to CSV and JSONL, and at the end the per-phase breakdown and throughput.
 //!
 //! Each batch the [`DataLoader`] yields is one micro-batch, weighted by its sample count; the
-//! engine runs the optimizer step every `accumulation_steps` batches. "Step" below always means
+//! engine runs the optimizer step every `accumulation_steps` batches, and on the epoch's last
+//! batch whatever the window holds (10 batches with `accumulation_steps = 4`: 3 steps, the
+//! last over 2 micro-batches, as Lightning does), so no micro-batch is left pending at the end
+//! of an epoch and every epoch ends at a checkpointable step. "Step" below always means
 //! an optimizer step (an accumulation boundary), as in Lightning's `global_step`.
 //!
 //! The configuration can come from a TOML file ([`TrainerConfig::from_toml_file`]); the
@@ -389,7 +392,7 @@ impl Trainer {
         let mut files = c.out_dir.as_deref().map(MetricsFiles::create).transpose()?;
         let accum = engine.config().accumulation_steps as u64;
         let start_step = engine.boundaries();
-        let per_epoch = (loader.num_batches() as u64 / accum).max(1);
+        let per_epoch = steps_per_epoch(loader.num_batches(), accum);
         let total = match (c.max_steps, c.max_epochs) {
             (Some(s), _) => s.saturating_sub(start_step),
             (None, Some(e)) => e.saturating_sub(loader.epoch()) * per_epoch,
@@ -441,7 +444,14 @@ impl Trainer {
                 };
                 phases.data += t.elapsed();
                 let n = batch.len() as u64;
-                let report = engine.step_weighted(n as f64, |ctx| train_step(ctx, &batch))?;
+                // the epoch's last batch closes its window even when the window is partial
+                // (Lightning steps on it too): no micro-batch stays pending past an epoch
+                let last_of_epoch = batch.index + 1 >= loader.num_batches();
+                let report = if last_of_epoch {
+                    engine.step_weighted_closing(n as f64, |ctx| train_step(ctx, &batch))?
+                } else {
+                    engine.step_weighted(n as f64, |ctx| train_step(ctx, &batch))?
+                };
                 device_timed |= report.spans.forward.is_device();
                 staged_h2d |= batch.h2d.is_some();
                 pending.push(batch.h2d.clone(), report.spans.clone());
@@ -572,6 +582,13 @@ impl Trainer {
             best: stopper.best,
         })
     }
+}
+
+/// Optimizer steps in an epoch of `batches` micro-batches with `accumulation_steps` per
+/// window: the last, partial window counts as a step (the trainer closes it at the epoch's
+/// last batch), so this is `ceil(batches / accumulation_steps)`, and at least 1.
+pub fn steps_per_epoch(batches: usize, accumulation_steps: u64) -> u64 {
+    (batches as u64).div_ceil(accumulation_steps.max(1)).max(1)
 }
 
 fn fmt_metrics(m: &Metrics) -> String {
