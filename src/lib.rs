@@ -27,6 +27,7 @@
 
 #![warn(missing_docs)]
 
+pub mod bench;
 pub mod checkpoint;
 pub mod coverage;
 #[cfg(feature = "cuda")]
