@@ -224,7 +224,58 @@ pub struct Hooks<'a> {
         Option<Box<dyn FnMut(&mut Engine, &StepReport, &LoaderState) -> Result<bool> + 'a>>,
 }
 
-/// The fit loop.
+/// The fit loop (Lightning's `Trainer.fit`, for an [`Engine`]): pulls micro-batches from a
+/// [`DataLoader`], runs [`Engine::step_weighted`] on each (weighted by its sample count, the
+/// epoch's last partial window closed with [`Engine::step_weighted_closing`]), logs, evaluates,
+/// stops on `max_epochs`, `max_steps`, early stopping or a hook, and returns a [`FitSummary`]
+/// with the phase report. [`Trainer::write_plots`] then draws the run's pictures.
+///
+/// Under data parallelism every rank runs `fit` with its own shard of the data; only rank 0
+/// writes files and prints. Resuming: restore the engine and the loader from a checkpoint
+/// (e.g. [`crate::checkpoint::Checkpointer::resume_existing_with_loader`]) and call `fit`
+/// again; it continues at the next batch and appends to the metrics files.
+///
+/// ```no_run
+/// use candle_core::{Device, Module, Tensor};
+/// use wick::data::{DataLoader, LoaderConfig, TensorDataset};
+/// use wick::trainer::{Hooks, Metrics, Trainer, TrainerConfig};
+/// use wick::{loss, nn, Engine, EngineConfig, ParamStore, Precision};
+/// # fn main() -> anyhow::Result<()> {
+/// let dev = Device::Cpu;
+/// let store = ParamStore::new(Precision::Bf16Mixed, dev.clone(), 0);
+/// let fc = nn::Linear::new(&store, "fc", 784, 10, true)?;
+/// let mut engine = Engine::new(store, EngineConfig::adamw(1e-3))?;
+///
+/// let x = Tensor::randn(0f32, 1.0, (1024, 784), &dev)?;
+/// let y = Tensor::zeros(1024, candle_core::DType::U32, &dev)?;
+/// let data = TensorDataset::new(vec![x.clone(), y.clone()])?;
+/// let mut loader = DataLoader::new(data, LoaderConfig::new(64).with_shuffle(0))?;
+///
+/// let mut trainer = Trainer::new(TrainerConfig {
+///     max_epochs: Some(3),
+///     log_every: 4,
+///     out_dir: Some("runs/demo".into()), // metrics.csv, metrics.jsonl, plots
+///     ..TrainerConfig::default()
+/// })?;
+/// let summary = trainer.fit(
+///     &mut engine,
+///     &mut loader,
+///     // one micro-batch: its mean loss
+///     |_ctx, batch| {
+///         let (x, y) = batch.pair().map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?;
+///         loss::cross_entropy(&fc.forward(&x)?, &y)
+///     },
+///     // evaluation (end of every epoch here): metrics by name, val_loss goes to the CSV
+///     |_engine| {
+///         let val = loss::cross_entropy(&fc.forward(&x)?, &y)?.to_scalar::<f32>()?;
+///         Ok(Metrics::from([("val_loss".to_string(), val as f64)]))
+///     },
+///     Hooks::default(), // e.g. checkpoint every N steps, stop on Ctrl-C
+/// )?;
+/// trainer.write_plots(&summary)?; // loss.png, phases.png
+/// println!("{}", summary.report()); // phase table, throughput, hints
+/// # Ok(()) }
+/// ```
 pub struct Trainer {
     config: TrainerConfig,
 }
