@@ -26,7 +26,8 @@
 //! [`engine`] (one training step), [`coverage`] (which parameters received no gradient, and
 //! why), [`data`] (loader, sampler, datasets), [`trainer`] (the fit loop), [`checkpoint`],
 //! [`profile`] and [`timing`] (per-phase timing), [`plot`], [`perf`], [`models`] (GPT),
-//! [`dist`] (data parallelism), [`doctor`] and [`bench`] (behind the `wick` command line).
+//! [`dist`] (data parallelism), [`doctor`] and [`bench`](mod@bench) (behind the `wick`
+//! command line).
 //!
 //! ## Examples
 //!
