@@ -10,12 +10,14 @@
 //! cargo run --release --features cuda --example char_gpt -- --device cuda --steps 3000
 //! cargo run --release --example char_gpt -- --layers 2 --d-model 64 --context 64 --steps 50 \
 //!     --batch-size 16 --warmup 10 --eval-interval 10 --eval-batches 4       # a CPU smoke run
-//! cargo run --release --example char_gpt -- --save-dir runs/gpt --resume  # continue
+//! cargo run --release --example char_gpt -- --save-dir runs/gpt --resume  # continue (same flags)
 //! cargo run --release --example char_gpt -- --save-dir runs/gpt --sample --prompt "ROMEO:"
 //! ```
 //! Prints the train and validation loss at every evaluation (both on fixed batches, as
-//! nanoGPT's `estimate_loss`), the Trainer's end report (phases, tokens/s, MFU on a known GPU,
-//! peak memory) and, on its last line, one JSON object shaped like `train-char`'s.
+//! nanoGPT's `estimate_loss`; step 0 included), the Trainer's end report (phases, tokens/s, MFU
+//! on a known GPU, peak memory) and, on its last line, one JSON object shaped like
+//! `train-char`'s: its `ms_per_step` is the report's `step` row (the training phases), and
+//! `wall_ms_per_step` the loop's wall clock per step with evaluations included.
 
 use anyhow::{bail, ensure, Context, Result};
 use candle_core::{Device, Tensor};
@@ -70,17 +72,17 @@ struct Args {
     /// Batches per evaluation, for each of train and validation (fixed, seeded windows).
     #[arg(long, default_value_t = 20)]
     eval_batches: usize,
-    /// Peak learning rate.
-    #[arg(long, default_value_t = 1e-3)]
+    /// Peak learning rate (> 0).
+    #[arg(long, default_value_t = 1e-3, allow_negative_numbers = true)]
     lr: f64,
-    /// Final learning rate of the cosine.
-    #[arg(long, default_value_t = 1e-4)]
+    /// Final learning rate of the cosine (>= 0, at most --lr).
+    #[arg(long, default_value_t = 1e-4, allow_negative_numbers = true)]
     min_lr: f64,
     /// Linear warmup steps.
     #[arg(long, default_value_t = 100)]
     warmup: u64,
     /// Clip the global gradient L2 norm to this value (0: no clipping).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     clip: f64,
     /// The text file (scripts/fetch_shakespeare.sh writes data/shakespeare/input.txt).
     #[arg(long, default_value = "data/shakespeare/input.txt")]
@@ -100,13 +102,15 @@ struct Args {
     /// Save every N steps (default: --eval-interval).
     #[arg(long)]
     save_interval: Option<u64>,
-    /// Keep the last N checkpoints.
+    /// Keep the newest N checkpoints in --save-dir and delete older ones (0: keep all).
     #[arg(long, default_value_t = 3)]
     keep_last: usize,
-    /// Resume from the latest checkpoint in --save-dir.
+    /// Resume from the latest checkpoint in --save-dir (an error when there is none: drop
+    /// --resume to start fresh). Pass the model and precision flags of the original run.
     #[arg(long, requires = "save_dir")]
     resume: bool,
-    /// Write metrics.csv / metrics.jsonl (and the Trainer's plots) here.
+    /// Write metrics.csv / metrics.jsonl (appended to when resuming) and the Trainer's plots
+    /// here.
     #[arg(long)]
     metrics_dir: Option<PathBuf>,
     /// Log (read the loss back, update the progress bar) every N steps.
@@ -248,6 +252,14 @@ fn print_sample(gpt: &Gpt, prompt: &str, n: usize, temperature: f64, seed: u64) 
 }
 
 fn main() -> Result<()> {
+    // wick reports through `tracing` (checkpoint warnings, e.g. a precision that differs from
+    // the checkpoint's): show warnings and errors on stderr
+    tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::WARN)
+        .with_writer(std::io::stderr)
+        .without_time()
+        .with_target(false)
+        .init();
     let args = Args::parse();
     let dev = device(&args.device)?;
     let perf = PerfSettings {
@@ -271,6 +283,22 @@ fn main() -> Result<()> {
     );
     ensure!(args.steps >= 1, "--steps must be >= 1");
     ensure!(
+        args.lr.is_finite() && args.lr > 0.0,
+        "--lr must be a finite number > 0 (the peak learning rate), got {}",
+        args.lr
+    );
+    ensure!(
+        args.min_lr.is_finite() && (0.0..=args.lr).contains(&args.min_lr),
+        "--min-lr must be between 0 and --lr ({}), got {}",
+        args.lr,
+        args.min_lr
+    );
+    ensure!(
+        args.clip.is_finite() && args.clip >= 0.0,
+        "--clip must be a finite number >= 0 (0: no clipping), got {}",
+        args.clip
+    );
+    ensure!(
         args.eval_interval >= 1 && args.eval_batches >= 1 && args.log_interval >= 1,
         "--eval-interval, --eval-batches and --log-interval must be >= 1"
     );
@@ -284,10 +312,19 @@ fn main() -> Result<()> {
     let t = config.context_len;
 
     // data: 90/10 split by position, windows of T bytes at every offset
+    if !args.text.exists() {
+        bail!(
+            "text file {} does not exist; scripts/fetch_shakespeare.sh writes \
+             data/shakespeare/input.txt, or pass your own file with --text FILE",
+            args.text.display()
+        );
+    }
+    // the loader's own errors (e.g. a file shorter than one window) name the file and the fix
     let text = TextWindows::from_file(&args.text, t).with_context(|| {
         format!(
-            "{} (run scripts/fetch_shakespeare.sh first)",
-            args.text.display()
+            "--text {} with --context {t}: every training window needs {} bytes",
+            args.text.display(),
+            t + 1
         )
     })?;
     let (train, val) = text.split(0.9)?;
@@ -320,16 +357,14 @@ fn main() -> Result<()> {
         .as_ref()
         .map(|d| Checkpointer::new(d, args.keep_last));
     if let (true, Some(c)) = (args.resume, &ckpt) {
-        match c.resume_with_loader(&mut engine, &mut loader)? {
-            Some((path, _)) => {
-                println!(
-                    "resumed from {} at step {}",
-                    path.display(),
-                    engine.boundaries()
-                );
-            }
-            None => println!("no checkpoint in {} yet: starting fresh", c.dir().display()),
-        }
+        let (path, _) = c
+            .resume_existing_with_loader(&mut engine, &mut loader)
+            .context("--resume")?;
+        println!(
+            "resumed from {} at step {}",
+            path.display(),
+            engine.boundaries()
+        );
     }
     if ckpt.is_some() {
         checkpoint::install_interrupt_handler()?;
@@ -358,6 +393,8 @@ fn main() -> Result<()> {
         max_epochs: None,
         max_steps: Some(args.steps),
         eval_every: Some(args.eval_interval),
+        // the untrained model's losses: the first point of the curve, in metrics.csv too
+        eval_at_start: true,
         log_every: args.log_interval,
         out_dir: args.metrics_dir.clone(),
         tokens_per_sample: Some(t),
@@ -380,10 +417,6 @@ fn main() -> Result<()> {
             ("val_loss".to_string(), va),
         ]))
     };
-    if engine.boundaries() == 0 {
-        evaluate(0, &mut curve)?;
-    }
-
     let save_every = args.save_interval.unwrap_or(args.eval_interval).max(1);
     let steps = args.steps;
     let hooks = Hooks {
@@ -417,6 +450,7 @@ fn main() -> Result<()> {
     if curve.last().map(|c| c.0) != Some(last) {
         evaluate(last, &mut curve)?;
     }
+    trainer.write_plots(&summary)?;
     println!("\n{}", summary.report());
     if args.final_sample > 0 {
         println!("\nsample (temperature {}):", args.temperature);
@@ -438,10 +472,16 @@ fn main() -> Result<()> {
         "val_curve": curve,
         "final_val_loss": curve.last().map(|c| c.1),
         "train_s": train_s,
-        "ms_per_step": if summary.steps > 0 { Some(train_s * 1e3 / summary.steps as f64) } else { None },
+        // the phase table's `step` row (data + h2d + forward + backward + optimizer)
+        "ms_per_step": summary.step_ms(),
+        // wall clock of the training loop per step, evaluations and logging included
+        "wall_ms_per_step": summary.wall_ms_per_step(),
         "tok_per_s": if train_s > 0.0 { Some(summary.samples as f64 * t as f64 / train_s) } else { None },
         "wick": env!("CARGO_PKG_VERSION"),
     });
     println!("{json}");
+    if let Some(code) = checkpoint::interrupted_exit_code() {
+        std::process::exit(code); // saved in the hook; 130 as after any Ctrl-C
+    }
     Ok(())
 }

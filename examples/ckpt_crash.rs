@@ -1,7 +1,8 @@
 //! Crash-test helper for checkpoints: trains a 4.2M-parameter MLP (16.8 MB of f32 masters,
 //! 50 MB per checkpoint with the AdamW moments) one small step at a time and saves a checkpoint
 //! after every step, forever — resuming from the newest checkpoint at start-up. On Ctrl-C
-//! (SIGINT/SIGTERM) it saves at the next step boundary and exits with status 0.
+//! (SIGINT/SIGTERM) it saves at the next step boundary and exits with status 130, as tools
+//! stopped by Ctrl-C do (`checkpoint::INTERRUPTED_EXIT_CODE`).
 //!
 //! ```text
 //! cargo run --release --example ckpt_crash -- DIR [KEEP_LAST]
@@ -64,7 +65,8 @@ fn batch(step: u64) -> Result<(Tensor, Tensor)> {
 
 /// Resumes from the newest checkpoint under `dir` (if any), then trains and saves after every
 /// step, keeping `keep_last` checkpoints, until `max_saves` saves (forever when `None`) or an
-/// interrupt. Prints the progress lines described in the module docs.
+/// interrupt, which ends the process with status 130 after the save. Prints the progress
+/// lines described in the module docs.
 pub fn run(dir: &Path, keep_last: usize, max_saves: Option<u64>) -> Result<()> {
     checkpoint::install_interrupt_handler()?;
     let (model, mut engine) = build(0)?;
@@ -82,10 +84,10 @@ pub fn run(dir: &Path, keep_last: usize, max_saves: Option<u64>) -> Result<()> {
         let step = engine.boundaries();
         ckpt.save(&engine, serde_json::json!({ "next_step": step }))?;
         saves += 1;
-        if checkpoint::interrupted() {
+        if let Some(code) = checkpoint::interrupted_exit_code() {
             writeln!(out, "interrupted step={step}")?;
             out.flush()?;
-            return Ok(());
+            std::process::exit(code);
         }
         writeln!(out, "saved step={step}")?;
         out.flush()?;

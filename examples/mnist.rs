@@ -4,9 +4,11 @@
 //! ```text
 //! scripts/fetch_mnist.sh            # once: fetches and verifies the data into data/mnist
 //! cargo run --release --example mnist -- --precision bf16-mixed --epochs 3
-//! cargo run --release --example mnist -- --model cnn --workers 2 --save-dir ckpt --clip 1.0 \
-//!     --schedule cosine:warmup=100,total=1400,min_lr=1e-4
-//! cargo run --release --example mnist -- --save-dir ckpt --resume    # continue from the latest
+//! cargo run --release --example mnist -- --model cnn --epochs 2 --workers 2 --clip 1.0 \
+//!     --schedule cosine:warmup=100,total=936,min_lr=1e-4 --save-dir ckpt --metrics-dir ckpt/metrics
+//! cargo run --release --example mnist -- --model cnn --epochs 3 --workers 2 --clip 1.0 \
+//!     --schedule cosine:warmup=100,total=936,min_lr=1e-4 --save-dir ckpt --metrics-dir ckpt/metrics \
+//!     --resume                                               # one more epoch from the latest
 //! ```
 //! Prints per-epoch train loss, test accuracy, samples/s and where the time went.
 
@@ -37,14 +39,15 @@ struct Args {
     /// Model.
     #[arg(long, value_enum, default_value = "mlp")]
     model: Model,
-    /// Passes over the 60,000 training images.
-    #[arg(long, default_value_t = 3)]
+    /// Passes over the 60,000 training images (>= 1; a resumed run counts the epochs it already
+    /// did).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
     epochs: u64,
     /// Samples per optimizer step (split into --accum micro-batches).
     #[arg(long, default_value_t = 128)]
     batch_size: usize,
-    /// AdamW base learning rate.
-    #[arg(long, default_value_t = 1e-3)]
+    /// AdamW base learning rate (> 0).
+    #[arg(long, default_value_t = 1e-3, allow_negative_numbers = true)]
     lr: f64,
     /// Micro-batches per optimizer step (gradient accumulation).
     #[arg(long, default_value_t = 1)]
@@ -53,8 +56,8 @@ struct Args {
     /// "step:size=N,gamma=X" or "linear:warmup=N,total=N,end_lr=X".
     #[arg(long, default_value = "constant")]
     schedule: String,
-    /// Clip the global gradient L2 norm to this value.
-    #[arg(long)]
+    /// Clip the global gradient L2 norm to this value (> 0).
+    #[arg(long, allow_negative_numbers = true)]
     clip: Option<f64>,
     /// DataLoader worker threads (0: load in the training thread).
     #[arg(long, default_value_t = 0)]
@@ -68,13 +71,15 @@ struct Args {
     /// Save a checkpoint here at the end of every epoch and on Ctrl-C.
     #[arg(long)]
     save_dir: Option<PathBuf>,
-    /// Resume from the latest checkpoint in --save-dir.
+    /// Resume from the latest checkpoint in --save-dir (an error when there is none: drop
+    /// --resume to start fresh). Pass the model and precision flags of the original run.
     #[arg(long, requires = "save_dir")]
     resume: bool,
-    /// Keep the last N checkpoints.
+    /// Keep the newest N checkpoints in --save-dir and delete older ones (0: keep all).
     #[arg(long, default_value_t = 3)]
     keep_last: usize,
-    /// Write metrics.csv / metrics.jsonl here.
+    /// Write metrics.csv / metrics.jsonl (appended to when resuming), phases.csv, loss.png and
+    /// phases.png here.
     #[arg(long)]
     metrics_dir: Option<PathBuf>,
     /// A TOML file with Trainer settings; the flags above override it.
@@ -159,11 +164,33 @@ fn evaluate(net: &Net, images: &Tensor, labels: &Tensor, dev: &Device) -> Result
 }
 
 fn main() -> Result<()> {
+    // wick reports through `tracing` (checkpoint warnings, e.g. a precision that differs from
+    // the checkpoint's): show warnings and errors on stderr
+    tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::WARN)
+        .with_writer(std::io::stderr)
+        .without_time()
+        .with_target(false)
+        .init();
     let args = Args::parse();
     anyhow::ensure!(
-        args.accum >= 1 && args.batch_size % args.accum == 0,
-        "--batch-size must be a multiple of --accum (>= 1)"
+        args.accum >= 1 && args.batch_size >= 1 && args.batch_size % args.accum == 0,
+        "--batch-size ({}) must be a positive multiple of --accum ({})",
+        args.batch_size,
+        args.accum
     );
+    anyhow::ensure!(
+        args.lr.is_finite() && args.lr > 0.0,
+        "--lr must be a finite number > 0 (the AdamW learning rate), got {}",
+        args.lr
+    );
+    if let Some(c) = args.clip {
+        anyhow::ensure!(
+            c.is_finite() && c > 0.0,
+            "--clip must be a finite number > 0 (the largest global gradient norm), got {c}; \
+             leave it out to train without clipping"
+        );
+    }
     let dev = device(&args.device)?;
     let data = wick::data::mnist::load_dir(&args.data_dir)?;
 
@@ -189,16 +216,14 @@ fn main() -> Result<()> {
         .as_ref()
         .map(|d| Checkpointer::new(d, args.keep_last));
     if let (true, Some(c)) = (args.resume, &ckpt) {
-        match c.resume_with_loader(&mut engine, &mut loader)? {
-            Some((path, _)) => {
-                println!(
-                    "resumed from {} at step {}",
-                    path.display(),
-                    engine.boundaries()
-                );
-            }
-            None => println!("no checkpoint in {} yet: starting fresh", c.dir().display()),
-        }
+        let (path, _) = c
+            .resume_existing_with_loader(&mut engine, &mut loader)
+            .context("--resume")?;
+        println!(
+            "resumed from {} at step {}",
+            path.display(),
+            engine.boundaries()
+        );
     }
     if ckpt.is_some() {
         checkpoint::install_interrupt_handler()?;
@@ -226,11 +251,13 @@ fn main() -> Result<()> {
         args.workers
     );
 
-    let batches_per_epoch = loader.num_batches() as u64 / args.accum as u64;
+    let num_batches = loader.num_batches();
     let hooks = Hooks {
         after_step: Some(Box::new(|engine: &mut Engine, _r, pos: &LoaderState| {
             let Some(c) = &ckpt else { return Ok(false) };
-            let end_of_epoch = engine.boundaries() % batches_per_epoch == 0;
+            // the loader's position after the epoch's last batch (the trainer steps on an
+            // epoch's last window even when it is partial, so this is always a boundary)
+            let end_of_epoch = pos.batch >= num_batches;
             if end_of_epoch || checkpoint::interrupted() {
                 let path = c.save_with_loader(engine, pos, serde_json::Value::Null)?;
                 if checkpoint::interrupted() {
@@ -254,6 +281,10 @@ fn main() -> Result<()> {
         |_| evaluate(&net, &images, &labels, &dev),
         hooks,
     )?;
+    trainer.write_plots(&summary)?;
     println!("\n{}", summary.report());
+    if let Some(code) = checkpoint::interrupted_exit_code() {
+        std::process::exit(code); // saved above; 130 as after any Ctrl-C
+    }
     Ok(())
 }

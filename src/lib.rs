@@ -21,13 +21,28 @@
 //! ```
 //!
 //! Module map: [`precision`] (the autocast policy), [`params`] (master weights and working
-//! copies), [`nn`] (policy-following layers), [`loss`], [`scaler`], [`grads`] (accumulation,
-//! unscale, norm, clipping), [`optim`], [`engine`] (one training step), [`coverage`] (which
-//! parameters received no gradient, and why), [`profile`] (per-phase timing), [`data`].
+//! copies), [`nn`] (policy-following layers), [`ops`] (fused differentiable ops), [`loss`],
+//! [`scaler`] and [`amp`] (the loss scale on the host or the device), [`grads`] (accumulation,
+//! unscale, norm, clipping), [`optim`] (one driver, an [`optim::UpdateRule`] per optimizer),
+//! [`cuda`] (the kernels' launchers and the multi-tensor planning), [`engine`] (one training
+//! step), [`coverage`] (which parameters received no gradient, and
+//! why), [`data`] (loader, sampler, datasets), [`trainer`] (the fit loop), [`checkpoint`],
+//! [`profile`] and [`timing`] (per-phase timing), [`plot`], [`perf`], [`models`] (GPT),
+//! [`dist`] (data parallelism, behind the engine's [`dist::GradSync`] seam), [`doctor`] and [`bench`](mod@bench) (behind the `wick`
+//! command line).
+//!
+//! ## Examples
+//!
+//! The repository's `examples/` folder has complete programs: `mnist.rs` (an MLP or a CNN
+//! through the [`trainer::Trainer`], with checkpoints and resume) and `char_gpt.rs` (a
+//! byte-level GPT on Shakespeare, with text generation from a checkpoint); `ckpt_crash.rs`
+//! is the crash test of [`checkpoint`]. Run them with
+//! `cargo run --release --example mnist -- --help`; the README lists the commands.
 
 #![warn(missing_docs)]
 
 pub mod amp;
+pub mod bench;
 pub mod checkpoint;
 pub mod coverage;
 pub mod cuda;

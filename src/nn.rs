@@ -16,7 +16,7 @@
 
 use crate::params::{ParamStore, Role};
 use crate::precision::{to_f32, Precision};
-use candle_core::{Module, Result, Tensor, D};
+use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::Init;
 
 fn param(
@@ -91,7 +91,6 @@ impl Module for Linear {
     /// node, [`crate::ops::linear`]: the cast of x to the compute dtype, the GEMM and the bias
     /// add (and their backward) without the intermediate nodes of the composed ops.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        use candle_core::DType;
         // the op casts f32/bf16/f16 itself; other float dtypes (f64) take a separate cast
         let x = match x.dtype() {
             DType::F32 | DType::BF16 | DType::F16 => x.clone(),
@@ -160,7 +159,23 @@ impl Conv2d {
 
 impl Module for Conv2d {
     /// `x: (N, C_in, H, W)`; returns `(N, C_out, H', W')` in the compute dtype.
+    ///
+    /// candle 0.11.1's CPU backend has no bf16 matmul, which its convolution (and the
+    /// convolution's backward) is built on. On the CPU in bf16 the layer therefore runs the
+    /// convolution in f32 from the bf16 working copies and casts the result back to bf16, as an
+    /// autocast would for an op without a kernel in the compute dtype; the gradient flows back
+    /// through both casts to the working copies. f16 and f32 (and bf16 on CUDA) run natively.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let compute = self.precision.compute_dtype();
+        if compute == DType::BF16 && x.device().is_cpu() {
+            let f32 = |t: &Tensor| t.to_dtype(DType::F32);
+            let conv = candle_nn::Conv2d::new(
+                f32(self.inner.weight())?,
+                self.inner.bias().map(f32).transpose()?,
+                *self.inner.config(),
+            );
+            return conv.forward(&x.to_dtype(DType::F32)?)?.to_dtype(compute);
+        }
         self.inner.forward(&self.precision.to_compute(x)?)
     }
 }
@@ -255,7 +270,6 @@ impl LayerNorm {
             );
         }
         // The fused kernels take f32/bf16/f16; other float dtypes (f64) are cast to f32 first.
-        use candle_core::DType;
         let x = match x.dtype() {
             DType::F32 | DType::BF16 | DType::F16 => x.clone(),
             _ => to_f32(x)?,

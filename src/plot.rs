@@ -374,9 +374,39 @@ fn check_size(size: (u32, u32)) -> Result<()> {
     Ok(())
 }
 
-/// Maps a plotters error (not `Send`) into anyhow with context.
-fn draw_err<E: std::fmt::Debug>(what: &str) -> impl FnOnce(E) -> anyhow::Error + '_ {
-    move |e| anyhow!("drawing {what}: {e:?}")
+/// Maps a plotters error (not `Send`) into anyhow with context, by its message (not its
+/// Debug form, which nests the backend's enums).
+fn draw_err<E: std::fmt::Display>(what: &str) -> impl FnOnce(E) -> anyhow::Error + '_ {
+    move |e| anyhow!("drawing {what}: {e}")
+}
+
+/// Checks that the picture `out` can be written: its folder exists and `out` is not a folder.
+/// Errors name the path and the fix (before anything is drawn).
+fn check_output(out: &Path) -> Result<()> {
+    if out.is_dir() {
+        bail!(
+            "cannot write the plot to {}: it is a folder; give a file name ending in .png",
+            out.display()
+        );
+    }
+    let dir = out.parent().filter(|d| !d.as_os_str().is_empty());
+    if let Some(dir) = dir {
+        if !dir.is_dir() {
+            bail!(
+                "cannot write the plot to {}: the folder {} does not exist; create it \
+                 (mkdir -p {}) or choose another output path",
+                out.display(),
+                dir.display(),
+                dir.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Maps the error of writing the picture file into a message that names the file.
+fn write_err<E: std::fmt::Display>(out: &Path) -> impl FnOnce(E) -> anyhow::Error + '_ {
+    move |e| anyhow!("writing the plot to {}: {e}", out.display())
 }
 
 /// A finite, non-empty [lo, hi] range around `values` with a small margin.
@@ -425,6 +455,7 @@ const LR: RGBColor = RGBColor(44, 160, 44);
 /// Draws train loss and validation loss against step (and lr in a lower panel) into a PNG.
 pub fn plot_metrics(rows: &[MetricsRow], out: &Path, opts: &PlotOptions) -> Result<PlotReport> {
     check_size(opts.size)?;
+    check_output(out)?;
     let pts = |f: fn(&MetricsRow) -> Option<f64>| -> Vec<(f64, f64)> {
         rows.iter()
             .filter_map(|r| f(r).filter(|v| v.is_finite()).map(|v| (r.step as f64, v)))
@@ -522,8 +553,7 @@ pub fn plot_metrics(rows: &[MetricsRow], out: &Path, opts: &PlotOptions) -> Resu
             .draw_series(LineSeries::new(lr.iter().copied(), LR.stroke_width(2)))
             .map_err(draw_err("the learning rate"))?;
     }
-    root.present()
-        .map_err(|e| anyhow!("writing {}: {e:?}", out.display()))?;
+    root.present().map_err(write_err(out))?;
     Ok(PlotReport {
         path: out.to_path_buf(),
         size: opts.size,
@@ -573,6 +603,7 @@ fn mesh(chart: &mut Chart2d<'_, '_>, text: bool, x: &str, y: &str) -> Result<()>
 /// Draws the phase breakdown as a bar chart (mean ms per step, % of the step above each bar).
 pub fn plot_phases(b: &PhaseBreakdown, out: &Path, opts: &PlotOptions) -> Result<PlotReport> {
     check_size(opts.size)?;
+    check_output(out)?;
     if b.phases.is_empty() {
         bail!("the phase breakdown is empty: nothing to plot");
     }
@@ -589,8 +620,7 @@ pub fn plot_phases(b: &PhaseBreakdown, out: &Path, opts: &PlotOptions) -> Result
     let root = BitMapBackend::new(out, opts.size).into_drawing_area();
     root.fill(&WHITE).map_err(draw_err("the background"))?;
     draw_bars(&root, b, text, total, ymax)?;
-    root.present()
-        .map_err(|e| anyhow!("writing {}: {e:?}", out.display()))?;
+    root.present().map_err(write_err(out))?;
     Ok(PlotReport {
         path: out.to_path_buf(),
         size: opts.size,

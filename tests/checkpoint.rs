@@ -672,7 +672,7 @@ fn kill_9_during_save_always_leaves_a_loadable_checkpoint() -> Result<()> {
 
 #[cfg(unix)]
 #[test]
-fn ctrl_c_saves_and_exits_cleanly() -> Result<()> {
+fn ctrl_c_saves_and_exits_with_status_130() -> Result<()> {
     let dir = tmpdir("sigint");
     let (mut child, rx) = spawn_child(&dir)?;
     wait_for(&rx, "saved")?;
@@ -681,7 +681,12 @@ fn ctrl_c_saves_and_exits_cleanly() -> Result<()> {
     assert_eq!(rc, 0);
     let step = wait_for(&rx, "interrupted")?;
     let status = child.wait()?;
-    assert!(status.success(), "child exit status {status:?}");
+    assert_eq!(
+        status.code(),
+        Some(checkpoint::INTERRUPTED_EXIT_CODE),
+        "saved, then exit 130 as after Ctrl-C: {status:?}"
+    );
+    assert_eq!(checkpoint::INTERRUPTED_EXIT_CODE, 130);
     let path = checkpoint::latest(&dir)?.expect("a checkpoint");
     assert_eq!(checkpoint::read_state(&path)?.step, step);
     assert!(

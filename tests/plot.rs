@@ -65,3 +65,32 @@ fn plot_command_writes_both_pngs() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/metrics.csv"));
     std::fs::remove_dir_all(&d).ok();
 }
+
+#[test]
+fn plot_into_a_missing_folder_is_a_clear_error() {
+    let d = std::env::temp_dir().join(format!("wick-plot-missing-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    let metrics = d.join("metrics.csv");
+    std::fs::write(&metrics, "step,loss\n1,2.0\n2,1.5\n").unwrap();
+    let target = d.join("missing/dir/x.png");
+    let out = Command::new(env!("CARGO_BIN_EXE_wick"))
+        .arg("plot")
+        .arg(&metrics)
+        .arg("-o")
+        .arg(&target)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains(&format!(
+            "{} does not exist",
+            d.join("missing/dir").display()
+        )) && stderr.contains("mkdir -p"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("BackendError"), "{stderr}");
+    assert!(!target.exists());
+    std::fs::remove_dir_all(&d).unwrap();
+}

@@ -23,7 +23,7 @@ pub fn install_interrupt_handler() -> Result<()> {
         .get_or_init(|| {
             ctrlc::set_handler(|| {
                 if INTERRUPTED.swap(true, Ordering::SeqCst) {
-                    std::process::exit(130);
+                    std::process::exit(INTERRUPTED_EXIT_CODE);
                 }
                 eprintln!("\ninterrupt: saving a checkpoint at the next step boundary (again to quit now)");
             })
@@ -31,6 +31,17 @@ pub fn install_interrupt_handler() -> Result<()> {
         })
         .clone()
         .map_err(|e| anyhow!("installing the Ctrl-C handler: {e}"))
+}
+
+/// The exit status of a process that stops because of an interrupt: 130 (128 + SIGINT), as
+/// shells and other tools report Ctrl-C.
+pub const INTERRUPTED_EXIT_CODE: i32 = 130;
+
+/// `Some(`[`INTERRUPTED_EXIT_CODE`]`)` once interrupted (see [`interrupted`]), else `None`:
+/// a training program that saved and stopped on Ctrl-C ends with
+/// `std::process::exit(code)` instead of a success status.
+pub fn interrupted_exit_code() -> Option<i32> {
+    interrupted().then_some(INTERRUPTED_EXIT_CODE)
 }
 
 /// True once SIGINT/SIGTERM/SIGHUP arrived after [`install_interrupt_handler`] (or after

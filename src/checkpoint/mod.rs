@@ -87,8 +87,8 @@ mod load;
 
 use files::*;
 pub use interrupt::{
-    clear_interrupt, install_interrupt_handler, interrupted, interrupted_on_any_rank,
-    request_interrupt,
+    clear_interrupt, install_interrupt_handler, interrupted, interrupted_exit_code,
+    interrupted_on_any_rank, request_interrupt, INTERRUPTED_EXIT_CODE,
 };
 use load::agree_across_ranks;
 pub use load::{load, read_state};
@@ -160,6 +160,8 @@ pub struct TrainerState {
 pub struct Checkpointer {
     dir: PathBuf,
     keep_last: usize,
+    /// Steps this checkpointer (or a clone) saved: only those may be replaced by a new save.
+    saved: std::sync::Arc<std::sync::Mutex<std::collections::BTreeSet<u64>>>,
 }
 
 impl Checkpointer {
@@ -169,6 +171,7 @@ impl Checkpointer {
         Self {
             dir: dir.into(),
             keep_last,
+            saved: Default::default(),
         }
     }
 
@@ -199,6 +202,12 @@ impl Checkpointer {
     /// Steps are ordered by number: after resuming from an older checkpoint than the newest in
     /// `DIR`, the newer ones (from the abandoned run) stay the [`latest`] until this run passes
     /// them; a warning is logged. Use a fresh directory, or delete them, to branch a run.
+    ///
+    /// Never overwrites another run's checkpoint: a `step-N` directory that this checkpointer
+    /// did not write itself (e.g. an incomplete or damaged newer checkpoint that the resume
+    /// fell back past, or an older run's) is first renamed to `step-N.set-aside-<unix time>`
+    /// (no longer a checkpoint, never pruned; a warning names both). Saving a step this
+    /// checkpointer already saved replaces it atomically.
     pub fn save(&self, engine: &Engine, extra: serde_json::Value) -> Result<PathBuf> {
         let started = Instant::now();
         let state = engine
@@ -280,7 +289,18 @@ impl Checkpointer {
         sync_dir(&tmp)?;
 
         let final_path = self.dir.join(&name);
+        let ours = self
+            .saved
+            .lock()
+            .map(|s| s.contains(&step))
+            .unwrap_or(false);
+        if !ours && final_path.exists() {
+            set_aside(&final_path)?;
+        }
         install_dir(&tmp, &final_path, &self.dir, pid)?;
+        if let Ok(mut s) = self.saved.lock() {
+            s.insert(step);
+        }
         sync_dir(&self.dir)?;
         tracing::info!(
             "checkpoint {} saved in {:.3} s",
@@ -419,6 +439,25 @@ impl Checkpointer {
         }
     }
 
+    /// [`Self::resume_with_loader`] for a run that was asked to resume: no checkpoint in the
+    /// directory is an error instead of a silent fresh start.
+    ///
+    /// Errors: no complete checkpoint under [`Self::dir`] (the message names the folder and
+    /// says how to start fresh), or anything [`Self::resume_with_loader`] reports.
+    pub fn resume_existing_with_loader<D: Dataset, C: Collate<D::Sample>>(
+        &self,
+        engine: &mut Engine,
+        loader: &mut DataLoader<D, C>,
+    ) -> Result<(PathBuf, serde_json::Value)> {
+        self.resume_with_loader(engine, loader)?.ok_or_else(|| {
+            anyhow!(
+                "nothing to resume: no checkpoint in {} (no complete step-* folder); start a \
+                 fresh run without resuming, or point at the folder that holds the checkpoints",
+                self.dir.display()
+            )
+        })
+    }
+
     /// Keeps the `keep_last` newest checkpoints (and always `just_saved`).
     fn prune(&self, just_saved: u64) -> Result<()> {
         let all = list_checkpoints(&self.dir)?;
@@ -483,7 +522,81 @@ pub fn latest(dir: impl AsRef<Path>) -> Result<Option<PathBuf>> {
     if !dir.exists() {
         return Ok(None);
     }
-    Ok(list_checkpoints(dir)?.pop().map(|(_, p)| p))
+    let newest = list_checkpoints(dir)?.pop();
+    let newest_step = newest.as_ref().map(|(s, _)| *s);
+    for (step, path, missing) in incomplete_checkpoints(dir)? {
+        if newest_step.is_none_or(|n| step > n) {
+            tracing::warn!(
+                "checkpoint {} is incomplete (missing {}): skipped; {}; a save at step {step} \
+                 will set it aside (renamed), not overwrite it",
+                path.display(),
+                missing.join(", "),
+                match &newest {
+                    Some((_, p)) => format!("the newest complete checkpoint is {}", p.display()),
+                    None => "there is no complete checkpoint".to_string(),
+                }
+            );
+        }
+    }
+    Ok(newest.map(|(_, p)| p))
+}
+
+/// `step-N` directories under `dir` that lack one of the three files, with the missing names.
+fn incomplete_checkpoints(dir: &Path) -> Result<Vec<(u64, PathBuf, Vec<&'static str>)>> {
+    let entries =
+        fs::read_dir(dir).with_context(|| format!("listing checkpoints in {}", dir.display()))?;
+    let mut out = Vec::new();
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(step) = name
+            .strip_prefix(STEP_PREFIX)
+            .and_then(|s| s.parse::<u64>().ok())
+        else {
+            continue;
+        };
+        let path = e.path();
+        let missing: Vec<&'static str> = [MODEL_FILE, OPTIMIZER_FILE, STATE_FILE]
+            .into_iter()
+            .filter(|f| !path.join(f).is_file())
+            .collect();
+        if !missing.is_empty() {
+            out.push((step, path, missing));
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// Renames an existing `step-N` directory that a save would replace to
+/// `step-N.set-aside-<unix seconds>` (not a checkpoint name: [`latest`] and pruning ignore it)
+/// and warns, naming both.
+fn set_aside(path: &Path) -> Result<()> {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let mut aside = path.with_file_name(format!("{name}.set-aside-{secs}"));
+    let mut k = 1;
+    while aside.exists() {
+        aside = path.with_file_name(format!("{name}.set-aside-{secs}-{k}"));
+        k += 1;
+    }
+    fs::rename(path, &aside).with_context(|| {
+        format!(
+            "checkpoint save: setting {} aside as {}",
+            path.display(),
+            aside.display()
+        )
+    })?;
+    tracing::warn!(
+        "checkpoint: {} existed and was not written by this run: kept as {} (not overwritten)",
+        path.display(),
+        aside.display()
+    );
+    Ok(())
 }
 
 /// All complete `step-N` checkpoints under `dir`, sorted by step (oldest first).

@@ -3,11 +3,19 @@
 //! bar, metrics to CSV and JSONL, and at the end the per-phase breakdown and throughput.
 //!
 //! Each batch the [`DataLoader`] yields is one micro-batch, weighted by its sample count; the
-//! engine runs the optimizer step every `accumulation_steps` batches. "Step" below always means
+//! engine runs the optimizer step every `accumulation_steps` batches, and on the epoch's last
+//! batch whatever the window holds (10 batches with `accumulation_steps = 4`: 3 steps, the
+//! last over 2 micro-batches, as Lightning does), so no micro-batch is left pending at the end
+//! of an epoch and every epoch ends at a checkpointable step. "Step" below always means
 //! an optimizer step (an accumulation boundary), as in Lightning's `global_step`.
 //!
 //! The configuration can come from a TOML file ([`TrainerConfig::from_toml_file`]); the
 //! examples let command-line flags override it.
+
+mod metrics;
+
+use metrics::MetricsFiles;
+pub use metrics::{MetricsRow, CSV_HEADER};
 
 use crate::data::{Batch, Collate, DataLoader, Dataset, LoaderState};
 use crate::engine::{Engine, StepCtx, StepReport};
@@ -18,8 +26,6 @@ use candle_core::Tensor;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use std::fs::File;
-use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -59,12 +65,17 @@ pub struct TrainerConfig {
     pub max_steps: Option<u64>,
     /// Evaluate every N optimizer steps; `None`: at the end of every epoch.
     pub eval_every: Option<u64>,
+    /// Also evaluate before the first step of a fresh run (step 0, the untrained model), with
+    /// its row in the metrics files and the plot; skipped when resuming.
+    pub eval_at_start: bool,
     /// Log (read the summed loss back, write a metrics row, update the bar) every N optimizer
     /// steps; losses are summed on the device in between.
     pub log_every: u64,
     /// Early stopping on a metric of the evaluation closure.
     pub early_stopping: Option<EarlyStopping>,
-    /// Where `metrics.csv` and `metrics.jsonl` go (created if missing); `None`: no files.
+    /// Where `metrics.csv` and `metrics.jsonl` go (created if missing; a resumed run appends),
+    /// and the plots of [`Trainer::write_plots`]; `None`: no files. Under data parallelism
+    /// only rank 0 writes.
     pub out_dir: Option<PathBuf>,
     /// Show a progress bar (off when stderr is not a terminal, as indicatif does).
     pub progress: bool,
@@ -80,6 +91,7 @@ impl Default for TrainerConfig {
             max_epochs: Some(1),
             max_steps: None,
             eval_every: None,
+            eval_at_start: false,
             log_every: 50,
             early_stopping: None,
             out_dir: None,
@@ -107,8 +119,17 @@ impl TrainerConfig {
         if self.max_epochs.is_none() && self.max_steps.is_none() {
             bail!("trainer config: set max_epochs or max_steps");
         }
-        if self.log_every == 0 || self.eval_every == Some(0) || self.max_epochs == Some(0) {
-            bail!("trainer config: log_every, eval_every and max_epochs must be >= 1");
+        if self.max_epochs == Some(0) {
+            bail!("trainer config: max_epochs is 0, so nothing would train; set the number of passes over the data to 1 or more");
+        }
+        if self.max_steps == Some(0) {
+            bail!("trainer config: max_steps is 0, so nothing would train; set it to 1 or more");
+        }
+        if self.log_every == 0 {
+            bail!("trainer config: log_every is 0; log every 1 or more optimizer steps");
+        }
+        if self.eval_every == Some(0) {
+            bail!("trainer config: eval_every is 0; evaluate every 1 or more optimizer steps, or leave it unset to evaluate at the end of every epoch");
         }
         if let Some(e) = &self.early_stopping {
             if e.patience == 0 {
@@ -122,79 +143,8 @@ impl TrainerConfig {
 /// Metrics of one evaluation, by name (e.g. `val_loss`, `val_accuracy`).
 pub type Metrics = BTreeMap<String, f64>;
 
-/// One row of the metrics files. Empty fields are written as empty CSV cells / omitted JSON.
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct MetricsRow {
-    /// Optimizer step.
-    pub step: u64,
-    /// Epoch (0-based).
-    pub epoch: u64,
-    /// Mean micro-batch training loss since the previous row (every micro-batch counts).
-    pub loss: Option<f64>,
-    /// Validation loss, when this row carries an evaluation.
-    pub val_loss: Option<f64>,
-    /// Learning rate of the last step.
-    pub lr: Option<f64>,
-    /// Global gradient norm of the last step.
-    pub grad_norm: Option<f64>,
-    /// Loss scale of the last step.
-    pub loss_scale: Option<f64>,
-    /// Training throughput since the previous row (samples/s, or tokens/s when configured).
-    pub samples_per_s: Option<f64>,
-    /// Every metric of the evaluation (JSONL only).
-    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
-    pub eval: Metrics,
-}
-
-/// CSV + JSONL writers.
-struct MetricsFiles {
-    csv: BufWriter<File>,
-    jsonl: BufWriter<File>,
-}
-
 /// Steps whose CUDA-event spans may wait unresolved between log rows (bounds the events held).
 const MAX_PENDING_STEPS: usize = 512;
-
-const CSV_HEADER: &str = "step,epoch,loss,val_loss,lr,grad_norm,loss_scale,samples_per_s";
-
-impl MetricsFiles {
-    fn create(dir: &Path) -> Result<Self> {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-        let open = |name: &str| -> Result<BufWriter<File>> {
-            let p = dir.join(name);
-            Ok(BufWriter::new(
-                File::create(&p).with_context(|| format!("creating {}", p.display()))?,
-            ))
-        };
-        let mut csv = open("metrics.csv")?;
-        writeln!(csv, "{CSV_HEADER}")?;
-        Ok(Self {
-            csv,
-            jsonl: open("metrics.jsonl")?,
-        })
-    }
-
-    fn write(&mut self, r: &MetricsRow) -> Result<()> {
-        let f = |v: Option<f64>| v.map(|x| format!("{x}")).unwrap_or_default();
-        writeln!(
-            self.csv,
-            "{},{},{},{},{},{},{},{}",
-            r.step,
-            r.epoch,
-            f(r.loss),
-            f(r.val_loss),
-            f(r.lr),
-            f(r.grad_norm),
-            f(r.loss_scale),
-            f(r.samples_per_s)
-        )?;
-        serde_json::to_writer(&mut self.jsonl, r)?;
-        writeln!(self.jsonl)?;
-        self.csv.flush()?;
-        self.jsonl.flush()?;
-        Ok(())
-    }
-}
 
 /// Why `fit` returned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -228,19 +178,38 @@ pub struct FitSummary {
     pub best: Option<f64>,
     /// Figures for the report and the bottleneck hints.
     pub profile: RunProfile,
+    /// This process's data-parallel rank (0 without a collective): only rank 0 writes files.
+    pub rank: usize,
 }
 
 impl FitSummary {
     /// The end-of-run report: steps and wall time, then the phase table, throughput, MFU (when
     /// `flops_per_step` is set on a GPU in the peak table) and bottleneck hints.
     pub fn report(&self) -> String {
+        let wall = match self.wall_ms_per_step() {
+            Some(ms) => format!(" ({ms:.1} ms/step wall clock, evaluation and logging included)"),
+            None => String::new(),
+        };
         format!(
-            "{} optimizer steps, {} samples in {:.1} s\n{}",
+            "{} optimizer steps, {} samples in {:.1} s{wall}\n{}",
             self.steps,
             self.samples,
             self.elapsed.as_secs_f64(),
             self.profile.report()
         )
+    }
+
+    /// Milliseconds per optimizer step of the training phases (data, host-to-device, forward,
+    /// backward, optimizer): the `step` row of the report's phase table. Evaluation and logging
+    /// are not in it. `None` when no step ran.
+    pub fn step_ms(&self) -> Option<f64> {
+        (self.steps > 0).then(|| self.phases.total().as_secs_f64() * 1e3 / self.steps as f64)
+    }
+
+    /// Milliseconds of wall clock per optimizer step over the whole `fit` call, evaluation and
+    /// logging included. `None` when no step ran.
+    pub fn wall_ms_per_step(&self) -> Option<f64> {
+        (self.steps > 0).then(|| self.elapsed.as_secs_f64() * 1e3 / self.steps as f64)
     }
 }
 
@@ -255,7 +224,58 @@ pub struct Hooks<'a> {
         Option<Box<dyn FnMut(&mut Engine, &StepReport, &LoaderState) -> Result<bool> + 'a>>,
 }
 
-/// The fit loop.
+/// The fit loop (Lightning's `Trainer.fit`, for an [`Engine`]): pulls micro-batches from a
+/// [`DataLoader`], runs [`Engine::step_weighted`] on each (weighted by its sample count, the
+/// epoch's last partial window closed with [`Engine::step_weighted_closing`]), logs, evaluates,
+/// stops on `max_epochs`, `max_steps`, early stopping or a hook, and returns a [`FitSummary`]
+/// with the phase report. [`Trainer::write_plots`] then draws the run's pictures.
+///
+/// Under data parallelism every rank runs `fit` with its own shard of the data; only rank 0
+/// writes files and prints. Resuming: restore the engine and the loader from a checkpoint
+/// (e.g. [`crate::checkpoint::Checkpointer::resume_existing_with_loader`]) and call `fit`
+/// again; it continues at the next batch and appends to the metrics files.
+///
+/// ```no_run
+/// use candle_core::{Device, Module, Tensor};
+/// use wick::data::{DataLoader, LoaderConfig, TensorDataset};
+/// use wick::trainer::{Hooks, Metrics, Trainer, TrainerConfig};
+/// use wick::{loss, nn, Engine, EngineConfig, ParamStore, Precision};
+/// # fn main() -> anyhow::Result<()> {
+/// let dev = Device::Cpu;
+/// let store = ParamStore::new(Precision::Bf16Mixed, dev.clone(), 0);
+/// let fc = nn::Linear::new(&store, "fc", 784, 10, true)?;
+/// let mut engine = Engine::new(store, EngineConfig::adamw(1e-3))?;
+///
+/// let x = Tensor::randn(0f32, 1.0, (1024, 784), &dev)?;
+/// let y = Tensor::zeros(1024, candle_core::DType::U32, &dev)?;
+/// let data = TensorDataset::new(vec![x.clone(), y.clone()])?;
+/// let mut loader = DataLoader::new(data, LoaderConfig::new(64).with_shuffle(0))?;
+///
+/// let mut trainer = Trainer::new(TrainerConfig {
+///     max_epochs: Some(3),
+///     log_every: 4,
+///     out_dir: Some("runs/demo".into()), // metrics.csv, metrics.jsonl, plots
+///     ..TrainerConfig::default()
+/// })?;
+/// let summary = trainer.fit(
+///     &mut engine,
+///     &mut loader,
+///     // one micro-batch: its mean loss
+///     |_ctx, batch| {
+///         let (x, y) = batch.pair().map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?;
+///         loss::cross_entropy(&fc.forward(&x)?, &y)
+///     },
+///     // evaluation (end of every epoch here): metrics by name, val_loss goes to the CSV
+///     |_engine| {
+///         let val = loss::cross_entropy(&fc.forward(&x)?, &y)?.to_scalar::<f32>()?;
+///         Ok(Metrics::from([("val_loss".to_string(), val as f64)]))
+///     },
+///     Hooks::default(), // e.g. checkpoint every N steps, stop on Ctrl-C
+/// )?;
+/// trainer.write_plots(&summary)?; // loss.png, phases.png
+/// println!("{}", summary.report()); // phase table, throughput, hints
+/// # Ok(()) }
+/// ```
 pub struct Trainer {
     config: TrainerConfig,
 }
@@ -372,6 +392,7 @@ impl Trainer {
         E: FnMut(&mut Engine) -> Result<Metrics>,
     {
         let c = self.config.clone();
+        let rank = engine.collective().map_or(0, |c| c.rank());
         if c.max_steps.is_some_and(|m| engine.boundaries() >= m) {
             // a run resumed at its last step: nothing to train, and the metrics files of the
             // run stay as they are
@@ -384,18 +405,23 @@ impl Trainer {
                 last_eval: None,
                 best: None,
                 profile: RunProfile::default(),
+                rank,
             });
         }
-        let mut files = c.out_dir.as_deref().map(MetricsFiles::create).transpose()?;
-        let accum = engine.config().accumulation_steps as u64;
         let start_step = engine.boundaries();
-        let per_epoch = (loader.num_batches() as u64 / accum).max(1);
+        let resumed_at = (start_step > 0).then_some(start_step);
+        let mut files = match c.out_dir.as_deref() {
+            Some(dir) if rank == 0 => Some(MetricsFiles::open(dir, resumed_at)?),
+            _ => None,
+        };
+        let accum = engine.config().accumulation_steps as u64;
+        let per_epoch = steps_per_epoch(loader.num_batches(), accum);
         let total = match (c.max_steps, c.max_epochs) {
             (Some(s), _) => s.saturating_sub(start_step),
             (None, Some(e)) => e.saturating_sub(loader.epoch()) * per_epoch,
             (None, None) => 0,
         };
-        let bar = if c.progress {
+        let bar = if c.progress && rank == 0 {
             ProgressBar::new(total)
         } else {
             ProgressBar::hidden()
@@ -425,6 +451,20 @@ impl Trainer {
             "samples/s"
         };
         let scale = c.tokens_per_sample.unwrap_or(1) as f64;
+        if c.eval_at_start && start_step == 0 {
+            let m = evaluate(engine)?;
+            let row = MetricsRow {
+                step: 0,
+                epoch: loader.epoch(),
+                val_loss: m.get("val_loss").copied(),
+                eval: m.clone(),
+                ..Default::default()
+            };
+            if let Some(f) = files.as_mut() {
+                f.write(&row)?;
+            }
+            last_eval = Some(m);
+        }
         let stop = 'outer: loop {
             if c.max_epochs.is_some_and(|e| loader.epoch() >= e) {
                 break StopReason::MaxEpochs;
@@ -441,7 +481,14 @@ impl Trainer {
                 };
                 phases.data += t.elapsed();
                 let n = batch.len() as u64;
-                let report = engine.step_weighted(n as f64, |ctx| train_step(ctx, &batch))?;
+                // the epoch's last batch closes its window even when the window is partial
+                // (Lightning steps on it too): no micro-batch stays pending past an epoch
+                let last_of_epoch = batch.index + 1 >= loader.num_batches();
+                let report = if last_of_epoch {
+                    engine.step_weighted_closing(n as f64, |ctx| train_step(ctx, &batch))?
+                } else {
+                    engine.step_weighted(n as f64, |ctx| train_step(ctx, &batch))?
+                };
                 device_timed |= report.spans.forward.is_device();
                 staged_h2d |= batch.h2d.is_some();
                 pending.push(batch.h2d.clone(), report.spans.clone());
@@ -528,7 +575,9 @@ impl Trainer {
                     fmt_metrics(&m),
                     epoch_stats.rate(scale)
                 );
-                bar.suspend(|| println!("{line}"));
+                if rank == 0 {
+                    bar.suspend(|| println!("{line}"));
+                }
                 if let Some(f) = files.as_mut() {
                     f.write(&row)?;
                 }
@@ -557,10 +606,7 @@ impl Trainer {
             device_timed,
             staged_h2d,
         };
-        if let Some(dir) = c.out_dir.as_deref() {
-            drop(files);
-            write_plots(dir, &profile.phases, steps)?;
-        }
+        drop(files);
         Ok(FitSummary {
             profile,
             stop,
@@ -570,8 +616,33 @@ impl Trainer {
             phases,
             last_eval,
             best: stopper.best,
+            rank,
         })
     }
+
+    /// Draws the run's pictures into [`TrainerConfig::out_dir`] after [`Trainer::fit`]:
+    /// `phases.csv` and `phases.png` (the summary's phase breakdown) and `loss.png` (train and
+    /// validation loss and the learning rate against step, from the whole `metrics.csv`, so a
+    /// resumed run's plot shows the run from its start). Returns the paths written; nothing
+    /// without an `out_dir`, or on a data-parallel rank other than 0.
+    ///
+    /// Errors: `metrics.csv` cannot be read, or a picture cannot be written (the message names
+    /// the file).
+    pub fn write_plots(&self, summary: &FitSummary) -> Result<Vec<PathBuf>> {
+        match self.config.out_dir.as_deref() {
+            Some(dir) if summary.rank == 0 => {
+                write_plots(dir, &summary.profile.phases, summary.steps)
+            }
+            _ => Ok(Vec::new()),
+        }
+    }
+}
+
+/// Optimizer steps in an epoch of `batches` micro-batches with `accumulation_steps` per
+/// window: the last, partial window counts as a step (the trainer closes it at the epoch's
+/// last batch), so this is `ceil(batches / accumulation_steps)`, and at least 1.
+pub fn steps_per_epoch(batches: usize, accumulation_steps: u64) -> u64 {
+    (batches as u64).div_ceil(accumulation_steps.max(1)).max(1)
 }
 
 fn fmt_metrics(m: &Metrics) -> String {
@@ -616,19 +687,20 @@ fn peak_memory(device: &candle_core::Device) -> Option<u64> {
 
 /// `phases.csv`, `loss.png` (train/val loss and lr against step) and `phases.png` (the phase
 /// bar chart) next to the metrics files.
-fn write_plots(dir: &Path, phases: &PhaseTimes, steps: u64) -> Result<()> {
+fn write_plots(dir: &Path, phases: &PhaseTimes, steps: u64) -> Result<Vec<PathBuf>> {
     use crate::plot::{
         plot_metrics, plot_phases, read_metrics, write_phases_csv, PhaseBreakdown, PlotOptions,
     };
     let breakdown = PhaseBreakdown::from_times(phases, steps);
-    write_phases_csv(&dir.join("phases.csv"), &breakdown)?;
+    let mut written = vec![dir.join("phases.csv")];
+    write_phases_csv(&written[0], &breakdown)?;
     let opts = PlotOptions::default();
     let rows = read_metrics(&dir.join("metrics.csv"))?;
     if !rows.is_empty() {
-        plot_metrics(&rows, &dir.join("loss.png"), &opts)?;
+        written.push(plot_metrics(&rows, &dir.join("loss.png"), &opts)?.path);
     }
     if steps > 0 {
-        plot_phases(&breakdown, &dir.join("phases.png"), &opts)?;
+        written.push(plot_phases(&breakdown, &dir.join("phases.png"), &opts)?.path);
     }
-    Ok(())
+    Ok(written)
 }

@@ -1,0 +1,256 @@
+//! `wick bench step`: full training steps of [`crate::models::gpt`] on random tokens, the
+//! train-step benchmark of the team's `torch_reference.py step`, in wick.
+
+use crate::{ParamStore, Precision};
+use anyhow::{Context, Result};
+use candle_core::{Device, Tensor};
+use rand::{rngs::StdRng, SeedableRng};
+use std::time::Instant;
+
+/// Device `wick bench step` uses unless `--device` says otherwise.
+const BENCH_STEP_DEVICE: &str = if cfg!(feature = "cuda") {
+    "cuda"
+} else {
+    "cpu"
+};
+
+/// `wick bench step --model gptmini|gpt2_124m [--precision 32|bf16-mixed] [--device cpu|cuda]
+/// [--steps N] [--batch B]`: the train-step benchmark of `torch_reference.py step`, in wick.
+///
+/// Builds the model (GPT-2 init), an Engine with the reference's AdamW (lr 1e-3, betas
+/// 0.9/0.99, eps 1e-8, weight decay 0.1 on rank >= 2; constant lr, no clipping, as the
+/// reference's `step`), one batch of random tokens `x: (B, T)` with targets `y = x` (as the
+/// reference), runs `--warmup` untimed steps, then times `--steps` steps between two device
+/// synchronisations. Reports ms/step, tokens/s, peak device memory (the CUDA pool's high-water
+/// mark since before the model was built, like `torch.cuda.max_memory_allocated`; n/a on the
+/// CPU), MFU (6 × parameters × tokens per step over the GPU's peak for the compute dtype, from
+/// `crate::profile::peak_flops`), the host time per phase, and one JSON line with the
+/// reference's keys (`gptmini_bf16_ms`, `..._tok_per_s`, `..._peak_GB`). On CUDA, TF32 is on
+/// for f32 matmuls (the reference sets `allow_tf32`).
+#[derive(clap::Args, Debug)]
+pub struct StepArgs {
+    /// Model: "gptmini" (V 256, T 256, 6 x 384) or "gpt2_124m" (V 50304, T 1024, 12 x 768).
+    #[arg(long, default_value = "gptmini")]
+    pub model: crate::models::GptConfig,
+    /// Precision: "32", "bf16-mixed" or "16-mixed".
+    #[arg(long, default_value = "bf16-mixed")]
+    pub precision: Precision,
+    /// cpu or cuda (the default is cuda in builds with the cuda feature, cpu otherwise).
+    #[arg(long, default_value = BENCH_STEP_DEVICE)]
+    pub device: String,
+    /// Timed steps.
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..))]
+    pub steps: u32,
+    /// Untimed warm-up steps before timing (the first CUDA steps JIT-compile kernels).
+    #[arg(long, default_value_t = 3)]
+    pub warmup: u32,
+    /// Sequences per step (default: the reference's, 64 for gptmini and 16 for gpt2_124m).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub batch: Option<u64>,
+    /// Seed of the initialisation and of the random tokens.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Under `wick launch`: ZeRO-1 (optimizer state partitioned over the ranks) instead of
+    /// plain DDP.
+    #[arg(long)]
+    pub zero1: bool,
+}
+
+/// Runs the benchmark and prints its report and JSON line.
+pub fn run(args: &StepArgs) -> Result<()> {
+    use crate::engine::OptimizerConfig;
+    use crate::models::{gpt::reference_adamw, Gpt};
+    use crate::perf::PerfSettings;
+    use crate::profile::PhaseTimes;
+    use crate::{Engine, EngineConfig};
+    use rand::Rng;
+
+    // under `wick launch` (torchrun's variables): one rank per GPU, DDP over the collective
+    let dist = crate::dist::DistEnv::from_env()?;
+    let (rank, world) = dist.as_ref().map_or((0, 1), |e| (e.rank, e.world_size));
+    let dev = match args.device.as_str() {
+        "cpu" => Device::Cpu,
+        "cuda" => Device::new_cuda(dist.as_ref().map_or(0, |e| e.local_rank)).context(
+            "--device cuda: no CUDA device (build with --features cuda on a GPU machine)",
+        )?,
+        other => anyhow::bail!("--device must be cpu or cuda, got {other:?}"),
+    };
+    let perf = PerfSettings {
+        seed: args.seed,
+        tf32: dev.is_cuda(),
+        ..PerfSettings::default()
+    };
+    perf.apply(&dev)?;
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = &dev {
+        crate::cuda::memory::reset_peak(d)?;
+    }
+
+    let config = args.model;
+    let batch = args
+        .batch
+        .map(|b| b as usize)
+        .unwrap_or_else(|| config.reference_batch_size());
+    let t = config.context_len;
+    let store = ParamStore::new(args.precision, dev.clone(), args.seed);
+    let gpt = Gpt::new(&store, config)?;
+    let params = store.num_elements();
+    let mut ec = EngineConfig::adamw(1e-3);
+    ec.optimizer = OptimizerConfig::AdamW(reference_adamw());
+    let mut engine = Engine::new(store, ec)?;
+    if dist.is_some() {
+        let c = crate::dist::init(&dev).context("joining the process group")?;
+        let ddp = crate::dist::DdpConfig {
+            zero1: args.zero1,
+            ..crate::dist::DdpConfig::default()
+        };
+        engine = engine.with_collective(c, ddp)?;
+    }
+
+    let mut rng = StdRng::seed_from_u64(args.seed + rank as u64);
+    let ids: Vec<u32> = (0..batch * t)
+        .map(|_| rng.random_range(0..config.vocab_size as u32))
+        .collect();
+    let x = Tensor::from_vec(ids, (batch, t), &dev)?;
+    let y = x.clone();
+
+    if rank != 0 {
+        // other ranks run the same steps and stay quiet
+        for _ in 0..args.warmup + args.steps {
+            engine.step(|_| gpt.loss(&x, &y))?;
+        }
+        dev.synchronize()?;
+        return Ok(());
+    }
+    println!(
+        "GPT {config} ({params} parameters), {} on {:?}, batch {batch} x {t} tokens per rank, {world} rank(s), fused optimizer: {}",
+        args.precision,
+        dev,
+        engine.implementation().is_fused()
+    );
+    println!("{}", perf.header());
+    for _ in 0..args.warmup {
+        engine.step(|_| gpt.loss(&x, &y))?;
+    }
+    dev.synchronize()?;
+    let mut phases = PhaseTimes::default();
+    let mut pending = crate::timing::PendingPhases::default();
+    let started = Instant::now();
+    let mut last = None;
+    for _ in 0..args.steps {
+        let r = engine.step(|_| gpt.loss(&x, &y))?;
+        phases.add(&r.times());
+        pending.push(None, r.spans.clone());
+        last = Some(r);
+    }
+    dev.synchronize()?;
+    let device_phases = dev.is_cuda().then(|| pending.drain()).transpose()?;
+    let secs = started.elapsed().as_secs_f64();
+    let loss = match &last {
+        Some(r) => r.loss()?,
+        None => f32::NAN,
+    };
+
+    let steps = args.steps as f64;
+    let ms_per_step = secs * 1e3 / steps;
+    let tokens = (batch * t * world) as f64; // global, over the ranks
+    let tok_per_s = tokens * steps / secs;
+    let flops = config.train_flops(batch * t * world) / world as f64; // per GPU
+    #[allow(unused_mut)]
+    let (mut peak, mut gpu): (Option<u64>, Option<String>) = (None, None);
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = &dev {
+        peak = Some(crate::cuda::memory::memory_stats(d)?.peak_allocated);
+        gpu = d.cuda_stream().context().name().ok();
+    }
+    let dtype = args.precision.compute_dtype();
+    let peak_rate = gpu
+        .as_deref()
+        .and_then(|g| crate::profile::peak_flops(g, dtype));
+    let mfu = peak_rate.map(|p| flops / (ms_per_step / 1e3) / p);
+
+    println!(
+        "{} warm-up + {} timed steps; last loss {loss:.4}",
+        args.warmup, args.steps
+    );
+    println!("ms/step     {ms_per_step:.3}");
+    println!("tokens/s    {tok_per_s:.0}");
+    match peak {
+        Some(b) => println!(
+            "peak memory {:.2} GB (CUDA pool high-water mark)",
+            b as f64 / 1e9
+        ),
+        None => println!("peak memory n/a (CPU)"),
+    }
+    match (mfu, peak_rate) {
+        (Some(m), Some(p)) => println!(
+            "MFU         {:.1}% (6 x {params} params x {} tokens per step per GPU = {:.2} TFLOP; {:?} peak {:.0} TFLOP/s)",
+            m * 100.0,
+            batch * t,
+            flops / 1e12,
+            dtype,
+            p / 1e12
+        ),
+        _ => println!(
+            "MFU         n/a ({})",
+            if gpu.is_some() {
+                "GPU not in crate::profile::peak_flops"
+            } else {
+                "CPU"
+            }
+        ),
+    }
+    if let Some(p) = &device_phases {
+        println!(
+            "\nGPU time per phase (CUDA events on the compute stream):\n{}",
+            p.table(args.steps as u64)
+        );
+    }
+    println!(
+        "\nhost time per phase (on CUDA: time to queue the work):\n{}",
+        phases.table(args.steps as u64)
+    );
+    let name = if config == crate::models::GptConfig::gpt2_124m() {
+        "gpt2_124m"
+    } else {
+        "gptmini"
+    };
+    let tag = match args.precision {
+        Precision::Fp32 => "fp32",
+        Precision::Bf16Mixed => "bf16",
+        Precision::F16Mixed => "fp16_scaler",
+    };
+    let key = if world > 1 {
+        let mode = if args.zero1 { "zero1_" } else { "ddp" };
+        format!("{name}_{tag}_{mode}{world}")
+    } else {
+        format!("{name}_{tag}")
+    };
+    let json = serde_json::json!({
+        format!("{key}_ms"): ms_per_step,
+        format!("{key}_tok_per_s"): tok_per_s,
+        format!("{key}_peak_GB"): peak.map(|b| b as f64 / 1e9),
+        format!("{key}_mfu"): mfu,
+        format!("{key}_phases_ms"): device_phases.map(|p| {
+            let n = steps;
+            serde_json::json!({
+                "forward": p.forward.as_secs_f64() * 1e3 / n,
+                "backward": p.backward.as_secs_f64() * 1e3 / n,
+                "optimizer": p.optimizer.as_secs_f64() * 1e3 / n,
+            })
+        }),
+        format!("{key}_host_ms"): serde_json::json!({
+            "forward": phases.forward.as_secs_f64() * 1e3 / steps,
+            "backward": phases.backward.as_secs_f64() * 1e3 / steps,
+            "optimizer": phases.optimizer.as_secs_f64() * 1e3 / steps,
+        }),
+        "params": params,
+        "batch": batch,
+        "world_size": world,
+        "device": args.device,
+        "gpu": gpu,
+        "wick": env!("CARGO_PKG_VERSION"),
+    });
+    println!("{json}");
+    Ok(())
+}

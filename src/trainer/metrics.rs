@@ -1,0 +1,163 @@
+//! The metrics files of a run: `metrics.csv` and `metrics.jsonl`, one row per log step or
+//! evaluation. A fresh run creates them; a resumed run keeps the rows up to the step it resumed
+//! from (dropping those of the abandoned steps after it) and appends, so the files, and the
+//! plots drawn from them, cover the whole run.
+
+use super::Metrics;
+use anyhow::{bail, Context, Result};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::fs::{File, OpenOptions};
+use std::io::{BufWriter, Write};
+use std::path::Path;
+
+/// One row of the metrics files. Empty fields are written as empty CSV cells / omitted JSON.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct MetricsRow {
+    /// Optimizer step.
+    pub step: u64,
+    /// Epoch (0-based).
+    pub epoch: u64,
+    /// Mean micro-batch training loss since the previous row (every micro-batch counts).
+    pub loss: Option<f64>,
+    /// Validation loss, when this row carries an evaluation.
+    pub val_loss: Option<f64>,
+    /// Learning rate of the last step.
+    pub lr: Option<f64>,
+    /// Global gradient norm of the last step.
+    pub grad_norm: Option<f64>,
+    /// Loss scale of the last step.
+    pub loss_scale: Option<f64>,
+    /// Training throughput since the previous row (samples/s, or tokens/s when configured).
+    pub samples_per_s: Option<f64>,
+    /// Every metric of the evaluation (JSONL only).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub eval: Metrics,
+}
+
+/// CSV + JSONL writers.
+pub(super) struct MetricsFiles {
+    csv: BufWriter<File>,
+    jsonl: BufWriter<File>,
+}
+
+/// The header of `metrics.csv`.
+pub const CSV_HEADER: &str = "step,epoch,loss,val_loss,lr,grad_norm,loss_scale,samples_per_s";
+
+impl MetricsFiles {
+    /// Opens the files in `dir` (created if missing). `resumed_at`: `None` for a fresh run
+    /// (the files are replaced); `Some(step)` for a run resumed at `step` (rows after `step`,
+    /// left by the abandoned part of the earlier run, are dropped; new rows are appended).
+    ///
+    /// Errors: `dir` cannot be created, a file cannot be read or written, or an existing
+    /// `metrics.csv` has another header (written by something else).
+    pub(super) fn open(dir: &Path, resumed_at: Option<u64>) -> Result<Self> {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let (csv, jsonl) = (dir.join("metrics.csv"), dir.join("metrics.jsonl"));
+        let (mut csv_w, jsonl_w) = match resumed_at {
+            Some(step) if csv.exists() || jsonl.exists() => {
+                keep_rows_up_to(&csv, step, csv_step, Some(CSV_HEADER))?;
+                keep_rows_up_to(&jsonl, step, jsonl_step, None)?;
+                (append(&csv)?, append(&jsonl)?)
+            }
+            _ => (create(&csv)?, create(&jsonl)?),
+        };
+        if std::fs::metadata(&csv).map(|m| m.len()).unwrap_or(0) == 0 {
+            writeln!(csv_w, "{CSV_HEADER}")?;
+            csv_w.flush()?;
+        }
+        Ok(Self {
+            csv: csv_w,
+            jsonl: jsonl_w,
+        })
+    }
+
+    /// Writes one row to both files and flushes them.
+    pub(super) fn write(&mut self, r: &MetricsRow) -> Result<()> {
+        let f = |v: Option<f64>| v.map(|x| format!("{x}")).unwrap_or_default();
+        writeln!(
+            self.csv,
+            "{},{},{},{},{},{},{},{}",
+            r.step,
+            r.epoch,
+            f(r.loss),
+            f(r.val_loss),
+            f(r.lr),
+            f(r.grad_norm),
+            f(r.loss_scale),
+            f(r.samples_per_s)
+        )?;
+        serde_json::to_writer(&mut self.jsonl, r)?;
+        writeln!(self.jsonl)?;
+        self.csv.flush()?;
+        self.jsonl.flush()?;
+        Ok(())
+    }
+}
+
+fn create(path: &Path) -> Result<BufWriter<File>> {
+    Ok(BufWriter::new(
+        File::create(path).with_context(|| format!("creating {}", path.display()))?,
+    ))
+}
+
+fn append(path: &Path) -> Result<BufWriter<File>> {
+    let f = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .with_context(|| format!("opening {} to append", path.display()))?;
+    Ok(BufWriter::new(f))
+}
+
+/// The step of a `metrics.csv` row (its first cell).
+fn csv_step(line: &str) -> Option<u64> {
+    line.split(',').next()?.trim().parse().ok()
+}
+
+/// The step of a `metrics.jsonl` row.
+fn jsonl_step(line: &str) -> Option<u64> {
+    serde_json::from_str::<serde_json::Value>(line).ok()?["step"].as_u64()
+}
+
+/// Rewrites `path` (if it exists) with only the rows whose step is `<= step` (lines without
+/// a step, e.g. a torn last line, are dropped too), through a temporary file and a rename.
+/// With `header`, the first line must be it.
+fn keep_rows_up_to(
+    path: &Path,
+    step: u64,
+    row_step: fn(&str) -> Option<u64>,
+    header: Option<&str>,
+) -> Result<()> {
+    if !path.exists() {
+        return Ok(());
+    }
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let mut lines = text.lines();
+    let mut kept = String::new();
+    if let Some(h) = header {
+        match lines.next() {
+            None => {}
+            Some(first) if first.trim() == h => {
+                kept.push_str(h);
+                kept.push('\n');
+            }
+            Some(first) => bail!(
+                "{}: the header is {first:?}, not wick's {h:?}, so the resumed run cannot append \
+                 to it; move the file away or choose another metrics folder",
+                path.display()
+            ),
+        }
+    }
+    for line in lines {
+        if row_step(line).is_some_and(|s| s <= step) {
+            kept.push_str(line);
+            kept.push('\n');
+        }
+    }
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, kept).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path)
+        .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
+}

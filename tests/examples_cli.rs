@@ -1,0 +1,335 @@
+//! What a new user of the `mnist` and `char_gpt` examples runs into: flag errors in plain
+//! words, `--resume` without a checkpoint, a resumed run that appends to its metrics and warns
+//! about a precision change, a small text file of one's own, and `char_gpt`'s ms/step (the
+//! same figure in its table and its JSON line) with the step-0 evaluation in metrics.csv.
+//! Runs the example binaries that `cargo test` builds (built here when missing).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// Newest modification time of the files under `dir` (recursively).
+fn newest(dir: &Path) -> std::time::SystemTime {
+    let mut t = std::time::UNIX_EPOCH;
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let p = e.path();
+        let m = if p.is_dir() {
+            newest(&p)
+        } else {
+            e.metadata().and_then(|m| m.modified()).unwrap_or(t)
+        };
+        t = t.max(m);
+    }
+    t
+}
+
+/// The example binary that `cargo test` built beside this test (`cargo test` builds the
+/// examples; a targeted `cargo test --test examples_cli` does not, so it checks that the
+/// binary is newer than its sources and the library's).
+fn example(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>");
+    let bin = profile_dir.join("examples").join(name);
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let built = std::fs::metadata(&bin).and_then(|m| m.modified());
+    let sources = newest(&root.join("src")).max(
+        std::fs::metadata(root.join("examples").join(format!("{name}.rs")))
+            .and_then(|m| m.modified())
+            .unwrap_or(std::time::UNIX_EPOCH),
+    );
+    assert!(
+        built.as_ref().is_ok_and(|b| *b >= sources),
+        "{} is missing or older than its sources: run `cargo build --release --examples` \
+         (or the whole `cargo test --release`, which builds them) first",
+        bin.display()
+    );
+    bin
+}
+
+fn run<S: AsRef<std::ffi::OsStr>>(name: &str, args: &[S]) -> Output {
+    Command::new(example(name))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("running the example")
+}
+
+fn text(o: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("wick-examples-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A small MNIST in idx format: `train` and `test` images of 28x28 with labels i % 10.
+fn tiny_mnist(dir: &Path, train: u32, test: u32) {
+    let write = |name: &str, magic: u32, dims: &[u32], payload: Vec<u8>| {
+        let mut b = magic.to_be_bytes().to_vec();
+        for d in dims {
+            b.extend(d.to_be_bytes());
+        }
+        b.extend(payload);
+        std::fs::write(dir.join(name), b).unwrap();
+    };
+    for (split, n) in [("train", train), ("t10k", test)] {
+        let pixels = (0..n * 784).map(|i| (i * 7 % 251) as u8).collect();
+        write(
+            &format!("{split}-images-idx3-ubyte"),
+            2051,
+            &[n, 28, 28],
+            pixels,
+        );
+        let labels = (0..n).map(|i| (i % 10) as u8).collect();
+        write(&format!("{split}-labels-idx1-ubyte"), 2049, &[n], labels);
+    }
+}
+
+#[test]
+fn mnist_flag_errors_are_plain() {
+    let o = run("mnist", &["--epochs", "0"]);
+    let (_, err) = text(&o);
+    assert!(!o.status.success());
+    assert!(
+        err.contains("--epochs") && err.contains("0 is not in 1.."),
+        "{err}"
+    );
+    assert!(!err.contains("max_epochs"), "{err}");
+
+    let o = run("mnist", &["--lr", "-1"]);
+    let (_, err) = text(&o);
+    assert!(!o.status.success());
+    assert!(
+        err.contains("--lr must be a finite number > 0") && err.contains("got -1"),
+        "{err}"
+    );
+
+    let o = run("mnist", &["--clip", "-1"]);
+    let (_, err) = text(&o);
+    assert!(err.contains("--clip must be a finite number > 0"), "{err}");
+
+    let (help, _) = text(&run("mnist", &["--help"]));
+    assert!(help.contains("(0: keep all)"), "{help}");
+}
+
+#[test]
+fn mnist_resume_needs_a_checkpoint_appends_metrics_and_warns_about_precision() {
+    let d = tmp("mnist-resume");
+    let data = d.join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    tiny_mnist(&data, 256, 64);
+    let (ck, metrics) = (d.join("ckpt"), d.join("metrics"));
+    let common = |extra: &[&str]| {
+        let mut a = vec![
+            "--data-dir".to_string(),
+            data.display().to_string(),
+            "--save-dir".into(),
+            ck.display().to_string(),
+            "--metrics-dir".into(),
+            metrics.display().to_string(),
+            "--batch-size".into(),
+            "64".into(),
+        ];
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+
+    // --resume before any checkpoint exists: an error, not a silent fresh start
+    let v = common(&["--resume", "--epochs", "1"]);
+    let o = run("mnist", &v);
+    let (out, err) = text(&o);
+    assert!(!o.status.success(), "{out}");
+    assert!(err.contains("nothing to resume: no checkpoint in"), "{err}");
+
+    let v = common(&["--epochs", "1"]);
+    let o = run("mnist", &v);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(metrics.join("loss.png").is_file(), "plots after fit");
+
+    let v = common(&["--epochs", "2", "--resume", "--precision", "32"]);
+    let o = run("mnist", &v);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(
+        out.contains("resumed from") && out.contains("at step 4"),
+        "{out}"
+    );
+    assert!(
+        err.contains("saved in bf16-mixed, loading into 32"),
+        "{err}"
+    );
+    let csv = std::fs::read_to_string(metrics.join("metrics.csv")).unwrap();
+    let epochs: Vec<&str> = csv
+        .lines()
+        .skip(1)
+        .map(|l| l.split(',').nth(1).unwrap())
+        .collect();
+    assert_eq!(epochs, ["0", "1"], "both epochs' evaluation rows: {csv}");
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn char_gpt_on_a_tiny_file_of_ones_own_names_the_file_not_the_fetch_script() {
+    let d = tmp("gpt-small");
+    let f = d.join("mine.txt");
+    std::fs::write(&f, b"0123456789").unwrap();
+    let o = run("char_gpt", &["--text", f.to_str().unwrap()]);
+    let (_, err) = text(&o);
+    assert!(!o.status.success());
+    assert!(
+        err.contains(&f.display().to_string()) && err.contains("has 10 bytes"),
+        "{err}"
+    );
+    assert!(!err.contains("fetch_shakespeare"), "{err}");
+    let o = run(
+        "char_gpt",
+        &["--text", d.join("missing.txt").to_str().unwrap()],
+    );
+    let (_, err) = text(&o);
+    assert!(
+        err.contains("does not exist") && err.contains("--text FILE"),
+        "{err}"
+    );
+    let o = run("char_gpt", &["--lr", "-1", "--text", f.to_str().unwrap()]);
+    let (_, err) = text(&o);
+    assert!(err.contains("--lr must be a finite number > 0"), "{err}");
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn char_gpt_reports_one_ms_per_step_and_logs_step_zero() {
+    let d = tmp("gpt-run");
+    let f = d.join("text.txt");
+    let body: String = (0..3000)
+        .map(|i| (b'a' + (i * 7 % 26) as u8) as char)
+        .collect();
+    std::fs::write(&f, body).unwrap();
+    let m = d.join("metrics");
+    let o = run(
+        "char_gpt",
+        &[
+            "--text",
+            f.to_str().unwrap(),
+            "--layers",
+            "1",
+            "--d-model",
+            "16",
+            "--heads",
+            "1",
+            "--context",
+            "8",
+            "--batch-size",
+            "4",
+            "--steps",
+            "4",
+            "--warmup",
+            "1",
+            "--eval-interval",
+            "2",
+            "--eval-batches",
+            "1",
+            "--log-interval",
+            "1",
+            "--final-sample",
+            "0",
+            "--workers",
+            "0",
+            "--metrics-dir",
+            m.to_str().unwrap(),
+        ],
+    );
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    let table_ms: f64 = out
+        .lines()
+        .filter(|l| l.ends_with("100.0%"))
+        .find_map(|l| l.strip_prefix("step "))
+        .and_then(|r| r.split_whitespace().next())
+        .expect("the table's step row")
+        .parse()
+        .unwrap();
+    let json: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
+    let json_ms = json["ms_per_step"].as_f64().expect("ms_per_step");
+    assert!(
+        (json_ms - table_ms).abs() <= 0.0005 + 1e-9,
+        "table {table_ms} vs JSON {json_ms}"
+    );
+    assert!(
+        json["wall_ms_per_step"]
+            .as_f64()
+            .is_some_and(|w| w >= json_ms),
+        "{json}"
+    );
+    let csv = std::fs::read_to_string(m.join("metrics.csv")).unwrap();
+    let first = csv.lines().nth(1).unwrap();
+    assert!(
+        first.starts_with("0,0,,"),
+        "step 0's evaluation row first: {csv}"
+    );
+    let val0: f64 = first.split(',').nth(3).unwrap().parse().unwrap();
+    assert!(
+        (val0 - json["val_curve"][0][1].as_f64().unwrap()).abs() < 1e-3,
+        "{csv} {json}"
+    );
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+/// Ctrl-C during training: the example saves a checkpoint and exits with status 130, as
+/// other tools do after SIGINT (not 0).
+#[cfg(unix)]
+#[test]
+fn mnist_ctrl_c_saves_and_exits_130() {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    let d = tmp("mnist-sigint");
+    let data = d.join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    tiny_mnist(&data, 512, 64);
+    let ck = d.join("ckpt");
+    let mut child = Command::new(example("mnist"))
+        .args([
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--save-dir",
+            ck.to_str().unwrap(),
+        ])
+        .args(["--batch-size", "8", "--epochs", "1000"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    // the run header, then the first epoch's line: training is under way
+    let mut seen = Vec::new();
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        let go = line.starts_with("epoch 0:");
+        seen.push(line);
+        if go {
+            break;
+        }
+    }
+    // SAFETY: kill(2) on our own child's pid.
+    assert_eq!(
+        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) },
+        0
+    );
+    let rest: Vec<String> = lines.map(|l| l.unwrap()).collect();
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(130), "{seen:?} {rest:?}");
+    assert!(
+        rest.iter().any(|l| l.starts_with("interrupted: saved")),
+        "{rest:?}"
+    );
+    assert!(wick::checkpoint::latest(&ck).unwrap().is_some());
+    std::fs::remove_dir_all(&d).unwrap();
+}
