@@ -18,17 +18,15 @@
 //!
 //! Adding an optimizer is one file with its rule plus one kernel.
 
+use super::host::host_update;
+use super::state::{read_step, Buf, StepCounts};
 use super::{Impl, Optimizer, StepInputs};
-use crate::grads::{with_cpu_f32, GradStats, HostStats};
+use crate::grads::{GradStats, HostStats};
 use crate::params::Param;
 use anyhow::{bail, Result};
-use candle_core::{CpuStorage, DType, Device, Layout, Tensor};
+use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 use std::collections::HashMap;
-use std::sync::Mutex;
-
-/// Elements per rayon task of the host update.
-const HOST_CHUNK: usize = 1 << 14;
 
 /// An optimizer's arithmetic; see the module docs for what the driver adds.
 ///
@@ -87,95 +85,6 @@ pub trait UpdateRule: Clone + Send + Sync + std::fmt::Debug + 'static {
     /// The by-value argument struct of the kernel (C layout).
     #[cfg(feature = "cuda")]
     type KernelArgs: candle_core::cuda::cudarc::driver::DeviceRepr + Copy;
-}
-
-/// One state tensor in the representation of the implementation.
-enum Buf {
-    /// candle tensor (reference path; the fused CUDA kernel writes it in place).
-    Tensor(Tensor),
-    /// Host vector updated in place by the fused CPU pass.
-    Host(Vec<f32>),
-}
-
-impl Buf {
-    fn zeros(imp: Impl, p: &Param) -> Result<Self> {
-        Ok(match imp {
-            Impl::FusedCpu => Buf::Host(vec![0.0; p.elem_count()]),
-            // a fresh allocation each: the fused CUDA kernel writes them in place
-            _ => Buf::Tensor(p.master.zeros_like()?),
-        })
-    }
-
-    fn from_tensor(imp: Impl, t: Tensor) -> Result<Self> {
-        Ok(match imp {
-            Impl::FusedCpu => Buf::Host(t.flatten_all()?.to_vec1()?),
-            _ => Buf::Tensor(t.copy()?),
-        })
-    }
-
-    fn to_tensor(&self, p: &Param) -> Result<Tensor> {
-        Ok(match self {
-            Buf::Tensor(t) => t.clone(),
-            Buf::Host(v) => Tensor::from_slice(v, p.master.shape(), p.master.device())?,
-        })
-    }
-
-    fn tensor(&self) -> Result<&Tensor> {
-        match self {
-            Buf::Tensor(t) => Ok(t),
-            Buf::Host(_) => bail!("optimizer state/path mismatch"),
-        }
-    }
-}
-
-/// Per-parameter applied-step counts.
-enum StepCounts {
-    /// Host counters (CPU paths).
-    Host(Vec<u64>),
-    /// `(n,)` i64 counters on the device (fused CUDA path), with the `(k,)` u32 index list of
-    /// the last work list on the device (re-uploaded only when the work list changes).
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    Device {
-        counts: Option<Tensor>,
-        index: Option<(Vec<u32>, Tensor)>,
-    },
-}
-
-impl StepCounts {
-    fn new(imp: Impl) -> Self {
-        match imp {
-            Impl::FusedCuda => StepCounts::Device {
-                counts: None,
-                index: None,
-            },
-            _ => StepCounts::Host(Vec::new()),
-        }
-    }
-
-    /// Every count as a host value (a device read on the CUDA path).
-    fn read(&self, n: usize) -> Result<Vec<u64>> {
-        let mut v = match self {
-            StepCounts::Host(v) => v.clone(),
-            StepCounts::Device { counts: None, .. } => Vec::new(),
-            StepCounts::Device {
-                counts: Some(t), ..
-            } => t.to_vec1::<i64>()?.into_iter().map(|c| c as u64).collect(),
-        };
-        v.resize(n.max(v.len()), 0);
-        Ok(v)
-    }
-
-    /// Replaces every count (on `device` for the CUDA path).
-    fn set(&mut self, v: Vec<u64>, device: &Device) -> Result<()> {
-        match self {
-            StepCounts::Host(h) => *h = v,
-            StepCounts::Device { counts, .. } => {
-                let v: Vec<i64> = v.into_iter().map(|c| c as i64).collect();
-                *counts = Some(Tensor::new(v.as_slice(), device)?);
-            }
-        }
-        Ok(())
-    }
 }
 
 /// An optimizer over fp32 masters: an [`UpdateRule`] run by the shared driver, on the
@@ -408,88 +317,6 @@ fn grad(grads: &[Option<Tensor>], i: usize) -> Result<&Tensor> {
         .ok_or_else(|| anyhow::anyhow!("parameter {i} is in the work list without a gradient"))
 }
 
-/// The fused CPU update of one parameter: one pass over each element of p, g and the state.
-fn host_update<R: UpdateRule>(
-    p: &Param,
-    g: &Tensor,
-    bufs: &mut [Buf],
-    k: &R::Coeffs,
-    first: bool,
-) -> Result<()> {
-    let mut states = Vec::with_capacity(bufs.len());
-    for b in bufs.iter_mut() {
-        match b {
-            Buf::Host(v) => states.push(v.as_mut_slice()),
-            Buf::Tensor(_) => bail!("{}: state/path mismatch", R::NAME),
-        }
-    }
-    with_cpu_f32(g, |g| {
-        let op = HostUpdate::<R> {
-            g,
-            states: Mutex::new(states),
-            k: *k,
-            first,
-        };
-        p.master.as_tensor().inplace_op1(&op)
-    })??;
-    Ok(())
-}
-
-/// One rayon task of the host update: a chunk of the master, of the gradient, of each state.
-type Chunk<'a> = (&'a mut [f32], &'a [f32], Vec<&'a mut [f32]>);
-
-struct HostUpdate<'a, R: UpdateRule> {
-    g: &'a [f32],
-    states: Mutex<Vec<&'a mut [f32]>>,
-    k: R::Coeffs,
-    first: bool,
-}
-
-impl<R: UpdateRule> candle_core::InplaceOp1 for HostUpdate<'_, R> {
-    fn name(&self) -> &'static str {
-        "wick-fused-update-cpu"
-    }
-
-    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
-        let CpuStorage::F32(data) = storage else {
-            candle_core::bail!("fused {}: master weights must be f32", R::NAME)
-        };
-        let Some((a, b)) = layout.contiguous_offsets() else {
-            candle_core::bail!("fused {}: master weights must be contiguous", R::NAME)
-        };
-        let p = &mut data[a..b];
-        let mut guard = self
-            .states
-            .lock()
-            .map_err(|_| candle_core::Error::Msg("poisoned".into()))?;
-        if p.len() != self.g.len() || guard.iter().any(|s| s.len() != p.len()) {
-            candle_core::bail!(
-                "fused {}: {} params, {} grads, state lengths {:?}",
-                R::NAME,
-                p.len(),
-                self.g.len(),
-                guard.iter().map(|s| s.len()).collect::<Vec<_>>()
-            );
-        }
-        // chunk i of the master, the gradient and every state tensor
-        let mut tasks: Vec<Chunk> = p
-            .chunks_mut(HOST_CHUNK)
-            .zip(self.g.chunks(HOST_CHUNK))
-            .map(|(p, g)| (p, g, Vec::new()))
-            .collect();
-        for s in guard.iter_mut() {
-            for (t, c) in tasks.iter_mut().zip(s.chunks_mut(HOST_CHUNK)) {
-                t.2.push(c);
-            }
-        }
-        let (k, first) = (self.k, self.first);
-        tasks
-            .into_par_iter()
-            .for_each(|(p, g, mut s)| R::update_host(&k, p, g, &mut s, first));
-        Ok(())
-    }
-}
-
 /// Stats as the device kernels read them (`[found_inf, norm, multiplier]`, f32).
 #[cfg(feature = "cuda")]
 fn device_stats(stats: &GradStats, device: &Device) -> Result<Tensor> {
@@ -633,14 +460,5 @@ impl<R: UpdateRule> Optimizer for Driver<R> {
         self.steps.set(steps, &device)?;
         self.states = states;
         Ok(())
-    }
-}
-
-/// A saved step count: one element of any numeric dtype, a whole number `>= 0`.
-fn read_step(t: &Tensor, name: &str) -> Result<u64> {
-    let v = t.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
-    match v.as_slice() {
-        [s] if *s >= 0.0 && s.fract() == 0.0 => Ok(*s as u64),
-        _ => bail!("optimizer state {name:?} must be one whole number >= 0, got {v:?}"),
     }
 }

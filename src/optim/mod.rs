@@ -17,8 +17,10 @@
 
 pub mod adamw;
 pub mod driver;
+mod host;
 pub mod schedule;
 pub mod sgd;
+mod state;
 
 pub use crate::grads::{GradStats, HostStats};
 pub use adamw::{AdamW, AdamWConfig};
