@@ -145,8 +145,8 @@ impl<R: UpdateRule> Driver<R> {
             }
             if p.master.dtype() != DType::F32 || !g.dtype().is_float() {
                 bail!(
-                    "{}::step: {} has an f32 master and a float gradient? master {:?}, \
-                     gradient {:?}; nothing was updated",
+                    "{}::step: {} needs an f32 master and a float gradient, found master \
+                     {:?} and gradient {:?}; nothing was updated",
                     R::NAME,
                     p.name,
                     p.master.dtype(),
