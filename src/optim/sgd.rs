@@ -180,16 +180,20 @@ impl UpdateRule for SgdConfig {
     }
 
     fn update_host(k: &Coeffs, p: &mut [f32], g: &[f32], states: &mut [&mut [f32]], first: bool) {
+        // a local copy of the coefficients: re-read through the reference, the f32 stores
+        // could alias them and the loop would not vectorise
+        let k = *k;
         match states {
             [b] => {
-                for i in 0..p.len() {
-                    p[i] = k.apply(p[i], &mut b[i], g[i], first);
+                let b: &mut [f32] = b;
+                for ((p, &g), b) in p.iter_mut().zip(g).zip(b.iter_mut()) {
+                    *p = k.apply(*p, b, g, first);
                 }
             }
             _ => {
                 let mut unused = 0f32;
-                for i in 0..p.len() {
-                    p[i] = k.apply(p[i], &mut unused, g[i], false);
+                for (p, &g) in p.iter_mut().zip(g) {
+                    *p = k.apply(*p, &mut unused, g, false);
                 }
             }
         }
