@@ -14,19 +14,10 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use rand::{rngs::StdRng, SeedableRng};
 use rand_distr::{Distribution, Normal};
 use std::time::Duration;
+use wick::bench::optim::MLP_SHAPES;
 use wick::optim::{AdamW, AdamWConfig, GradStats, Impl, Optimizer, StepInputs};
 use wick::params::Role;
 use wick::{ParamStore, Precision};
-
-/// The MNIST example's MLP: parameter names and shapes.
-const MLP_SHAPES: [(&str, &[usize]); 6] = [
-    ("l1.weight", &[1024, 784]),
-    ("l1.bias", &[1024]),
-    ("l2.weight", &[1024, 1024]),
-    ("l2.bias", &[1024]),
-    ("l3.weight", &[10, 1024]),
-    ("l3.bias", &[10]),
-];
 
 /// A bf16-mixed store with the MLP's parameters and one random fp32 gradient per parameter.
 fn mlp_problem() -> anyhow::Result<(ParamStore, Vec<Option<Tensor>>)> {

@@ -110,14 +110,6 @@ impl AmpState {
         })
     }
 
-    /// The device scaler tensor (its element 0 is the scale the boundary kernels read).
-    pub fn device_scaler(&self) -> Option<&Tensor> {
-        match self {
-            AmpState::Device { scaler, .. } => Some(scaler),
-            AmpState::Host { .. } => None,
-        }
-    }
-
     /// After a boundary: counts the step if it was applied and advances the scale. `applied`
     /// is the optimizer's answer when known on the host; otherwise found_inf decides (read on
     /// the host side, read by the kernel on the device side).
@@ -206,10 +198,5 @@ impl AmpState {
             }
         }
         Ok(())
-    }
-
-    /// True on the device.
-    pub fn on_device(&self) -> bool {
-        matches!(self, AmpState::Device { .. })
     }
 }

@@ -263,14 +263,13 @@ impl Engine {
         collective: Box<dyn crate::dist::Collective>,
         config: crate::dist::DdpConfig,
     ) -> Result<Self> {
-        GradSync::check_attach(
+        self.sync = GradSync::attach(
+            collective,
+            config,
+            &self.store,
             self.grads.micro_steps(),
-            config.zero1,
             self.config.stochastic_rounding,
-            collective.world_size(),
-            self.store.precision().is_mixed(),
         )?;
-        self.sync = GradSync::attach(collective, config, &self.store)?;
         self.optimizer.set_owned(self.sync.owned());
         Ok(self)
     }

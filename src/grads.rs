@@ -183,11 +183,6 @@ impl GradBuffers {
         Ok(())
     }
 
-    /// The normaliser `sum_i w_i` of this window.
-    pub fn weight_sum(&self) -> f64 {
-        self.weight_sum
-    }
-
     /// Adds `weight * grad` for every parameter that received a gradient (frozen parameters
     /// are skipped). With `keep_raw` (a single micro-batch per step) the raw gradient is kept
     /// as is and the weight only enters the normaliser. `weight` must be finite and > 0.

@@ -23,7 +23,7 @@ const WARMUP_STEPS: usize = 3;
 const BYTES_PER_ELEMENT: f64 = 28.0;
 
 /// The MNIST example's MLP (784-1024-1024-10 with biases): parameter names and shapes.
-const MLP_SHAPES: [(&str, &[usize]); 6] = [
+pub const MLP_SHAPES: [(&str, &[usize]); 6] = [
     ("l1.weight", &[1024, 784]),
     ("l1.bias", &[1024]),
     ("l2.weight", &[1024, 1024]),

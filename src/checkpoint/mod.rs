@@ -522,10 +522,14 @@ pub fn latest(dir: impl AsRef<Path>) -> Result<Option<PathBuf>> {
     if !dir.exists() {
         return Ok(None);
     }
-    let newest = list_checkpoints(dir)?.pop();
+    let dirs = step_dirs(dir)?;
+    let newest = dirs
+        .iter()
+        .rfind(|(_, _, missing)| missing.is_empty())
+        .map(|(s, p, _)| (*s, p.clone()));
     let newest_step = newest.as_ref().map(|(s, _)| *s);
-    for (step, path, missing) in incomplete_checkpoints(dir)? {
-        if newest_step.is_none_or(|n| step > n) {
+    for (step, path, missing) in dirs.iter().filter(|(_, _, m)| !m.is_empty()) {
+        if newest_step.is_none_or(|n| *step > n) {
             tracing::warn!(
                 "checkpoint {} is incomplete (missing {}): skipped; {}; a save at step {step} \
                  will set it aside (renamed), not overwrite it",
@@ -541,12 +545,13 @@ pub fn latest(dir: impl AsRef<Path>) -> Result<Option<PathBuf>> {
     Ok(newest.map(|(_, p)| p))
 }
 
-/// `step-N` directories under `dir` that lack one of the three files, with the missing names.
-fn incomplete_checkpoints(dir: &Path) -> Result<Vec<(u64, PathBuf, Vec<&'static str>)>> {
-    let entries =
-        fs::read_dir(dir).with_context(|| format!("listing checkpoints in {}", dir.display()))?;
+/// Every `step-N` directory under `dir`, sorted by step, with the names of the checkpoint
+/// files it lacks (none: a complete checkpoint).
+fn step_dirs(dir: &Path) -> Result<Vec<(u64, PathBuf, Vec<&'static str>)>> {
+    let listing = || format!("listing checkpoints in {}", dir.display());
     let mut out = Vec::new();
-    for e in entries.flatten() {
+    for e in fs::read_dir(dir).with_context(listing)? {
+        let e = e.with_context(listing)?;
         let name = e.file_name().to_string_lossy().into_owned();
         let Some(step) = name
             .strip_prefix(STEP_PREFIX)
@@ -559,9 +564,7 @@ fn incomplete_checkpoints(dir: &Path) -> Result<Vec<(u64, PathBuf, Vec<&'static 
             .into_iter()
             .filter(|f| !path.join(f).is_file())
             .collect();
-        if !missing.is_empty() {
-            out.push((step, path, missing));
-        }
+        out.push((step, path, missing));
     }
     out.sort();
     Ok(out)
@@ -601,27 +604,9 @@ fn set_aside(path: &Path) -> Result<()> {
 
 /// All complete `step-N` checkpoints under `dir`, sorted by step (oldest first).
 pub fn list_checkpoints(dir: impl AsRef<Path>) -> Result<Vec<(u64, PathBuf)>> {
-    let dir = dir.as_ref();
-    let entries =
-        fs::read_dir(dir).with_context(|| format!("listing checkpoints in {}", dir.display()))?;
-    let mut out = Vec::new();
-    for e in entries {
-        let e = e.with_context(|| format!("listing checkpoints in {}", dir.display()))?;
-        let name = e.file_name().to_string_lossy().into_owned();
-        let Some(step) = name
-            .strip_prefix(STEP_PREFIX)
-            .and_then(|s| s.parse::<u64>().ok())
-        else {
-            continue;
-        };
-        let path = e.path();
-        let complete = [MODEL_FILE, OPTIMIZER_FILE, STATE_FILE]
-            .iter()
-            .all(|f| path.join(f).is_file());
-        if complete {
-            out.push((step, path));
-        }
-    }
-    out.sort();
-    Ok(out)
+    Ok(step_dirs(dir.as_ref())?
+        .into_iter()
+        .filter(|(_, _, missing)| missing.is_empty())
+        .map(|(step, path, _)| (step, path))
+        .collect())
 }

@@ -33,12 +33,32 @@ impl GradSync {
     /// Attaches `collective` for `store`'s parameters: checks that every rank has the same
     /// layout, broadcasts rank 0's parameters, and with `config.zero1` partitions the
     /// parameters among the ranks.
+    ///
+    /// Errors: not at an accumulation boundary (`micro_steps != 0`); ZeRO-1 with stochastic
+    /// rounding of mixed-precision working copies on more than one rank (only a parameter's
+    /// owner would round stochastically, so the ranks' working copies would differ).
     pub fn attach(
         collective: Box<dyn Collective>,
         config: DdpConfig,
         store: &ParamStore,
+        micro_steps: usize,
+        stochastic_rounding: bool,
     ) -> Result<Self> {
+        if micro_steps != 0 {
+            bail!("Engine::with_collective: attach the collective at an accumulation boundary");
+        }
         let zero1 = config.zero1;
+        if zero1
+            && stochastic_rounding
+            && collective.world_size() > 1
+            && store.precision().is_mixed()
+        {
+            bail!(
+                "Engine::with_collective: ZeRO-1 with stochastic rounding would give the ranks \
+                 different working copies (only a parameter's owner rounds stochastically); \
+                 turn one of them off"
+            );
+        }
         let mut ddp = Ddp::new(collective, config)?;
         ddp.shard_owners(&store.params())?;
         ddp.broadcast_parameters(store)
@@ -131,27 +151,5 @@ impl GradSync {
             }
             _ => Ok(local),
         }
-    }
-
-    /// Checks that attaching is allowed now (at an accumulation boundary, and ZeRO-1 not with
-    /// stochastic rounding of mixed-precision working copies).
-    pub fn check_attach(
-        micro_steps: usize,
-        zero1: bool,
-        stochastic_rounding: bool,
-        world: usize,
-        mixed: bool,
-    ) -> Result<()> {
-        if micro_steps != 0 {
-            bail!("Engine::with_collective: attach the collective at an accumulation boundary");
-        }
-        if zero1 && stochastic_rounding && world > 1 && mixed {
-            bail!(
-                "Engine::with_collective: ZeRO-1 with stochastic rounding would give the ranks \
-                 different working copies (only a parameter's owner rounds stochastically); \
-                 turn one of them off"
-            );
-        }
-        Ok(())
     }
 }
