@@ -24,6 +24,34 @@ pub struct Kernel {
     pub ptx: &'static str,
 }
 
+/// The stochastic-rounding fields every update kernel's argument struct ends with (`seed`,
+/// `stochastic` in kernels/adamw.cu and kernels/sgd.cu).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct Rounding {
+    /// Seed of this step (mixed with the tensor index in the kernel).
+    pub seed: u32,
+    /// 1: stochastic rounding of the working copy; 0: round to nearest even.
+    pub stochastic: i32,
+}
+
+/// Declares a rule's kernel argument struct, `#[repr(C)]` with the fields given and
+/// [`Rounding`] last, as the kernel's by-value parameter.
+macro_rules! kernel_args {
+    ($(#[$m:meta])* pub struct $name:ident { $($(#[$fm:meta])* $f:ident: $t:ty,)* }) => {
+        $(#[$m])*
+        #[repr(C)]
+        #[derive(Clone, Copy, Debug)]
+        pub struct $name {
+            $($(#[$fm])* $f: $t,)*
+            rounding: $crate::cuda::update::Rounding,
+        }
+        // SAFETY: plain-old-data with the C layout of the kernel's by-value parameter.
+        unsafe impl candle_core::cuda::cudarc::driver::DeviceRepr for $name {}
+    };
+}
+pub(crate) use kernel_args;
+
 /// One parameter of a fused update.
 pub struct Row<'a> {
     /// The parameter (its f32 master is updated, its working copy written).

@@ -143,34 +143,31 @@ impl UpdateRule for AdamWConfig {
     };
 
     #[cfg(feature = "cuda")]
-    fn kernel_args(&self, lr: f64, seed: u32, stochastic: bool) -> KernelArgs {
+    fn kernel_args(&self, lr: f64, rounding: crate::cuda::update::Rounding) -> KernelArgs {
         KernelArgs {
             lr,
             beta1: self.beta1,
             beta2: self.beta2,
             eps: self.eps,
             weight_decay: self.weight_decay,
-            seed,
-            stochastic: i32::from(stochastic),
+            rounding,
         }
     }
 }
 
-/// Mirror of `AdamWArgs` in kernels/adamw.cu: the kernel derives each parameter's [`Coeffs`]
-/// from these in double precision, as [`UpdateRule::coeffs`] does on the host.
 #[cfg(feature = "cuda")]
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct KernelArgs {
-    lr: f64,
-    beta1: f64,
-    beta2: f64,
-    eps: f64,
-    weight_decay: f64,
-    seed: u32,
-    stochastic: i32,
+crate::cuda::update::kernel_args! {
+    /// Mirror of `AdamWArgs` in kernels/adamw.cu: the kernel derives each parameter's
+    /// [`Coeffs`] from these in double precision, as [`UpdateRule::coeffs`] does on the host.
+    pub struct KernelArgs {
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+    }
 }
 
-// SAFETY: plain-old-data with the C layout of the kernel's by-value parameter.
+// the layout of the C struct in the kernel (checked at compile time)
 #[cfg(feature = "cuda")]
-unsafe impl candle_core::cuda::cudarc::driver::DeviceRepr for KernelArgs {}
+const _: () = assert!(std::mem::size_of::<KernelArgs>() == 48);

@@ -80,7 +80,7 @@ pub trait UpdateRule: Clone + Send + Sync + std::fmt::Debug + 'static {
     /// The kernel's by-value argument for a step at `lr` (the kernel computes what depends
     /// on each parameter's step count and group itself, as [`Self::coeffs`] does).
     #[cfg(feature = "cuda")]
-    fn kernel_args(&self, lr: f64, seed: u32, stochastic: bool) -> Self::KernelArgs;
+    fn kernel_args(&self, lr: f64, rounding: crate::cuda::update::Rounding) -> Self::KernelArgs;
 
     /// The by-value argument struct of the kernel (C layout).
     #[cfg(feature = "cuda")]
@@ -303,9 +303,11 @@ impl<R: UpdateRule> Driver<R> {
         }
         let seed = inputs.seed;
         let seed = (seed as u32) ^ ((seed >> 32) as u32).wrapping_mul(0x9E37_79B9);
-        let args = self
-            .rule
-            .kernel_args(inputs.lr, seed, inputs.stochastic_rounding);
+        let rounding = crate::cuda::update::Rounding {
+            seed,
+            stochastic: i32::from(inputs.stochastic_rounding),
+        };
+        let args = self.rule.kernel_args(inputs.lr, rounding);
         crate::cuda::update::launch(&R::KERNEL, &rows, stats, counts, &args)?;
         crate::cuda::update::count_steps(counts, idx_t, stats)
     }

@@ -237,7 +237,7 @@ impl UpdateRule for SgdConfig {
     };
 
     #[cfg(feature = "cuda")]
-    fn kernel_args(&self, lr: f64, seed: u32, stochastic: bool) -> KernelArgs {
+    fn kernel_args(&self, lr: f64, rounding: crate::cuda::update::Rounding) -> KernelArgs {
         // the multiplier is read on the device (stats[2]); the group picks the decay
         let k = Coeffs::new(self, lr, true, 1.0);
         KernelArgs {
@@ -246,31 +246,28 @@ impl UpdateRule for SgdConfig {
             one_minus_dampening: k.one_minus_dampening,
             weight_decay: k.weight_decay,
             nesterov: i32::from(k.nesterov),
-            seed,
-            stochastic: i32::from(stochastic),
+            rounding,
         }
     }
 }
 
-/// Mirror of `SgdArgs` in kernels/sgd.cu: the f32 values of [`Coeffs`], rounded once on the
-/// host exactly as the CPU paths round them.
 #[cfg(feature = "cuda")]
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct KernelArgs {
-    lr: f32,
-    momentum: f32,
-    one_minus_dampening: f32,
-    /// Weight decay of decayed groups (`tensor_group = 1`); the others use 0.
-    weight_decay: f32,
-    nesterov: i32,
-    seed: u32,
-    stochastic: i32,
+crate::cuda::update::kernel_args! {
+    /// Mirror of `SgdArgs` in kernels/sgd.cu: the f32 values of [`Coeffs`], rounded once on
+    /// the host exactly as the CPU paths round them.
+    pub struct KernelArgs {
+        lr: f32,
+        momentum: f32,
+        one_minus_dampening: f32,
+        /// Weight decay of decayed groups (`tensor_group = 1`); the others use 0.
+        weight_decay: f32,
+        nesterov: i32,
+    }
 }
 
-// SAFETY: plain-old-data with the C layout of the kernel's by-value parameter.
+// the layout of the C struct in the kernel (checked at compile time)
 #[cfg(feature = "cuda")]
-unsafe impl candle_core::cuda::cudarc::driver::DeviceRepr for KernelArgs {}
+const _: () = assert!(std::mem::size_of::<KernelArgs>() == 28);
 
 #[cfg(test)]
 mod tests {
