@@ -12,8 +12,12 @@
 // j <= i only, as if the scores above the diagonal were -inf (the backward needs no change: y is
 // 0 there, so dx is 0 there).
 //
+// Key-padding variant (key_len != NULL): x is (B, .., D) with rows_per_batch rows per batch
+// entry; the rows of entry b see keys j < key_len[b] only (BERT's attention mask over padded
+// keys), the same way (never read, written as 0). key_len takes precedence over causal.
+//
 // Entry points (TN = dtype of x, y, dy, dx):
-//   softmax_fwd_<TN>[_vec](x, y, rows, D, causal)
+//   softmax_fwd_<TN>[_vec](x, y, rows, D, causal, key_len, rows_per_batch)
 //   softmax_bwd_<TN>[_vec](y, dy, dx, rows, D)
 #include "norm.cuh"   // load_f32 / store_f32 / norm_warp_sum, NORM_THREADS
 
@@ -22,7 +26,8 @@ __device__ __forceinline__ float sm_rescale(float a, float m) { return a == m ? 
 
 template <int V, typename T>
 __device__ __forceinline__ void softmax_fwd(const T* __restrict__ x, T* __restrict__ y, int rows, int D,
-                                            int causal) {
+                                            int causal, const int* __restrict__ key_len,
+                                            long rows_per_batch) {
     const int lane = threadIdx.x & 31;
     const long row = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (row >= rows) return;
@@ -30,7 +35,8 @@ __device__ __forceinline__ void softmax_fwd(const T* __restrict__ x, T* __restri
     T* yr = y + row * D;
     // Causal: the row is query i = row % D of a (.., D, D) score matrix; keys j > i are masked
     // (treated as -inf: never read, written as 0).
-    const int valid = causal ? (int)(row % D) + 1 : D;
+    const int valid = key_len ? min(key_len[row / rows_per_batch], D)
+                    : causal ? (int)(row % D) + 1 : D;
     // Running maximum m and sum s of exp(x - m) over this lane's elements.
     float m = -INFINITY, s = 0.0f;
     for (int c = lane * V; c < valid; c += 32 * V) {
@@ -92,10 +98,11 @@ __device__ __forceinline__ void softmax_bwd(const T* __restrict__ y, const T* __
 
 #define SOFTMAX_ENTRIES(TN, T)                                                                      \
 extern "C" __global__ void __launch_bounds__(NORM_THREADS) softmax_fwd_##TN(                        \
-    const T* x, T* y, int rows, int D, int causal) { softmax_fwd<1>(x, y, rows, D, causal); }       \
+    const T* x, T* y, int rows, int D, int causal, const int* key_len, long rows_per_batch) {       \
+    softmax_fwd<1>(x, y, rows, D, causal, key_len, rows_per_batch); }                               \
 extern "C" __global__ void __launch_bounds__(NORM_THREADS) softmax_fwd_##TN##_vec(                  \
-    const T* x, T* y, int rows, int D, int causal) {                                                \
-    softmax_fwd<16 / sizeof(T)>(x, y, rows, D, causal); }                                           \
+    const T* x, T* y, int rows, int D, int causal, const int* key_len, long rows_per_batch) {       \
+    softmax_fwd<16 / sizeof(T)>(x, y, rows, D, causal, key_len, rows_per_batch); }                  \
 extern "C" __global__ void __launch_bounds__(NORM_THREADS) softmax_bwd_##TN(                        \
     const T* y, const T* dy, T* dx, int rows, int D) { softmax_bwd<1>(y, dy, dx, rows, D); }        \
 extern "C" __global__ void __launch_bounds__(NORM_THREADS) softmax_bwd_##TN##_vec(                  \

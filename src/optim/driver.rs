@@ -200,6 +200,7 @@ impl<R: UpdateRule> Driver<R> {
         let rule = &self.rule;
         let coeffs = |i: usize| {
             let p = &params[i];
+            let lr = lr * p.options.lr_scale;
             rule.coeffs(steps[i] + 1, lr, p.options.weight_decay, h.multiplier)
         };
         let ks: Vec<R::Coeffs> = work.iter().map(|&i| coeffs(i)).collect();
@@ -287,28 +288,37 @@ impl<R: UpdateRule> Driver<R> {
             *index = Some((idx, t));
         }
         let (_, idx_t) = index.as_ref().expect("set above");
-        let mut rows = Vec::with_capacity(work.len());
-        for &i in work {
-            let bufs = self.states[i].as_ref().expect("created by ensure_states");
-            let mut st = [None, None];
-            for (s, b) in st.iter_mut().zip(bufs) {
-                *s = Some(b.tensor()?);
-            }
-            rows.push(crate::cuda::update::Row {
-                param: &params[i],
-                grad: grad(grads, i)?,
-                states: st,
-                index: i,
-            });
-        }
         let seed = inputs.seed;
         let seed = (seed as u32) ^ ((seed >> 32) as u32).wrapping_mul(0x9E37_79B9);
         let rounding = crate::cuda::update::Rounding {
             seed,
             stochastic: i32::from(inputs.stochastic_rounding),
         };
-        let args = self.rule.kernel_args(inputs.lr, rounding);
-        crate::cuda::update::launch(&R::KERNEL, &rows, stats, counts, &args)?;
+        // one launch set per learning-rate group (the rate is a kernel argument)
+        let mut scales: Vec<f64> = work.iter().map(|&i| params[i].options.lr_scale).collect();
+        scales.sort_by(f64::total_cmp);
+        scales.dedup();
+        for scale in scales {
+            let mut rows = Vec::with_capacity(work.len());
+            for &i in work
+                .iter()
+                .filter(|&&i| params[i].options.lr_scale == scale)
+            {
+                let bufs = self.states[i].as_ref().expect("created by ensure_states");
+                let mut st = [None, None];
+                for (s, b) in st.iter_mut().zip(bufs) {
+                    *s = Some(b.tensor()?);
+                }
+                rows.push(crate::cuda::update::Row {
+                    param: &params[i],
+                    grad: grad(grads, i)?,
+                    states: st,
+                    index: i,
+                });
+            }
+            let args = self.rule.kernel_args(inputs.lr * scale, rounding);
+            crate::cuda::update::launch(&R::KERNEL, &rows, stats, counts, &args)?;
+        }
         crate::cuda::update::count_steps(counts, idx_t, stats)
     }
 }

@@ -1,0 +1,392 @@
+//! A BERT encoder (Devlin et al. 2019, "BERT: Pre-training of Deep Bidirectional Transformers")
+//! built from wick's fused, differentiable ops, with the parameter names of transformers'
+//! `BertModel` (no `bert.` prefix: `embeddings.word_embeddings.weight`,
+//! `encoder.layer.{i}.attention.self.query.weight`, ...), so that a pretrained
+//! `model.safetensors` loads as is ([`super::bert_io`]).
+//!
+//! Per layer (post-LayerNorm, as BERT):
+//! ```text
+//! a = LayerNorm(x + Wo · attention(Wq x, Wk x, Wv x; key padding))     attention.output.LayerNorm
+//! y = LayerNorm(a + W2 · gelu_erf(W1 a))                                 output.LayerNorm
+//! ```
+//! The embeddings are `word[ids] + position[0..T] + token_type[0]`, then LayerNorm. The
+//! residual stream is f32; the matmuls run in the compute dtype (bf16 under bf16-mixed), the
+//! norms and the softmax in f32 ([`crate::precision`]). Attention is the masked composition
+//! `softmax(q kᵀ / sqrt(Dh) + mask) v`, with the key-padding mask fused into the softmax
+//! ([`crate::ops::key_padding_softmax_last_dim`]): no mask tensor, exact zeros on padded keys.
+//! No dropout (the fine-tuning here runs without it; transformers' defaults are 0.1).
+//!
+//! Every op here has its own backward, so every parameter gets a gradient; candle-transformers'
+//! `BertModel` on [`ParamStore::var_builder`] gets none (candle-nn's fused LayerNorm is
+//! forward-only; `tests/bert.rs` pins that list).
+
+use crate::nn::{Embedding, LayerNorm, Linear};
+use crate::ops;
+use crate::params::{ParamStore, Role};
+use crate::precision::to_f32;
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Module, Tensor, D};
+use candle_nn::Init;
+use std::path::Path;
+
+/// The fields of a BERT `config.json` that the encoder uses (transformers' `BertConfig`
+/// names); unknown fields are ignored.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct BertConfig {
+    /// Vocabulary size (rows of `embeddings.word_embeddings.weight`).
+    pub vocab_size: usize,
+    /// Width of the hidden states, `C`.
+    pub hidden_size: usize,
+    /// Number of encoder layers.
+    pub num_hidden_layers: usize,
+    /// Attention heads per layer; `hidden_size` must be a multiple.
+    pub num_attention_heads: usize,
+    /// Width of the feed-forward layer.
+    pub intermediate_size: usize,
+    /// Rows of the position table: the longest input, in tokens.
+    pub max_position_embeddings: usize,
+    /// Rows of the token-type table (2 for BERT; only type 0 is used).
+    pub type_vocab_size: usize,
+    /// LayerNorm epsilon (1e-12 for BERT).
+    pub layer_norm_eps: f64,
+    /// Activation; only `"gelu"` (the exact, erf form) is supported.
+    #[serde(default = "default_act")]
+    pub hidden_act: String,
+    /// Id of the padding token.
+    #[serde(default)]
+    pub pad_token_id: u32,
+    /// The file's other fields (dropout rates, `initializer_range`, ...), kept so that a saved
+    /// `config.json` says what the loaded one said.
+    #[serde(flatten)]
+    pub other: serde_json::Map<String, serde_json::Value>,
+}
+
+fn default_act() -> String {
+    "gelu".to_string()
+}
+
+impl BertConfig {
+    /// Reads `config.json` (transformers' format).
+    ///
+    /// Errors: an unreadable file, malformed JSON or a missing field (named), or a config that
+    /// fails [`Self::validate`].
+    pub fn from_json_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading the BERT config {}", path.display()))?;
+        let c: Self = serde_json::from_str(&text)
+            .with_context(|| format!("parsing the BERT config {}", path.display()))?;
+        c.validate()
+            .with_context(|| format!("the BERT config {}", path.display()))?;
+        Ok(c)
+    }
+
+    /// A 2-layer, 32-wide config (4 heads, vocabulary 64, 16 positions) for tests.
+    pub fn tiny() -> Self {
+        Self {
+            vocab_size: 64,
+            hidden_size: 32,
+            num_hidden_layers: 2,
+            num_attention_heads: 4,
+            intermediate_size: 64,
+            max_position_embeddings: 16,
+            type_vocab_size: 2,
+            layer_norm_eps: 1e-12,
+            hidden_act: default_act(),
+            pad_token_id: 0,
+            other: serde_json::Map::new(),
+        }
+    }
+
+    /// Checks that the sizes are positive and consistent.
+    ///
+    /// Errors: a zero size, `hidden_size % num_attention_heads != 0`, an activation other than
+    /// `"gelu"`, or a non-positive epsilon.
+    pub fn validate(&self) -> Result<()> {
+        let sizes = [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("intermediate_size", self.intermediate_size),
+            ("max_position_embeddings", self.max_position_embeddings),
+            ("type_vocab_size", self.type_vocab_size),
+        ];
+        if let Some((name, _)) = sizes.iter().find(|(_, v)| *v == 0) {
+            bail!("BertConfig: {name} is 0; it must be positive");
+        }
+        if self.hidden_size % self.num_attention_heads != 0 {
+            bail!(
+                "BertConfig: hidden_size {} is not a multiple of num_attention_heads {}",
+                self.hidden_size,
+                self.num_attention_heads
+            );
+        }
+        if self.hidden_act != "gelu" {
+            bail!(
+                "BertConfig: hidden_act {:?} is not supported; wick's BERT implements \"gelu\" \
+                 (the exact erf form)",
+                self.hidden_act
+            );
+        }
+        if !(self.layer_norm_eps > 0.0) {
+            bail!(
+                "BertConfig: layer_norm_eps {} must be > 0",
+                self.layer_norm_eps
+            );
+        }
+        Ok(())
+    }
+}
+
+/// A batch of token ids padded on the right: `ids: (B, T)` u32 on the model's device and the
+/// number of real tokens of each row (`1..=T`, [CLS] and [SEP] included).
+#[derive(Debug, Clone)]
+pub struct PaddedBatch {
+    /// `(B, T)` u32 token ids; positions at or after a row's length hold padding.
+    pub ids: Tensor,
+    /// Real tokens per row.
+    pub lengths: Vec<usize>,
+}
+
+impl PaddedBatch {
+    /// Pads `rows` (token ids) with `pad` to the longest row rounded up to a multiple of
+    /// `multiple` (8 keeps the set of shapes small for cuBLAS and torch.compile alike) and
+    /// puts them on `device`.
+    ///
+    /// Errors: no rows, an empty row, or `multiple == 0`.
+    pub fn new(
+        rows: &[Vec<u32>],
+        pad: u32,
+        multiple: usize,
+        device: &candle_core::Device,
+    ) -> Result<Self> {
+        if rows.is_empty() || multiple == 0 {
+            bail!("PaddedBatch: need at least one row and multiple >= 1");
+        }
+        if let Some(i) = rows.iter().position(Vec::is_empty) {
+            bail!("PaddedBatch: row {i} has no tokens");
+        }
+        let longest = rows.iter().map(Vec::len).max().unwrap_or(1);
+        let t = longest.div_ceil(multiple) * multiple;
+        let mut flat = Vec::with_capacity(rows.len() * t);
+        for r in rows {
+            flat.extend_from_slice(r);
+            flat.resize(flat.len() + t - r.len(), pad);
+        }
+        Ok(Self {
+            ids: Tensor::from_vec(flat, (rows.len(), t), device)?,
+            lengths: rows.iter().map(Vec::len).collect(),
+        })
+    }
+}
+
+struct Layer {
+    /// query, key, value weights `(C, C)` and biases `(C,)`: three parameters each (the
+    /// checkpoint's names), concatenated in the forward into one `(3C, C)` GEMM
+    qkv_weights: Vec<Tensor>,
+    qkv_biases: Vec<Tensor>,
+    attn_out: Linear,
+    attn_norm: LayerNorm,
+    ffn_in: Linear,
+    ffn_out: Linear,
+    ffn_norm: LayerNorm,
+}
+
+/// The encoder. Build it with [`Bert::new`] (BERT's initialisation, `N(0, 0.02)`) and load
+/// pretrained weights into its store with [`super::bert_io::load_pretrained`].
+pub struct Bert {
+    config: BertConfig,
+    word: Embedding,
+    position: Embedding,
+    token_type: Embedding,
+    embed_norm: LayerNorm,
+    layers: Vec<Layer>,
+}
+
+fn weight(store: &ParamStore, name: String, shape: (usize, usize)) -> Result<Tensor> {
+    let init = Init::Randn {
+        mean: 0.0,
+        stdev: 0.02,
+    };
+    store.get_or_init(&name, shape, init, Role::Matmul)
+}
+
+fn bias(store: &ParamStore, name: String, n: usize) -> Result<Tensor> {
+    store.get_or_init(&name, n, Init::Const(0.0), Role::Matmul)
+}
+
+impl Bert {
+    /// Creates (or reuses) the parameters in `store` under transformers' names.
+    ///
+    /// Errors: an invalid config; a parameter of the same name with another shape.
+    pub fn new(store: &ParamStore, config: BertConfig) -> Result<Self> {
+        config.validate()?;
+        let c = config.hidden_size;
+        let emb = |name: &str, rows: usize| {
+            Embedding::new(store, &format!("embeddings.{name}"), rows, c, 0.02)
+        };
+        let word = emb("word_embeddings", config.vocab_size)?;
+        let position = emb("position_embeddings", config.max_position_embeddings)?;
+        let token_type = emb("token_type_embeddings", config.type_vocab_size)?;
+        let eps = config.layer_norm_eps;
+        let embed_norm = LayerNorm::new(store, "embeddings.LayerNorm", c, eps)?;
+        let mut layers = Vec::with_capacity(config.num_hidden_layers);
+        for i in 0..config.num_hidden_layers {
+            let p = format!("encoder.layer.{i}");
+            let lin = |name: &str, i: usize, o: usize| {
+                Linear::new(store, &format!("{p}.{name}"), i, o, true)
+            };
+            let mut qkv_weights = Vec::new();
+            let mut qkv_biases = Vec::new();
+            for n in ["query", "key", "value"] {
+                qkv_weights.push(weight(
+                    store,
+                    format!("{p}.attention.self.{n}.weight"),
+                    (c, c),
+                )?);
+                qkv_biases.push(bias(store, format!("{p}.attention.self.{n}.bias"), c)?);
+            }
+            layers.push(Layer {
+                qkv_weights,
+                qkv_biases,
+                attn_out: lin("attention.output.dense", c, c)?,
+                attn_norm: LayerNorm::new(
+                    store,
+                    &format!("{p}.attention.output.LayerNorm"),
+                    c,
+                    eps,
+                )?,
+                ffn_in: lin("intermediate.dense", c, config.intermediate_size)?,
+                ffn_out: lin("output.dense", config.intermediate_size, c)?,
+                ffn_norm: LayerNorm::new(store, &format!("{p}.output.LayerNorm"), c, eps)?,
+            });
+        }
+        Ok(Self {
+            config,
+            word,
+            position,
+            token_type,
+            embed_norm,
+            layers,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &BertConfig {
+        &self.config
+    }
+
+    /// The last hidden states `(B, T, C)` f32 of `batch` (transformers' `last_hidden_state`).
+    /// Rows at padded positions are computed but meaningless (their keys are masked for every
+    /// query; pool with [`mean_pool`]).
+    ///
+    /// Errors: `T` above `max_position_embeddings`, ids not u32, lengths outside `1..=T`.
+    pub fn forward(&self, batch: &PaddedBatch) -> Result<Tensor> {
+        let (b, t) = batch.ids.dims2()?;
+        if t > self.config.max_position_embeddings {
+            bail!(
+                "Bert::forward: {t} positions, the model has {}; truncate the inputs",
+                self.config.max_position_embeddings
+            );
+        }
+        let dev = batch.ids.device();
+        let positions = Tensor::arange(0u32, t as u32, dev)?
+            .unsqueeze(0)?
+            .repeat((b, 1))?;
+        let types = Tensor::zeros((b, t), DType::U32, dev)?;
+        let mut x = to_f32(&self.word.forward(&batch.ids)?)?;
+        x = ops::residual_add(&x, &self.position.forward(&positions)?)?;
+        x = ops::residual_add(&x, &self.token_type.forward(&types)?)?;
+        x = self.embed_norm.forward(&x)?;
+        for layer in &self.layers {
+            x = self.layer(layer, &x, &batch.lengths)?;
+        }
+        Ok(x)
+    }
+
+    fn layer(&self, l: &Layer, x: &Tensor, lengths: &[usize]) -> Result<Tensor> {
+        let heads = self.config.num_attention_heads;
+        let dh = self.config.hidden_size / heads;
+        let (w, b) = (
+            Tensor::cat(&l.qkv_weights, 0)?,
+            Tensor::cat(&l.qkv_biases, 0)?,
+        );
+        let qkv = ops::linear(x, &w, Some(&b))?; // (B, T, 3C)
+        let qkv = ops::split_heads(&qkv, heads)?; // (3, B, H, T, Dh)
+        let q = qkv.get(0)?.affine(1.0 / (dh as f64).sqrt(), 0.0)?;
+        let (k, v) = (qkv.get(1)?, qkv.get(2)?);
+        let scores = q.matmul(&k.t()?)?; // (B, H, T, T)
+        let probs = ops::key_padding_softmax_last_dim(&scores, lengths)?;
+        let y = ops::merge_heads(&probs.matmul(&v)?)?; // (B, T, C)
+        let a = l
+            .attn_norm
+            .forward(&ops::residual_add(x, &l.attn_out.forward(&y)?)?)?;
+        let h = ops::gelu_erf(&l.ffn_in.forward(&a)?)?;
+        Ok(l.ffn_norm
+            .forward(&ops::residual_add(&a, &l.ffn_out.forward(&h)?)?)?)
+    }
+}
+
+/// Mean of `hidden: (B, T, C)` over each row's first `lengths[b]` positions, `(B, C)` f32
+/// (sentence-transformers' mean pooling with the attention mask). Differentiable.
+///
+/// Errors: `lengths.len() != B` or a length outside `1..=T`.
+pub fn mean_pool(hidden: &Tensor, lengths: &[usize]) -> Result<Tensor> {
+    let (b, t, _) = hidden.dims3()?;
+    if lengths.len() != b || lengths.iter().any(|&l| l == 0 || l > t) {
+        bail!(
+            "mean_pool: {} lengths for {b} rows of {t} positions; each must be in 1..={t}",
+            lengths.len()
+        );
+    }
+    let mut mask = Vec::with_capacity(b * t);
+    for &l in lengths {
+        mask.extend((0..t).map(|j| if j < l { 1f32 / l as f32 } else { 0.0 }));
+    }
+    let mask = Tensor::from_vec(mask, (b, t, 1), hidden.device())?;
+    Ok(to_f32(hidden)?.broadcast_mul(&mask)?.sum(1)?)
+}
+
+/// L2-normalises the rows of `x: (B, C)` (sentence-transformers' `Normalize` module).
+pub fn l2_normalize(x: &Tensor) -> Result<Tensor> {
+    let norm = x.sqr()?.sum_keepdim(D::Minus1)?.sqrt()?;
+    Ok(x.broadcast_div(&norm)?)
+}
+
+/// A classification head on the mean-pooled encoder output: `logits = pooled Wᵀ + b`,
+/// `W: (classes, C)`, parameters `{name}.weight` and `{name}.bias`, both zero-initialised
+/// (the first step's logits are uniform; the PyTorch reference starts the same way).
+pub struct ClassifierHead {
+    weight: Tensor,
+    bias: Tensor,
+}
+
+impl ClassifierHead {
+    /// Creates (or reuses) the head's parameters.
+    pub fn new(store: &ParamStore, name: &str, hidden: usize, classes: usize) -> Result<Self> {
+        let w = store.get_or_init(
+            &format!("{name}.weight"),
+            (classes, hidden),
+            Init::Const(0.0),
+            Role::Matmul,
+        )?;
+        let b = store.get_or_init(
+            &format!("{name}.bias"),
+            classes,
+            Init::Const(0.0),
+            Role::Matmul,
+        )?;
+        Ok(Self { weight: w, bias: b })
+    }
+
+    /// `pooled: (B, C)` → logits `(B, classes)` in the compute dtype.
+    pub fn forward(&self, pooled: &Tensor) -> Result<Tensor> {
+        Ok(ops::linear(pooled, &self.weight, Some(&self.bias))?)
+    }
+}
+
+/// Mean cross-entropy of `logits: (B, classes)` against `labels` (host class indices).
+pub fn classification_loss(logits: &Tensor, labels: &[u32]) -> Result<Tensor> {
+    let y = Tensor::new(labels, logits.device())?;
+    Ok(ops::cross_entropy_rows(logits, &y)?.mean_all()?)
+}
