@@ -333,3 +333,91 @@ fn mnist_ctrl_c_saves_and_exits_130() {
     assert!(wick::checkpoint::latest(&ck).unwrap().is_some());
     std::fs::remove_dir_all(&d).unwrap();
 }
+
+/// finetune_bert on a CPU-sized sample of the real data (scripts/fetch_minilm.sh and
+/// scripts/fetch_shakespeare.sh, which `.ci/run` calls): the baselines, before/after scores,
+/// the exported batches (what scripts/torch_bert_genre.py reads) and a saved encoder that
+/// loads back.
+#[test]
+fn finetune_bert_trains_exports_and_saves_on_a_cpu_sample() {
+    let dir = tmp("bert");
+    let (batches, saved) = (dir.join("batches.json"), dir.join("saved"));
+    let o = run(
+        "finetune_bert",
+        &[
+            "--max-train",
+            "192",
+            "--max-test",
+            "96",
+            "--batch-size",
+            "32",
+            "--precision",
+            "fp32",
+            "--timing-warmup",
+            "2",
+            "--export-batches",
+            batches.to_str().unwrap(),
+            "--save",
+            saved.to_str().unwrap(),
+        ],
+    );
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    for want in [
+        "majority (histories)",
+        "bag-of-bytes",
+        "before fine-tuning",
+        "wick fine-tuned",
+        "RESULT {",
+    ] {
+        assert!(out.contains(want), "missing {want:?} in\n{out}");
+    }
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&batches).unwrap()).unwrap();
+    let train = json["train"].as_array().unwrap();
+    assert_eq!(train.len(), 6, "192 lines in batches of 32");
+    let rows: usize = train
+        .iter()
+        .map(|b| b["labels"].as_array().unwrap().len())
+        .sum();
+    assert_eq!(rows, 192);
+    for b in train {
+        let ids = b["ids"].as_array().unwrap();
+        let width = ids[0].as_array().unwrap().len();
+        assert_eq!(width % 8, 0, "padded to a multiple of 8");
+        let longest = b["lengths"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|l| l.as_u64().unwrap())
+            .max()
+            .unwrap();
+        assert!(width as u64 >= longest && (width as u64) < longest + 8);
+    }
+    assert_eq!(json["config"]["total_steps"], 6);
+    for f in [
+        "model.safetensors",
+        "config.json",
+        "tokenizer.json",
+        "head.safetensors",
+    ] {
+        assert!(saved.join(f).exists(), "{f} not saved");
+    }
+    let head =
+        candle_core::safetensors::load(saved.join("head.safetensors"), &candle_core::Device::Cpu)
+            .unwrap();
+    assert_eq!(head["head.weight"].dims(), &[6, 384]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn finetune_bert_flag_errors_are_plain() {
+    let o = run("finetune_bert", &["--model-dir", "/nonexistent"]);
+    let (_, err) = text(&o);
+    assert!(!o.status.success());
+    assert!(err.contains("/nonexistent/tokenizer.json"), "{err}");
+    let o = run("finetune_bert", &["--lr", "0"]);
+    assert!(text(&o)
+        .1
+        .contains("--lr and --head-lr must be finite and > 0"));
+}
