@@ -32,7 +32,7 @@ use wick::data::buckets::length_grouped_batches;
 use wick::data::plays::{self, GenreLines, Line};
 use wick::models::bert::{classification_loss, mean_pool, ClassifierHead, PaddedBatch};
 use wick::models::{bert_io, Bert, BertConfig};
-use wick::optim::LrSchedule;
+use wick::optim::{LrSchedule, OptimPath};
 use wick::{Engine, EngineConfig, ParamStore, Precision};
 
 #[derive(Parser, Debug)]
@@ -92,6 +92,13 @@ struct Args {
     /// Save the fine-tuned encoder and head here.
     #[arg(long)]
     save: Option<PathBuf>,
+    /// Optimizer implementation: fused (one pass per element; multi-tensor kernels on CUDA),
+    /// reference (plain candle ops) or auto (fused where available).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "fused", "reference"])]
+    optimizer_path: String,
+    /// Print the loss every this many steps.
+    #[arg(long, default_value_t = 100)]
+    log_every: usize,
     /// Skip the bag-of-bytes baseline.
     #[arg(long)]
     skip_baselines: bool,
@@ -435,6 +442,11 @@ fn main() -> Result<()> {
         total,
     };
     ec.max_grad_norm = Some(args.clip);
+    ec.path = match args.optimizer_path.as_str() {
+        "fused" => OptimPath::Fused,
+        "reference" => OptimPath::Reference,
+        _ => OptimPath::Auto,
+    };
     let mut engine = Engine::new(store.clone(), ec)?;
     println!(
         "training: {} steps of {} lines, {} on {:?}, lr {} (head {}), warmup {warmup}, clip {}",
@@ -458,7 +470,7 @@ fn main() -> Result<()> {
         if t_start.is_some() {
             timed_examples += idx.len();
         }
-        if step % 100 == 0 || step + 1 == schedule_batches.len() {
+        if step % args.log_every.max(1) == 0 || step + 1 == schedule_batches.len() {
             let loss = r.loss()?;
             recent.push(loss);
             println!(
@@ -471,6 +483,8 @@ fn main() -> Result<()> {
     let train_s = t_all.elapsed().as_secs_f64();
     let rate = timed_examples as f64 / t_start.map_or(f64::NAN, |t| t.elapsed().as_secs_f64());
     let peak = peak_memory_gb(&dev);
+    let applied = engine.optimizer_steps()?;
+    println!("applied {applied} of {total} optimizer steps (a step with non-finite gradients is skipped)");
     let (pred, _, test_rate) = predict(&model, &test_split, &test_batches, pad, &dev)?;
     let after = ClassificationReport::new(&pred, &truth, data.classes.len())?;
     print_report("wick fine-tuned", &after);
@@ -487,7 +501,7 @@ fn main() -> Result<()> {
         "RESULT {}",
         serde_json::json!({
             "impl": "wick", "device": args.device, "precision": args.precision.to_string(),
-            "steps": total, "batch_size": args.batch_size, "train_examples_per_s": rate,
+            "steps": total, "applied_steps": applied, "batch_size": args.batch_size, "train_examples_per_s": rate,
             "train_wall_s": train_s, "test_examples_per_s": test_rate, "peak_memory_gb": peak,
             "accuracy": after.accuracy, "macro_f1": after.macro_f1,
             "majority_accuracy": majority_report.accuracy, "majority_macro_f1": majority_report.macro_f1,
