@@ -182,13 +182,16 @@ impl Model {
     }
 }
 
-fn predict(
+/// Scores the model on `batches` of `split` (each prediction against its own line's label);
+/// also returns the examples/s.
+fn evaluate(
     model: &Model,
     split: &Split,
     batches: &[Vec<usize>],
     pad: u32,
     dev: &Device,
-) -> Result<(Vec<u32>, Vec<u32>, f64)> {
+    classes: usize,
+) -> Result<(ClassificationReport, f64)> {
     let (mut pred, mut truth) = (Vec::new(), Vec::new());
     sync(dev)?;
     let t0 = Instant::now();
@@ -203,7 +206,7 @@ fn predict(
         truth.extend(labels);
     }
     let rate = truth.len() as f64 / t0.elapsed().as_secs_f64();
-    Ok((pred, truth, rate))
+    Ok((ClassificationReport::new(&pred, &truth, classes)?, rate))
 }
 
 /// Bag-of-bytes logistic regression: byte frequencies (256, standardised with the train
@@ -425,11 +428,9 @@ fn main() -> Result<()> {
         )?;
     }
 
-    let (pred, _, _) = predict(&model, &test_split, &test_batches, pad, &dev)?;
-    print_report(
-        "before fine-tuning",
-        &ClassificationReport::new(&pred, &truth, data.classes.len())?,
-    );
+    let classes = data.classes.len();
+    let (before, _) = evaluate(&model, &test_split, &test_batches, pad, &dev, classes)?;
+    print_report("before fine-tuning", &before);
 
     let mut ec = EngineConfig::adamw(args.lr);
     if let wick::engine::OptimizerConfig::AdamW(a) = &mut ec.optimizer {
@@ -485,8 +486,7 @@ fn main() -> Result<()> {
     let peak = peak_memory_gb(&dev);
     let applied = engine.optimizer_steps()?;
     println!("applied {applied} of {total} optimizer steps (a step with non-finite gradients is skipped)");
-    let (pred, _, test_rate) = predict(&model, &test_split, &test_batches, pad, &dev)?;
-    let after = ClassificationReport::new(&pred, &truth, data.classes.len())?;
+    let (after, test_rate) = evaluate(&model, &test_split, &test_batches, pad, &dev, classes)?;
     print_report("wick fine-tuned", &after);
     println!(
         "train: {:.1} examples/s (steps {}.., {} examples), {:.1} s in all; test {:.1} examples/s; peak memory {}",

@@ -20,7 +20,7 @@
 //! `BertModel` on [`ParamStore::var_builder`] gets none (candle-nn's fused LayerNorm is
 //! forward-only; `tests/bert.rs` pins that list).
 
-use crate::nn::{Embedding, LayerNorm, Linear};
+use crate::nn::{LayerNorm, Linear};
 use crate::ops;
 use crate::params::{ParamStore, Role};
 use crate::precision::to_f32;
@@ -196,9 +196,12 @@ struct Layer {
 /// pretrained weights into its store with [`super::bert_io::load_pretrained`].
 pub struct Bert {
     config: BertConfig,
-    word: Embedding,
-    position: Embedding,
-    token_type: Embedding,
+    /// the tables are fp32 masters differentiated directly (as PyTorch's autocast, which
+    /// leaves `embedding` in fp32): no bf16 working copy, and their gradients are f32 as
+    /// computed (the word table is half the model)
+    word: Tensor,
+    position: Tensor,
+    token_type: Tensor,
     embed_norm: LayerNorm,
     layers: Vec<Layer>,
 }
@@ -223,7 +226,16 @@ impl Bert {
         config.validate()?;
         let c = config.hidden_size;
         let emb = |name: &str, rows: usize| {
-            Embedding::new(store, &format!("embeddings.{name}"), rows, c, 0.02)
+            let init = Init::Randn {
+                mean: 0.0,
+                stdev: 0.02,
+            };
+            store.get_or_init(
+                &format!("embeddings.{name}.weight"),
+                (rows, c),
+                init,
+                Role::Fp32,
+            )
         };
         let word = emb("word_embeddings", config.vocab_size)?;
         let position = emb("position_embeddings", config.max_position_embeddings)?;
@@ -294,9 +306,9 @@ impl Bert {
             .unsqueeze(0)?
             .repeat((b, 1))?;
         let types = Tensor::zeros((b, t), DType::U32, dev)?;
-        let mut x = to_f32(&self.word.forward(&batch.ids)?)?;
-        x = ops::residual_add(&x, &self.position.forward(&positions)?)?;
-        x = ops::residual_add(&x, &self.token_type.forward(&types)?)?;
+        let mut x = ops::embedding(&batch.ids, &self.word)?;
+        x = ops::residual_add(&x, &ops::embedding(&positions, &self.position)?)?;
+        x = ops::residual_add(&x, &ops::embedding(&types, &self.token_type)?)?;
         x = self.embed_norm.forward(&x)?;
         for layer in &self.layers {
             x = self.layer(layer, &x, &batch.lengths)?;
