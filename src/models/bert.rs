@@ -192,8 +192,10 @@ struct Layer {
     ffn_norm: LayerNorm,
 }
 
-/// The encoder. Build it with [`Bert::new`] (BERT's initialisation, `N(0, 0.02)`) and load
-/// pretrained weights into its store with [`super::bert_io::load_pretrained`].
+/// The encoder. Build it with [`Bert::new`] (embeddings and query/key/value drawn from
+/// BERT's `N(0, 0.02)`, the other linears from [`crate::nn::Linear`]'s PyTorch default, norms
+/// at 1 and 0) and load pretrained weights into its store with
+/// [`super::bert_io::load_pretrained`].
 pub struct Bert {
     config: BertConfig,
     /// the tables are fp32 masters differentiated directly (as PyTorch's autocast, which
@@ -206,12 +208,13 @@ pub struct Bert {
     layers: Vec<Layer>,
 }
 
-fn weight(store: &ParamStore, name: String, shape: (usize, usize)) -> Result<Tensor> {
+/// A parameter drawn from BERT's initialisation, `N(0, 0.02)`.
+fn normal(store: &ParamStore, name: &str, shape: (usize, usize), role: Role) -> Result<Tensor> {
     let init = Init::Randn {
         mean: 0.0,
         stdev: 0.02,
     };
-    store.get_or_init(&name, shape, init, Role::Matmul)
+    store.get_or_init(name, shape, init, role)
 }
 
 fn bias(store: &ParamStore, name: String, n: usize) -> Result<Tensor> {
@@ -226,14 +229,10 @@ impl Bert {
         config.validate()?;
         let c = config.hidden_size;
         let emb = |name: &str, rows: usize| {
-            let init = Init::Randn {
-                mean: 0.0,
-                stdev: 0.02,
-            };
-            store.get_or_init(
+            normal(
+                store,
                 &format!("embeddings.{name}.weight"),
                 (rows, c),
-                init,
                 Role::Fp32,
             )
         };
@@ -251,11 +250,8 @@ impl Bert {
             let mut qkv_weights = Vec::new();
             let mut qkv_biases = Vec::new();
             for n in ["query", "key", "value"] {
-                qkv_weights.push(weight(
-                    store,
-                    format!("{p}.attention.self.{n}.weight"),
-                    (c, c),
-                )?);
+                let name = format!("{p}.attention.self.{n}.weight");
+                qkv_weights.push(normal(store, &name, (c, c), Role::Matmul)?);
                 qkv_biases.push(bias(store, format!("{p}.attention.self.{n}.bias"), c)?);
             }
             layers.push(Layer {
