@@ -92,6 +92,10 @@ struct Args {
     /// Save the fine-tuned encoder and head here.
     #[arg(long)]
     save: Option<PathBuf>,
+    /// Hold out validation plays (one in five of the train plays, see wick::data::plays) and
+    /// report the scores on them, for choosing hyper-parameters without the test plays.
+    #[arg(long)]
+    val_plays: bool,
     /// Optimizer implementation: fused (one pass per element; multi-tensor kernels on CUDA),
     /// reference (plain candle ops) or auto (fused where available).
     #[arg(long, default_value = "auto", value_parser = ["auto", "fused", "reference"])]
@@ -151,6 +155,13 @@ impl Split<'_> {
         let labels = idx.iter().map(|&i| self.lines[i].label).collect();
         Ok((PaddedBatch::new(&rows, pad, 8, dev)?, labels))
     }
+}
+
+/// Evaluation batches of 256 lines of similar length (sorted; no shuffle needed).
+fn sorted_batches(ids: &[Vec<u32>]) -> Vec<Vec<usize>> {
+    let mut by_len: Vec<usize> = (0..ids.len()).collect();
+    by_len.sort_by_key(|&i| ids[i].len());
+    by_len.chunks(256).map(<[usize]>::to_vec).collect()
 }
 
 fn sync(dev: &Device) -> Result<()> {
@@ -330,7 +341,7 @@ fn main() -> Result<()> {
     let dev = device(&args.device)?;
 
     // data: lines by genre, split by play, tokenized
-    let data = plays::load(&args.plays)?;
+    let data = plays::load(&args.plays, args.val_plays)?;
     let train_lines = sample(data.train.clone(), args.max_train, args.seed);
     let test_lines = sample(data.test.clone(), args.max_test, args.seed + 1);
     let mut tok = tokenizers::Tokenizer::from_file(args.model_dir.join("tokenizer.json"))
@@ -353,6 +364,13 @@ fn main() -> Result<()> {
         data.test_plays.len(),
         data.test_plays
     );
+    if !data.val_plays.is_empty() {
+        println!(
+            "validation: {} lines from {:?}",
+            data.val.len(),
+            data.val_plays
+        );
+    }
     println!(
         "train lines per class {:?}, test {:?}",
         data.class_counts(&train_lines),
@@ -405,14 +423,16 @@ fn main() -> Result<()> {
         lines: &test_lines,
     };
     let train_lengths: Vec<usize> = train_ids.iter().map(Vec::len).collect();
-    let test_lengths: Vec<usize> = test_ids.iter().map(Vec::len).collect();
     let schedule_batches: Vec<Vec<usize>> = (0..args.epochs as u64)
         .flat_map(|e| length_grouped_batches(&train_lengths, args.batch_size, 50, args.seed, e))
         .collect();
-    // test batches sorted by length (no shuffle needed), in batches of 256
-    let mut by_len: Vec<usize> = (0..test_lengths.len()).collect();
-    by_len.sort_by_key(|&i| test_lengths[i]);
-    let test_batches: Vec<Vec<usize>> = by_len.chunks(256).map(<[usize]>::to_vec).collect();
+    let test_batches = sorted_batches(&test_ids);
+    let val_lines = sample(data.val.clone(), args.max_test, args.seed + 2);
+    let val_ids = tokenize(&tok, &val_lines)?;
+    let val_split = Split {
+        ids: &val_ids,
+        lines: &val_lines,
+    };
     let total = schedule_batches.len() as u64;
     let warmup = ((total as f64 * args.warmup_frac).round() as u64).max(1);
     if let Some(p) = &args.export_batches {
@@ -488,6 +508,20 @@ fn main() -> Result<()> {
     println!("applied {applied} of {total} optimizer steps (a step with non-finite gradients is skipped)");
     let (after, test_rate) = evaluate(&model, &test_split, &test_batches, pad, &dev, classes)?;
     print_report("wick fine-tuned", &after);
+    let val = if val_lines.is_empty() {
+        None
+    } else {
+        let (v, _) = evaluate(
+            &model,
+            &val_split,
+            &sorted_batches(&val_ids),
+            pad,
+            &dev,
+            classes,
+        )?;
+        print_report(&format!("validation ({} plays)", data.val_plays.len()), &v);
+        Some(v)
+    };
     println!(
         "train: {:.1} examples/s (steps {}.., {} examples), {:.1} s in all; test {:.1} examples/s; peak memory {}",
         rate,
@@ -504,6 +538,8 @@ fn main() -> Result<()> {
             "steps": total, "applied_steps": applied, "batch_size": args.batch_size, "train_examples_per_s": rate,
             "train_wall_s": train_s, "test_examples_per_s": test_rate, "peak_memory_gb": peak,
             "accuracy": after.accuracy, "macro_f1": after.macro_f1,
+            "val_accuracy": val.as_ref().map(|v| v.accuracy), "val_macro_f1": val.as_ref().map(|v| v.macro_f1),
+            "lr": args.lr, "head_lr": args.head_lr, "epochs": args.epochs,
             "majority_accuracy": majority_report.accuracy, "majority_macro_f1": majority_report.macro_f1,
         })
     );

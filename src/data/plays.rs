@@ -9,7 +9,8 @@
 //!
 //! The split: within each genre the plays sorted by file name, the plays at positions
 //! `i % 5 == 2` are test plays (one in five, at least one for genres of three or more plays):
-//! 8 of the 38 plays.
+//! 8 of the 38 plays. With a validation split (for choosing hyper-parameters without looking
+//! at the test plays), the plays at `i % 5 == 4` are validation plays: 5 of the 30 others.
 
 use anyhow::{bail, Context, Result};
 use std::path::Path;
@@ -40,6 +41,10 @@ pub struct GenreLines {
     pub train_plays: Vec<String>,
     /// `genre/play` of the test plays.
     pub test_plays: Vec<String>,
+    /// Lines of the validation plays (empty without a validation split).
+    pub val: Vec<Line>,
+    /// `genre/play` of the validation plays.
+    pub val_plays: Vec<String>,
 }
 
 impl GenreLines {
@@ -66,10 +71,11 @@ pub fn spoken_lines(markdown: &str) -> Vec<String> {
         .collect()
 }
 
-/// Reads `dir/<genre>/<play>.md` and splits it as the module describes.
+/// Reads `dir/<genre>/<play>.md` and splits it as the module describes, with validation
+/// plays when `validation` is set.
 ///
 /// Errors: an unreadable folder or file, no genre folder, or a genre without plays.
-pub fn load(dir: &Path) -> Result<GenreLines> {
+pub fn load(dir: &Path, validation: bool) -> Result<GenreLines> {
     let sorted_entries = |d: &Path| -> Result<Vec<std::path::PathBuf>> {
         let mut v = std::fs::read_dir(d)
             .with_context(|| format!("reading {} (run scripts/fetch_shakespeare.sh)", d.display()))?
@@ -94,6 +100,8 @@ pub fn load(dir: &Path) -> Result<GenreLines> {
         test: Vec::new(),
         train_plays: Vec::new(),
         test_plays: Vec::new(),
+        val: Vec::new(),
+        val_plays: Vec::new(),
     };
     for (label, g) in genres.iter().enumerate() {
         let genre = g
@@ -115,18 +123,17 @@ pub fn load(dir: &Path) -> Result<GenreLines> {
                 "{genre}/{}",
                 p.file_stem().unwrap_or_default().to_string_lossy()
             );
-            let test = i % 5 == 2;
             let lines = spoken_lines(&text).into_iter().map(|text| Line {
                 text,
                 label: label as u32,
             });
-            if test {
-                out.test.extend(lines);
-                out.test_plays.push(name);
-            } else {
-                out.train.extend(lines);
-                out.train_plays.push(name);
-            }
+            let (side, names) = match i % 5 {
+                2 => (&mut out.test, &mut out.test_plays),
+                4 if validation => (&mut out.val, &mut out.val_plays),
+                _ => (&mut out.train, &mut out.train_plays),
+            };
+            side.extend(lines);
+            names.push(name);
         }
         out.classes.push(genre);
     }
