@@ -398,6 +398,12 @@ fn main() -> Result<()> {
 
     // model: pretrained encoder + head, parameter groups by name
     let config = BertConfig::from_json_file(&args.model_dir.join("config.json"))?;
+    anyhow::ensure!(
+        (2..=config.max_position_embeddings).contains(&args.max_len),
+        "--max-len {} must be in 2..={} (the model's max_position_embeddings)",
+        args.max_len,
+        config.max_position_embeddings
+    );
     let store = ParamStore::new(args.precision, dev.clone(), args.seed);
     let bert = Bert::new(&store, config.clone())?;
     let head = ClassifierHead::new(&store, "head", config.hidden_size, data.classes.len())?;
