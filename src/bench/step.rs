@@ -1,5 +1,6 @@
-//! `wick bench step`: full training steps of [`crate::models::gpt`] on random tokens, the
-//! train-step benchmark of the team's `torch_reference.py step`, in wick.
+//! `wick bench step`: full training steps of torch_reference.py's models (its `mlp` and
+//! [`crate::models::gpt`]'s GPTs) on random data, the train-step benchmark of the team's
+//! `torch_reference.py step`, in wick.
 
 use crate::{ParamStore, Precision};
 use anyhow::{Context, Result};
@@ -14,14 +15,16 @@ const BENCH_STEP_DEVICE: &str = if cfg!(feature = "cuda") {
     "cpu"
 };
 
-/// `wick bench step --model gptmini|gpt2_124m [--precision 32|bf16-mixed] [--device cpu|cuda]
-/// [--steps N] [--batch B]`: the train-step benchmark of `torch_reference.py step`, in wick.
+/// `wick bench step --model mlp|gptmini|gpt2_124m [--precision 32|bf16-mixed|16-mixed]
+/// [--device cpu|cuda] [--steps N] [--batch B]`: the train-step benchmark of
+/// `torch_reference.py step`, in wick.
 ///
-/// Builds the model (GPT-2 init), an Engine with the reference's AdamW (lr 1e-3, betas
-/// 0.9/0.99, eps 1e-8, weight decay 0.1 on rank >= 2; constant lr, no clipping, as the
-/// reference's `step`), one batch of random tokens `x: (B, T)` with targets `y = x` (as the
-/// reference), runs `--warmup` untimed steps, then times `--steps` steps between two device
-/// synchronisations. Reports ms/step, tokens/s, peak device memory (the CUDA pool's high-water
+/// Builds the model (GPT-2 init for the GPTs, PyTorch's `nn.Linear` init for the MLP), an
+/// Engine with the reference's AdamW (lr 1e-3, betas 0.9/0.99, eps 1e-8, weight decay 0.1 on
+/// rank >= 2; constant lr, no clipping, as the reference's `step`), one batch as the reference
+/// draws it (GPT: random tokens `x: (B, T)` with targets `y = x`; MLP: `x ~ N(0, 1)` of
+/// `(B, 784)` and random labels in `0..10`), runs `--warmup` untimed steps, then times
+/// `--steps` steps between two device synchronisations. For the MLP a "token" is a sample. Reports ms/step, tokens/s, peak device memory (the CUDA pool's high-water
 /// mark since before the model was built, like `torch.cuda.max_memory_allocated`; n/a on the
 /// CPU), MFU (6 × parameters × tokens per step over the GPU's peak for the compute dtype, from
 /// `crate::profile::peak_flops`), the host time per phase, and one JSON line with the
@@ -29,9 +32,10 @@ const BENCH_STEP_DEVICE: &str = if cfg!(feature = "cuda") {
 /// for f32 matmuls (the reference sets `allow_tf32`).
 #[derive(clap::Args, Debug)]
 pub struct StepArgs {
-    /// Model: "gptmini" (V 256, T 256, 6 x 384) or "gpt2_124m" (V 50304, T 1024, 12 x 768).
+    /// Model: "mlp" (784-1024-1024-10, ReLU, batch 512), "gptmini" (V 256, T 256, 6 x 384)
+    /// or "gpt2_124m" (V 50304, T 1024, 12 x 768).
     #[arg(long, default_value = "gptmini")]
-    pub model: crate::models::GptConfig,
+    pub model: BenchModel,
     /// Precision: "32", "bf16-mixed" or "16-mixed".
     #[arg(long, default_value = "bf16-mixed")]
     pub precision: Precision,
@@ -44,7 +48,8 @@ pub struct StepArgs {
     /// Untimed warm-up steps before timing (the first CUDA steps JIT-compile kernels).
     #[arg(long, default_value_t = 3)]
     pub warmup: u32,
-    /// Sequences per step (default: the reference's, 64 for gptmini and 16 for gpt2_124m).
+    /// Sequences (MLP: samples) per step (default: the reference's: 512 for mlp, 64 for
+    /// gptmini, 16 for gpt2_124m).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     pub batch: Option<u64>,
     /// Seed of the initialisation and of the random tokens.
@@ -54,6 +59,58 @@ pub struct StepArgs {
     /// plain DDP.
     #[arg(long)]
     pub zero1: bool,
+}
+
+/// What `wick bench step` trains.
+#[derive(Debug, Clone, PartialEq)]
+pub enum BenchModel {
+    /// torch_reference.py's `mlp`: `Linear(784, 1024)`, ReLU, `Linear(1024, 1024)`, ReLU,
+    /// `Linear(1024, 10)`, cross-entropy.
+    Mlp,
+    /// A GPT of [`crate::models::gpt`].
+    Gpt(crate::models::GptConfig),
+}
+
+impl std::str::FromStr for BenchModel {
+    type Err = anyhow::Error;
+
+    /// `"mlp"`, or a [`crate::models::GptConfig`] name (`"gptmini"`, `"gpt2_124m"`).
+    fn from_str(s: &str) -> Result<Self> {
+        if s.trim().eq_ignore_ascii_case("mlp") {
+            return Ok(Self::Mlp);
+        }
+        s.parse().map(Self::Gpt).map_err(|_| {
+            anyhow::anyhow!("unknown model {s:?}: expected \"mlp\", \"gptmini\" or \"gpt2_124m\"")
+        })
+    }
+}
+
+/// The reference's MLP, sizes of its three layers.
+const MLP_SIZES: [(usize, usize); 3] = [(784, 1024), (1024, 1024), (1024, 10)];
+
+/// The model under test with its loss.
+enum Net {
+    Mlp(Vec<crate::nn::Linear>),
+    Gpt(crate::models::Gpt),
+}
+
+impl Net {
+    fn loss(&self, x: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
+        use candle_core::Module;
+        match self {
+            Net::Gpt(g) => g.loss(x, y),
+            Net::Mlp(layers) => {
+                let mut h = x.clone();
+                for (i, l) in layers.iter().enumerate() {
+                    h = l.forward(&h)?;
+                    if i + 1 < layers.len() {
+                        h = h.relu()?;
+                    }
+                }
+                crate::loss::cross_entropy(&h, y)
+            }
+        }
+    }
 }
 
 /// Runs the benchmark and prints its report and JSON line.
@@ -86,14 +143,30 @@ pub fn run(args: &StepArgs) -> Result<()> {
         crate::cuda::memory::reset_peak(d)?;
     }
 
-    let config = args.model;
-    let batch = args
-        .batch
-        .map(|b| b as usize)
-        .unwrap_or_else(|| config.reference_batch_size());
-    let t = config.context_len;
+    let (default_batch, t, name) = match &args.model {
+        BenchModel::Mlp => (512, 1, "mlp"),
+        BenchModel::Gpt(c) => (
+            c.reference_batch_size(),
+            c.context_len,
+            if *c == crate::models::GptConfig::gpt2_124m() {
+                "gpt2_124m"
+            } else {
+                "gptmini"
+            },
+        ),
+    };
+    let batch = args.batch.map_or(default_batch, |b| b as usize);
     let store = ParamStore::new(args.precision, dev.clone(), args.seed);
-    let gpt = Gpt::new(&store, config)?;
+    let net = match &args.model {
+        BenchModel::Mlp => Net::Mlp(
+            MLP_SIZES
+                .iter()
+                .enumerate()
+                .map(|(i, &(a, b))| crate::nn::Linear::new(&store, &format!("l{i}"), a, b, true))
+                .collect::<candle_core::Result<_>>()?,
+        ),
+        BenchModel::Gpt(c) => Net::Gpt(Gpt::new(&store, c.clone())?),
+    };
     let params = store.num_elements();
     let mut ec = EngineConfig::adamw(1e-3);
     ec.optimizer = OptimizerConfig::AdamW(reference_adamw());
@@ -108,29 +181,51 @@ pub fn run(args: &StepArgs) -> Result<()> {
     }
 
     let mut rng = StdRng::seed_from_u64(args.seed + rank as u64);
-    let ids: Vec<u32> = (0..batch * t)
-        .map(|_| rng.random_range(0..config.vocab_size as u32))
-        .collect();
-    let x = Tensor::from_vec(ids, (batch, t), &dev)?;
-    let y = x.clone();
+    let (x, y) = match &args.model {
+        BenchModel::Mlp => {
+            let normal = rand_distr::Normal::new(0f32, 1.0)?;
+            let xs: Vec<f32> = (0..batch * 784)
+                .map(|_| rand_distr::Distribution::sample(&normal, &mut rng))
+                .collect();
+            let ys: Vec<u32> = (0..batch).map(|_| rng.random_range(0..10u32)).collect();
+            (
+                Tensor::from_vec(xs, (batch, 784), &dev)?,
+                Tensor::from_vec(ys, batch, &dev)?,
+            )
+        }
+        BenchModel::Gpt(c) => {
+            let ids: Vec<u32> = (0..batch * t)
+                .map(|_| rng.random_range(0..c.vocab_size as u32))
+                .collect();
+            let x = Tensor::from_vec(ids, (batch, t), &dev)?;
+            (x.clone(), x)
+        }
+    };
 
     if rank != 0 {
         // other ranks run the same steps and stay quiet
         for _ in 0..args.warmup + args.steps {
-            engine.step(|_| gpt.loss(&x, &y))?;
+            engine.step(|_| net.loss(&x, &y))?;
         }
         dev.synchronize()?;
         return Ok(());
     }
+    let (what, per_rank) = match &args.model {
+        BenchModel::Mlp => (
+            "MLP 784-1024-1024-10".to_string(),
+            format!("{batch} samples"),
+        ),
+        BenchModel::Gpt(c) => (format!("GPT {c}"), format!("{batch} x {t} tokens")),
+    };
     println!(
-        "GPT {config} ({params} parameters), {} on {:?}, batch {batch} x {t} tokens per rank, {world} rank(s), fused optimizer: {}",
+        "{what} ({params} parameters), {} on {:?}, batch {per_rank} per rank, {world} rank(s), fused optimizer: {}",
         args.precision,
         dev,
         engine.implementation().is_fused()
     );
     println!("{}", perf.header());
     for _ in 0..args.warmup {
-        engine.step(|_| gpt.loss(&x, &y))?;
+        engine.step(|_| net.loss(&x, &y))?;
     }
     dev.synchronize()?;
     let mut phases = PhaseTimes::default();
@@ -138,7 +233,7 @@ pub fn run(args: &StepArgs) -> Result<()> {
     let started = Instant::now();
     let mut last = None;
     for _ in 0..args.steps {
-        let r = engine.step(|_| gpt.loss(&x, &y))?;
+        let r = engine.step(|_| net.loss(&x, &y))?;
         phases.add(&r.times());
         pending.push(None, r.spans.clone());
         last = Some(r);
@@ -155,7 +250,10 @@ pub fn run(args: &StepArgs) -> Result<()> {
     let ms_per_step = secs * 1e3 / steps;
     let tokens = (batch * t * world) as f64; // global, over the ranks
     let tok_per_s = tokens * steps / secs;
-    let flops = config.train_flops(batch * t * world) / world as f64; // per GPU
+    let flops = match &args.model {
+        BenchModel::Gpt(c) => c.train_flops(batch * t * world),
+        BenchModel::Mlp => 6.0 * params as f64 * (batch * world) as f64,
+    } / world as f64; // per GPU
     #[allow(unused_mut)]
     let (mut peak, mut gpu): (Option<u64>, Option<String>) = (None, None);
     #[cfg(feature = "cuda")]
@@ -210,11 +308,6 @@ pub fn run(args: &StepArgs) -> Result<()> {
         "\nhost time per phase (on CUDA: time to queue the work):\n{}",
         phases.table(args.steps as u64)
     );
-    let name = if config == crate::models::GptConfig::gpt2_124m() {
-        "gpt2_124m"
-    } else {
-        "gptmini"
-    };
     let tag = match args.precision {
         Precision::Fp32 => "fp32",
         Precision::Bf16Mixed => "bf16",
