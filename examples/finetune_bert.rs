@@ -47,7 +47,7 @@ struct Args {
     /// cpu or cuda.
     #[arg(long, default_value = "cpu")]
     device: String,
-    /// fp32, bf16-mixed or f16-mixed.
+    /// 32 (fp32), bf16-mixed or 16-mixed (f16 with the dynamic loss scaler).
     #[arg(long, default_value = "bf16-mixed")]
     precision: Precision,
     /// Passes over the train lines.

@@ -1,6 +1,8 @@
 //! Classification scores: accuracy and macro-F1 from predicted and true class indices, as
-//! scikit-learn's `accuracy_score` and `f1_score(average="macro")` compute them (a class
-//! with no true and no predicted examples scores F1 = 0, sklearn's `zero_division=0`).
+//! scikit-learn's `accuracy_score` and `f1_score(labels=range(classes), average="macro",
+//! zero_division=0)` compute them: every one of the `classes` counts in the mean, and a class
+//! with no true and no predicted examples scores F1 = 0. (Without `labels`, sklearn averages
+//! over the classes present in either list only.)
 
 use anyhow::{bail, Result};
 

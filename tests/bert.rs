@@ -596,3 +596,41 @@ fn fused_and_reference_optimizers_agree_on_a_tiny_bert_with_parameter_groups() -
     let reference = train_tiny(&Device::Cpu, Precision::Fp32, OptimPath::Reference, 6)?;
     compare_masters(&fused, &reference, &init, 1e-4, "cpu fused vs reference")
 }
+
+#[test]
+fn a_bert_for_classification_checkpoint_loads_through_its_prefix() -> Result<()> {
+    let config = BertConfig::tiny();
+    let source = ParamStore::new(Precision::Fp32, Device::Cpu, 7);
+    Bert::new(&source, config.clone())?;
+    let mut tensors: Vec<(String, Tensor)> = source
+        .masters()
+        .into_iter()
+        .map(|(n, t)| (format!("bert.{n}"), t))
+        .collect();
+    tensors.push((
+        "classifier.weight".into(),
+        Tensor::zeros((2, 32), DType::F32, &Device::Cpu)?,
+    ));
+    let dir = tempdir("prefixed");
+    let file = dir.join("model.safetensors");
+    wick::checkpoint::save_safetensors_atomic(&file, tensors)?;
+    let store = ParamStore::new(Precision::Fp32, Device::Cpu, 8);
+    Bert::new(&store, config)?;
+    let report = bert_io::load_pretrained(&store, &file)?;
+    assert_eq!(report.unexpected, vec!["classifier.weight"]);
+    let name = "encoder.layer.1.output.dense.weight";
+    let want = source
+        .get(name)
+        .unwrap()
+        .master
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    let got = store
+        .get(name)
+        .unwrap()
+        .master
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    assert_eq!(got, want);
+    Ok(())
+}

@@ -612,8 +612,7 @@ pub fn list_checkpoints(dir: impl AsRef<Path>) -> Result<Vec<(u64, PathBuf)>> {
 }
 
 /// Writes named tensors (any device and float dtype, stored as they are) to one safetensors
-/// file atomically: a temporary file beside `path`, fsync, rename over `path`, fsync of the
-/// directory. A failure leaves any previous `path` untouched. What it writes loads with
+/// file atomically ([`write_file_atomic`]). What it writes loads with
 /// `candle_core::safetensors::load`, transformers and `safetensors.torch.load_file`.
 ///
 /// Errors: two tensors of one name, an unsupported dtype, or an I/O failure (naming the file).
@@ -623,15 +622,31 @@ pub fn save_safetensors_atomic(path: &Path, tensors: Vec<(String, Tensor)>) -> R
         .map(|n| n.to_string_lossy().into_owned())
         .ok_or_else(|| anyhow!("save: {} has no file name", path.display()))?;
     let (bytes, _) = serialize_tensors(tensors, &name)?;
+    write_file_atomic(path, &bytes)
+}
+
+/// Writes `bytes` to `path` atomically: a temporary file beside `path`, fsync, rename over
+/// `path`, fsync of the directory. A failure removes the temporary file and leaves any
+/// previous `path` untouched.
+///
+/// Errors: an I/O failure, naming the file.
+pub fn write_file_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .ok_or_else(|| anyhow!("save: {} has no file name", path.display()))?;
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
         _ => PathBuf::from("."),
     };
     let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
-    write_synced(&tmp, &bytes)?;
-    fs::rename(&tmp, path).with_context(|| {
+    let written = write_synced(&tmp, bytes).and_then(|()| {
+        fs::rename(&tmp, path)
+            .with_context(|| format!("save: renaming {} to {}", tmp.display(), path.display()))
+    });
+    if written.is_err() {
         let _ = fs::remove_file(&tmp);
-        format!("save: renaming {} to {}", tmp.display(), path.display())
-    })?;
+    }
+    written?;
     sync_dir(&dir)
 }

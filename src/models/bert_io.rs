@@ -41,7 +41,8 @@ pub struct LoadReport {
 
 /// Loads the encoder parameters of `store` (names `embeddings.*` and `encoder.*`, created by
 /// [`super::Bert::new`]) from the safetensors file `path` (any float dtype; cast to f32) and
-/// refreshes the working copies. A `bert.` prefix on every tensor name is stripped.
+/// refreshes the working copies. A `bert.` prefix is stripped from the names that have one
+/// (`BertFor*` checkpoints; their head tensors are then reported as unexpected).
 ///
 /// All-or-nothing: every name and shape is checked before a master changes.
 ///
@@ -50,10 +51,14 @@ pub struct LoadReport {
 pub fn load_pretrained(store: &ParamStore, path: &Path) -> Result<LoadReport> {
     let mut file = candle_core::safetensors::load(path, &Device::Cpu)
         .with_context(|| format!("reading BERT weights from {}", path.display()))?;
-    if !file.is_empty() && file.keys().all(|k| k.starts_with("bert.")) {
+    // BertFor* checkpoints: the encoder under `bert.`, heads (`cls.*`, `classifier.*`) beside it
+    if file.keys().any(|k| k.starts_with("bert.")) {
         file = file
             .into_iter()
-            .map(|(k, v)| (k["bert.".len()..].to_string(), v))
+            .map(|(k, v)| match k.strip_prefix("bert.") {
+                Some(rest) => (rest.to_string(), v),
+                None => (k, v),
+            })
             .collect();
     }
     let params: Vec<_> = store
