@@ -136,15 +136,6 @@ struct Args {
     seed: u64,
 }
 
-fn device(name: &str) -> Result<Device> {
-    match name {
-        "cpu" => Ok(Device::Cpu),
-        "cuda" => Device::new_cuda(0)
-            .context("--device cuda: no CUDA device (build with --features cuda on a GPU machine)"),
-        other => bail!("--device must be cpu or cuda, got {other:?}"),
-    }
-}
-
 /// The model shape: the named configuration with the overrides applied.
 fn model_config(args: &Args) -> Result<GptConfig> {
     let mut c = args.model;
@@ -261,7 +252,7 @@ fn main() -> Result<()> {
         .with_target(false)
         .init();
     let args = Args::parse();
-    let dev = device(&args.device)?;
+    let dev = wick::device_from_flag(&args.device)?;
     let perf = PerfSettings {
         seed: args.seed,
         tf32: args.tf32,

@@ -108,15 +108,6 @@ struct Args {
     skip_baselines: bool,
 }
 
-fn device(name: &str) -> Result<Device> {
-    match name {
-        "cpu" => Ok(Device::Cpu),
-        "cuda" => Device::new_cuda(0)
-            .context("--device cuda: no CUDA device (build with --features cuda on a GPU machine)"),
-        other => anyhow::bail!("--device must be cpu or cuda, got {other:?}"),
-    }
-}
-
 /// A seeded sample of at most `n` lines, in their original order.
 fn sample(lines: Vec<Line>, n: Option<usize>, seed: u64) -> Vec<Line> {
     use rand::seq::index::sample;
@@ -338,7 +329,7 @@ fn main() -> Result<()> {
         (0.0..1.0).contains(&args.warmup_frac),
         "--warmup-frac must be in [0, 1)"
     );
-    let dev = device(&args.device)?;
+    let dev = wick::device_from_flag(&args.device)?;
 
     // data: lines by genre, split by play, tokenized
     let data = plays::load(&args.plays, args.val_plays)?;

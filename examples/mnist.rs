@@ -131,15 +131,6 @@ impl Net {
     }
 }
 
-fn device(name: &str) -> Result<Device> {
-    match name {
-        "cpu" => Ok(Device::Cpu),
-        "cuda" => Device::new_cuda(0)
-            .context("--device cuda: no CUDA device (build with --features cuda on a GPU machine)"),
-        other => anyhow::bail!("--device must be cpu or cuda, got {other:?}"),
-    }
-}
-
 /// Test-set loss and accuracy, in batches of 1000.
 fn evaluate(net: &Net, images: &Tensor, labels: &Tensor, dev: &Device) -> Result<Metrics> {
     let n = images.dim(0)?;
@@ -191,7 +182,7 @@ fn main() -> Result<()> {
              leave it out to train without clipping"
         );
     }
-    let dev = device(&args.device)?;
+    let dev = wick::device_from_flag(&args.device)?;
     let data = wick::data::mnist::load_dir(&args.data_dir)?;
 
     let store = ParamStore::new(args.precision, dev.clone(), args.seed);

@@ -70,3 +70,17 @@ pub use engine::{Engine, EngineConfig, StepCtx, StepReport};
 pub use params::{ParamOptions, ParamStore};
 pub use precision::Precision;
 pub use scaler::{LossScaler, ScalerConfig};
+
+/// The device a `--device` flag names: `"cpu"`, or `"cuda"` (GPU 0), as the examples take it.
+///
+/// Errors: `"cuda"` without a usable CUDA device (a build without `--features cuda`, or no
+/// GPU), or any other name; both messages say what to do.
+pub fn device_from_flag(name: &str) -> anyhow::Result<candle_core::Device> {
+    use anyhow::Context;
+    match name {
+        "cpu" => Ok(candle_core::Device::Cpu),
+        "cuda" => candle_core::Device::new_cuda(0)
+            .context("--device cuda: no CUDA device (build with --features cuda on a GPU machine)"),
+        other => anyhow::bail!("--device must be cpu or cuda, got {other:?}"),
+    }
+}

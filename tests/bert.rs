@@ -88,6 +88,19 @@ fn max_abs(a: &Tensor, b: &Tensor) -> Result<f32> {
     Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
 }
 
+/// [`max_abs`] over each row's real positions `0..lengths[i]` of `(B, T, C)` hidden states
+/// (padded query rows are garbage by design).
+fn max_abs_real(a: &Tensor, b: &Tensor, lengths: &[usize]) -> Result<f32> {
+    let mut worst = 0f32;
+    for (i, &l) in lengths.iter().enumerate() {
+        worst = worst.max(max_abs(
+            &a.get(i)?.narrow(0, 0, l)?,
+            &b.get(i)?.narrow(0, 0, l)?,
+        )?);
+    }
+    Ok(worst)
+}
+
 #[test]
 fn forward_matches_candle_transformers_on_the_pretrained_weights() -> Result<()> {
     let (_store, bert) = pretrained()?;
@@ -98,14 +111,7 @@ fn forward_matches_candle_transformers_on_the_pretrained_weights() -> Result<()>
     let theirs = reference_forward(&m, &batch)?;
     assert_eq!(ours.dims(), theirs.dims());
     // compare the real positions (padded query rows are garbage in both)
-    let mut worst = 0f32;
-    for (i, &l) in batch.lengths.iter().enumerate() {
-        let e = max_abs(
-            &ours.get(i)?.narrow(0, 0, l)?,
-            &theirs.get(i)?.narrow(0, 0, l)?,
-        )?;
-        worst = worst.max(e);
-    }
+    let worst = max_abs_real(&ours, &theirs, &batch.lengths)?;
     println!("max |wick - candle-transformers| over real positions: {worst:e}");
     assert!(worst <= 1e-5, "{worst}");
     Ok(())
@@ -235,11 +241,7 @@ fn saved_weights_load_back_in_candle_transformers() -> Result<()> {
     let m = reference(&dir.join("model.safetensors"), &dir.join("config.json"))?;
     let batch = PaddedBatch::new(&encode(&SENTENCES[..2]), 0, 8, &Device::Cpu)?;
     let (ours, theirs) = (bert.forward(&batch)?, reference_forward(&m, &batch)?);
-    let l = batch.lengths[1];
-    let e = max_abs(
-        &ours.get(1)?.narrow(0, 0, l)?,
-        &theirs.get(1)?.narrow(0, 0, l)?,
-    )?;
+    let e = max_abs_real(&ours, &theirs, &batch.lengths)?;
     assert!(e <= 1e-5, "{e}");
     // and wick loads what it saved
     let again = ParamStore::new(Precision::Fp32, Device::Cpu, 1);
@@ -437,14 +439,7 @@ mod cuda {
         let (h_cpu, g_cpu) = grads_on(&Device::Cpu, Precision::Fp32)?;
         for (precision, bound) in [(Precision::Fp32, 1e-4f32), (Precision::Bf16Mixed, 5e-2)] {
             let (h_gpu, g_gpu) = grads_on(&gpu, precision)?;
-            let mut worst = 0f32;
-            for (i, l) in [11usize, 5, 2].into_iter().enumerate() {
-                let e = max_abs(
-                    &h_gpu.get(i)?.narrow(0, 0, l)?,
-                    &h_cpu.get(i)?.narrow(0, 0, l)?,
-                )?;
-                worst = worst.max(e);
-            }
+            let worst = max_abs_real(&h_gpu, &h_cpu, &[11, 5, 2])?;
             println!("{precision}: hidden states max |cuda - cpu| {worst:e}");
             assert!(worst <= bound * 10.0, "{precision}: hidden {worst}");
             for ((n, a), (_, b)) in g_gpu.iter().zip(&g_cpu) {
@@ -497,14 +492,7 @@ mod cuda {
             .to_device(&Device::Cpu)?;
         let batch = PaddedBatch::new(&ids, 0, 8, &Device::Cpu)?;
         let theirs = reference_forward(&m, &batch)?;
-        let mut worst = 0f32;
-        for (i, &l) in batch.lengths.iter().enumerate() {
-            let e = max_abs(
-                &ours.get(i)?.narrow(0, 0, l)?,
-                &theirs.get(i)?.narrow(0, 0, l)?,
-            )?;
-            worst = worst.max(e);
-        }
+        let worst = max_abs_real(&ours, &theirs, &batch.lengths)?;
         println!("f32 on CUDA vs candle-transformers on the CPU: max {worst:e}");
         // cuBLAS may use TF32-free f32 GEMMs with another summation order
         assert!(worst <= 1e-4, "{worst}");
