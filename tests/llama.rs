@@ -1,0 +1,650 @@
+//! wick's Llama against candle-transformers (`quantized_llama` on the same GGUF, `llama` on a
+//! merged checkpoint), PyTorch transformers (tests/fixtures/smollm2_reference.json, made by
+//! scripts/smollm2_fixture.py on the GPU machine) and a composition of plain candle ops (tiny
+//! random configs). The real model is SmolLM2-135M-Instruct's GGUF (scripts/fetch_smollm2.sh,
+//! which `.ci/run` calls).
+
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor, Var, D};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use wick::lora::{self, LoraConfig};
+use wick::models::llama_io::{self, Gguf};
+use wick::models::llama_tokenizer::{ChatMessage, LlamaTokenizer};
+use wick::models::{FineTune, KvCache, Llama, LlamaConfig, LlamaWeights};
+use wick::{Engine, EngineConfig, ParamStore, Precision};
+
+fn gguf_path() -> PathBuf {
+    let p =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("data/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(
+        p.exists(),
+        "{} is missing: run scripts/fetch_smollm2.sh first",
+        p.display()
+    );
+    p
+}
+
+/// The GGUF's weights, read once per test binary (f32, CPU).
+fn smollm2() -> &'static LlamaWeights {
+    static W: OnceLock<LlamaWeights> = OnceLock::new();
+    W.get_or_init(|| llama_io::read_gguf(&gguf_path()).expect("reading the GGUF"))
+}
+
+fn fixture() -> serde_json::Value {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/smollm2_reference.json");
+    serde_json::from_str(&std::fs::read_to_string(&p).expect("fixture")).expect("fixture json")
+}
+
+fn ids_of(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .expect("array")
+        .iter()
+        .map(|x| x.as_u64().expect("id") as u32)
+        .collect()
+}
+
+fn max_abs(a: &Tensor, b: &Tensor) -> f32 {
+    (a.to_dtype(DType::F32).unwrap() - b.to_dtype(DType::F32).unwrap())
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
+fn model(weights: &LlamaWeights, precision: Precision, ft: &FineTune) -> (ParamStore, Llama) {
+    let store = ParamStore::new(precision, Device::Cpu, 7);
+    let m = Llama::new(&store, weights, ft).expect("model");
+    (store, m)
+}
+
+#[test]
+fn gguf_config_is_smollm2_135m() {
+    let w = smollm2();
+    let c = &w.config;
+    assert_eq!(
+        (
+            c.num_hidden_layers,
+            c.hidden_size,
+            c.intermediate_size,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.vocab_size
+        ),
+        (30, 576, 1536, 9, 3, 49152)
+    );
+    assert_eq!(c.rope_theta, 100000.0);
+    assert!((c.rms_norm_eps - 1e-5).abs() < 1e-12);
+    assert!(c.tie_word_embeddings);
+    assert_eq!((c.bos_token_id, c.eos_token_id), (Some(1), Some(2)));
+    assert_eq!(w.tensors.len(), 1 + 30 * 9 + 1);
+    let params: usize = w.tensors.values().map(Tensor::elem_count).sum();
+    assert_eq!(params, 134_515_008); // SmolLM2-135M's count (tied head counted once)
+    assert_eq!(
+        llama_io::hf_name("blk.7.attn_output.weight").as_deref(),
+        Some("model.layers.7.self_attn.o_proj.weight")
+    );
+    assert_eq!(llama_io::hf_name("blk.7.attn_sinks"), None);
+}
+
+#[test]
+fn rotary_row_permutation_is_llama_cpp_s() {
+    // one head of width 4: HF rows (0, 1 | 2, 3) pair (0, 2) and (1, 3); llama.cpp interleaves
+    // the pairs, so the GGUF holds HF rows 0, 2, 1, 3
+    let hf = Tensor::arange(0f32, 8., &Device::Cpu)
+        .unwrap()
+        .reshape((4, 2))
+        .unwrap();
+    let gguf = llama_io::permute_rotary_rows(&hf, 1).unwrap();
+    assert_eq!(
+        gguf.to_vec2::<f32>().unwrap(),
+        vec![vec![0., 1.], vec![4., 5.], vec![2., 3.], vec![6., 7.]]
+    );
+    let w = Tensor::randn(0f32, 1., (3 * 64, 5), &Device::Cpu).unwrap();
+    let back =
+        llama_io::unpermute_rotary_rows(&llama_io::permute_rotary_rows(&w, 3).unwrap(), 3).unwrap();
+    assert_eq!(max_abs(&w, &back), 0.0);
+    assert!(llama_io::unpermute_rotary_rows(&w, 5).is_err());
+}
+
+/// candle-transformers' quantized_llama on the same GGUF, every weight dequantized to f32.
+fn quantized_reference() -> candle_transformers::models::quantized_llama::ModelWeights {
+    // read by QMatMul on each thread's first use: set before any model is built
+    std::env::set_var("CANDLE_DEQUANTIZE_ALL", "1");
+    let mut f = std::fs::File::open(gguf_path()).unwrap();
+    let content = candle_core::quantized::gguf_file::Content::read(&mut f).unwrap();
+    candle_transformers::models::quantized_llama::ModelWeights::from_gguf(
+        content,
+        &mut f,
+        &Device::Cpu,
+    )
+    .unwrap()
+}
+
+/// The prompt of ../shared/reference/torch_llama.py, tokenized by the GGUF's tokenizer.
+fn prompt() -> Vec<u32> {
+    let tok = LlamaTokenizer::from_gguf(&Gguf::open(&gguf_path()).unwrap()).unwrap();
+    tok.encode("ROMEO:\nO, she doth teach the torches to burn bright!")
+        .unwrap()
+}
+
+#[test]
+fn logits_and_greedy_tokens_match_candle_quantized_llama() {
+    let mut reference = quantized_reference();
+    let (_s, wick) = model(smollm2(), Precision::Fp32, &FineTune::Full);
+    let prompt = prompt();
+    let x = Tensor::new(&prompt[..], &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    let theirs = reference.forward(&x, 0).unwrap(); // (1, V): the last position
+    let ours = wick.forward_cached(&x, &mut KvCache::default()).unwrap();
+    let ours_last = ours
+        .narrow(1, prompt.len() - 1, 1)
+        .unwrap()
+        .squeeze(1)
+        .unwrap();
+    let d = max_abs(&theirs, &ours_last);
+    assert!(d < 2e-3, "last-position logits differ by {d}");
+
+    // greedy with a KV cache on both sides
+    let ours = wick.generate(&prompt, 12, 0.0, 0).unwrap();
+    let mut theirs = Vec::new();
+    reference.clear_kv_cache();
+    let mut input = prompt.clone();
+    let mut pos = 0;
+    for _ in 0..ours.len() {
+        let x = Tensor::new(&input[..], &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        let logits = reference.forward(&x, pos).unwrap().squeeze(0).unwrap();
+        pos += input.len();
+        let next = logits.argmax(0).unwrap().to_scalar::<u32>().unwrap();
+        theirs.push(next);
+        input = vec![next];
+    }
+    assert_eq!(ours, theirs);
+}
+
+#[test]
+fn logits_and_tokenizer_match_transformers_fixture() {
+    let fx = fixture();
+    let tok = LlamaTokenizer::from_gguf(&Gguf::open(&gguf_path()).unwrap()).unwrap();
+    for (text, ids) in fx["texts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(fx["ids"].as_array().unwrap())
+    {
+        let text = text.as_str().unwrap();
+        assert_eq!(tok.encode(text).unwrap(), ids_of(ids), "ids of {text:?}");
+        assert_eq!(tok.decode(&ids_of(ids)).unwrap(), text, "round trip");
+    }
+    let chat: Vec<ChatMessage> =
+        serde_json::from_value::<Vec<HashMap<String, String>>>(fx["chat"].clone())
+            .unwrap()
+            .into_iter()
+            .map(|m| ChatMessage {
+                role: m["role"].clone(),
+                content: m["content"].clone(),
+            })
+            .collect();
+    assert_eq!(
+        tok.apply_chat_template(&chat, true).unwrap(),
+        fx["chat_rendered"].as_str().unwrap()
+    );
+    let prompt_ids = ids_of(&fx["prompt_ids"]);
+    assert_eq!(
+        tok.encode(fx["prompt"].as_str().unwrap()).unwrap(),
+        prompt_ids
+    );
+
+    let (_s, wick) = model(smollm2(), Precision::Fp32, &FineTune::Full);
+    let x = Tensor::new(&prompt_ids[..], &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    let logits = wick
+        .forward_cached(&x, &mut KvCache::default())
+        .unwrap()
+        .squeeze(0)
+        .unwrap();
+    let first16: Vec<Vec<f32>> = logits.narrow(1, 0, 16).unwrap().to_vec2().unwrap();
+    let theirs: Vec<Vec<f32>> = serde_json::from_value(fx["logits"]["first16"].clone()).unwrap();
+    let mut d = 0f32;
+    for (a, b) in first16.iter().zip(&theirs) {
+        for (x, y) in a.iter().zip(b) {
+            d = d.max((x - y).abs());
+        }
+    }
+    assert!(d < 2e-3, "logits differ from transformers' by {d}");
+    let lse: Vec<f32> = candle_nn::ops::log_softmax(&logits, D::Minus1)
+        .unwrap()
+        .neg()
+        .unwrap()
+        .add(&logits)
+        .unwrap()
+        .narrow(1, 0, 1)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let theirs: Vec<f32> = serde_json::from_value(fx["logits"]["logsumexp"].clone()).unwrap();
+    for (a, b) in lse.iter().zip(&theirs) {
+        assert!((a - b).abs() < 2e-3, "log-sum-exp {a} vs {b}");
+    }
+    let greedy = wick.generate(&prompt_ids, 16, 0.0, 0).unwrap();
+    assert_eq!(greedy, ids_of(&fx["greedy16"]));
+}
+
+fn tiny() -> LlamaWeights {
+    LlamaWeights::random(LlamaConfig::tiny(96), 3).unwrap()
+}
+
+fn batch(b: usize, t: usize, seed: u64) -> (Tensor, Tensor) {
+    let n = b * (t + 1);
+    let ids: Vec<u32> = (0..n as u64)
+        .map(|i| ((i * 31 + seed * 17 + i * i * 7) % 96) as u32)
+        .collect();
+    let all = Tensor::from_vec(ids, (b, t + 1), &Device::Cpu).unwrap();
+    (
+        all.narrow(1, 0, t).unwrap().contiguous().unwrap(),
+        all.narrow(1, 1, t).unwrap().contiguous().unwrap(),
+    )
+}
+
+#[test]
+fn kv_cache_decoding_equals_the_full_forward() {
+    let (_s, m) = model(&tiny(), Precision::Fp32, &FineTune::Full);
+    let (ids, _) = batch(2, 12, 1);
+    let full = m.forward_cached(&ids, &mut KvCache::default()).unwrap();
+    let mut cache = KvCache::default();
+    let mut parts = vec![m
+        .forward_cached(&ids.narrow(1, 0, 5).unwrap(), &mut cache)
+        .unwrap()];
+    for i in 5..12 {
+        parts.push(
+            m.forward_cached(&ids.narrow(1, i, 1).unwrap(), &mut cache)
+                .unwrap(),
+        );
+    }
+    assert_eq!(cache.len(), 12);
+    let inc = Tensor::cat(&parts, 1).unwrap();
+    let d = max_abs(&full, &inc);
+    assert!(d < 1e-5, "incremental logits differ by {d}");
+    assert!(m
+        .forward_cached(&ids.narrow(0, 0, 1).unwrap(), &mut cache)
+        .is_err()); // batch 1 vs 2
+}
+
+/// The decoder as plain candle ops (no fused op): the independent reference for gradients.
+/// `adapters`: LoRA `(A, B)` by module name, scaled by `scaling`.
+fn composed_loss(
+    cfg: &LlamaConfig,
+    w: &HashMap<String, Tensor>,
+    adapters: &HashMap<String, (Tensor, Tensor)>,
+    scaling: f64,
+    ids: &Tensor,
+    targets: &Tensor,
+) -> Tensor {
+    let (b, t) = ids.dims2().unwrap();
+    let (c, h, hkv, d) = (
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim(),
+    );
+    let rms = |x: &Tensor, g: &Tensor| -> Tensor {
+        let ms = x.sqr().unwrap().mean_keepdim(D::Minus1).unwrap();
+        x.broadcast_div(&(ms + cfg.rms_norm_eps).unwrap().sqrt().unwrap())
+            .unwrap()
+            .broadcast_mul(g)
+            .unwrap()
+    };
+    let lin = |x: &Tensor, module: &str| -> Tensor {
+        let y = x
+            .broadcast_matmul(&w[&format!("{module}.weight")].t().unwrap())
+            .unwrap();
+        match adapters.get(module) {
+            Some((a, bm)) => {
+                let u = x.broadcast_matmul(&a.t().unwrap()).unwrap();
+                (y + (u.broadcast_matmul(&bm.t().unwrap()).unwrap() * scaling).unwrap()).unwrap()
+            }
+            None => y,
+        }
+    };
+    let inv: Vec<f32> = (0..d / 2)
+        .map(|i| (cfg.rope_theta.powf(-2.0 * i as f64 / d as f64)) as f32)
+        .collect();
+    let ang: Vec<f32> = (0..t)
+        .flat_map(|p| inv.iter().map(move |f| p as f32 * f))
+        .collect();
+    let ang = Tensor::from_vec(ang, (t, d / 2), &Device::Cpu).unwrap();
+    let (cos, sin) = (ang.cos().unwrap(), ang.sin().unwrap());
+    let rope = |x: &Tensor| -> Tensor {
+        // x: (B, heads, T, D)
+        let x1 = x.narrow(D::Minus1, 0, d / 2).unwrap();
+        let x2 = x.narrow(D::Minus1, d / 2, d / 2).unwrap();
+        let a = (x1.broadcast_mul(&cos).unwrap() - x2.broadcast_mul(&sin).unwrap()).unwrap();
+        let bb = (x2.broadcast_mul(&cos).unwrap() + x1.broadcast_mul(&sin).unwrap()).unwrap();
+        Tensor::cat(&[a, bb], D::Minus1).unwrap()
+    };
+    let heads = |x: Tensor, n: usize| {
+        x.reshape((b, t, n, d))
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+            .contiguous()
+            .unwrap()
+    };
+    let repeat = |x: Tensor| {
+        x.unsqueeze(2)
+            .unwrap()
+            .broadcast_as((b, hkv, h / hkv, t, d))
+            .unwrap()
+            .reshape((b, h, t, d))
+            .unwrap()
+    };
+    let mask: Vec<f32> = (0..t * t)
+        .map(|k| {
+            if k % t > k / t {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let mask = Tensor::from_vec(mask, (t, t), &Device::Cpu).unwrap();
+    let embed = &w["model.embed_tokens.weight"];
+    let mut x = embed
+        .index_select(&ids.flatten_all().unwrap(), 0)
+        .unwrap()
+        .reshape((b, t, c))
+        .unwrap();
+    for i in 0..cfg.num_hidden_layers {
+        let p = format!("model.layers.{i}");
+        let n = rms(&x, &w[&format!("{p}.input_layernorm.weight")]);
+        let q = rope(&heads(lin(&n, &format!("{p}.self_attn.q_proj")), h));
+        let k = repeat(rope(&heads(lin(&n, &format!("{p}.self_attn.k_proj")), hkv)));
+        let v = repeat(heads(lin(&n, &format!("{p}.self_attn.v_proj")), hkv));
+        let s = (q.matmul(&k.t().unwrap()).unwrap() / (d as f64).sqrt()).unwrap();
+        let pr = candle_nn::ops::softmax(&s.broadcast_add(&mask).unwrap(), D::Minus1).unwrap();
+        let a = pr
+            .matmul(&v)
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+            .reshape((b, t, c))
+            .unwrap();
+        x = (x + lin(&a, &format!("{p}.self_attn.o_proj"))).unwrap();
+        let n = rms(&x, &w[&format!("{p}.post_attention_layernorm.weight")]);
+        let g = lin(&n, &format!("{p}.mlp.gate_proj"));
+        let u = lin(&n, &format!("{p}.mlp.up_proj"));
+        let m = (g.silu().unwrap() * u).unwrap();
+        x = (x + lin(&m, &format!("{p}.mlp.down_proj"))).unwrap();
+    }
+    let hn = rms(&x, &w["model.norm.weight"])
+        .reshape((b * t, c))
+        .unwrap();
+    let logits = hn.matmul(&embed.t().unwrap()).unwrap();
+    candle_nn::loss::cross_entropy(&logits, &targets.flatten_all().unwrap()).unwrap()
+}
+
+#[test]
+fn tiny_full_gradients_match_the_composition() {
+    let weights = tiny();
+    let (store, m) = model(&weights, Precision::Fp32, &FineTune::Full);
+    let (ids, targets) = batch(2, 10, 2);
+    let loss = m.loss(&ids, &targets).unwrap();
+    let grads = loss.backward().unwrap();
+    let vars: HashMap<String, Var> = weights
+        .tensors
+        .iter()
+        .map(|(k, t)| (k.clone(), Var::from_tensor(t).unwrap()))
+        .collect();
+    let plain: HashMap<String, Tensor> = vars
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+        .collect();
+    let ref_loss = composed_loss(
+        &weights.config,
+        &plain,
+        &HashMap::new(),
+        1.0,
+        &ids,
+        &targets,
+    );
+    let ref_grads = ref_loss.backward().unwrap();
+    let dl = (loss.to_scalar::<f32>().unwrap() - ref_loss.to_scalar::<f32>().unwrap()).abs();
+    assert!(dl < 1e-5, "loss differs by {dl}");
+    assert_eq!(store.len(), weights.tensors.len());
+    for p in store.params() {
+        let ours = grads.get(p.differentiated()).expect("gradient");
+        let theirs = ref_grads
+            .get(vars[&p.name].as_tensor())
+            .expect("reference gradient");
+        let scale = max_abs(theirs, &theirs.zeros_like().unwrap()).max(1e-3);
+        let d = max_abs(ours, theirs) / scale;
+        assert!(d < 1e-4, "{}: relative gradient error {d}", p.name);
+    }
+}
+
+#[test]
+fn checkpointing_gives_the_same_gradients() {
+    let weights = tiny();
+    let (ids, targets) = batch(2, 9, 3);
+    let run = |ckpt: bool, ft: &FineTune| {
+        let (store, mut m) = model(&weights, Precision::Fp32, ft);
+        m.set_checkpointing(ckpt).unwrap();
+        let loss = m.loss(&ids, &targets).unwrap();
+        let g = loss.backward().unwrap();
+        let grads: Vec<(String, Tensor)> = store
+            .params()
+            .into_iter()
+            .map(|p| {
+                (
+                    p.name.clone(),
+                    g.get(p.differentiated()).expect("grad").clone(),
+                )
+            })
+            .collect();
+        (loss.to_scalar::<f32>().unwrap(), grads)
+    };
+    let lora = FineTune::Lora(LoraConfig::all_linear(4, 8.0));
+    for ft in [FineTune::Full, lora] {
+        let (l0, g0) = run(false, &ft);
+        let (l1, g1) = run(true, &ft);
+        assert_eq!(l0, l1);
+        assert!(!g0.is_empty());
+        for ((n, a), (_, b)) in g0.iter().zip(&g1) {
+            assert!(
+                max_abs(a, b) < 1e-6,
+                "{n}: gradient changed by checkpointing"
+            );
+        }
+    }
+}
+
+#[test]
+fn lora_freezes_the_base_and_matches_the_composition() {
+    let weights = tiny();
+    let cfg = LoraConfig::all_linear(4, 8.0);
+    let (store, m) = model(&weights, Precision::Fp32, &FineTune::Lora(cfg.clone()));
+    // only adapters in the store: 7 modules x 2 blocks x (A, B)
+    assert_eq!(store.len(), 7 * 2 * 2);
+    assert!(store.params().iter().all(|p| lora::is_adapter(&p.name)));
+    let base_elems: usize = weights.tensors.values().map(Tensor::elem_count).sum();
+    assert_eq!(m.frozen_bytes(), base_elems * 4); // f32 store: the base kept in f32
+    let (ids, targets) = batch(2, 8, 4);
+    // B starts at zero: the adapted model is the base model
+    let (_s, base) = model(&weights, Precision::Fp32, &FineTune::Full);
+    let l_base = base
+        .loss(&ids, &targets)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    let l_fresh = m.loss(&ids, &targets).unwrap().to_scalar::<f32>().unwrap();
+    assert_eq!(l_base, l_fresh);
+    // random B: loss and adapter gradients against the composition with explicit B A
+    for p in store.params().iter().filter(|p| p.name.contains("lora_B")) {
+        p.master
+            .set(&Tensor::randn(0f32, 0.05, p.master.shape(), &Device::Cpu).unwrap())
+            .unwrap();
+    }
+    let loss = m.loss(&ids, &targets).unwrap();
+    let grads = loss.backward().unwrap();
+    let mut adapters = HashMap::new();
+    let mut vars = HashMap::new();
+    for p in store.params() {
+        let v = Var::from_tensor(&p.master.as_detached_tensor()).unwrap();
+        vars.insert(p.name.clone(), v);
+    }
+    for p in store.params().iter().filter(|p| p.name.contains("lora_A")) {
+        let module = p.name.trim_end_matches(".lora_A.weight").to_string();
+        let a = vars[&p.name].as_tensor().clone();
+        let b = vars[&format!("{module}.lora_B.weight")].as_tensor().clone();
+        adapters.insert(module, (a, b));
+    }
+    let ref_loss = composed_loss(
+        &weights.config,
+        &weights.tensors,
+        &adapters,
+        cfg.scaling(),
+        &ids,
+        &targets,
+    );
+    let ref_grads = ref_loss.backward().unwrap();
+    let dl = (loss.to_scalar::<f32>().unwrap() - ref_loss.to_scalar::<f32>().unwrap()).abs();
+    assert!(dl < 1e-5, "loss differs by {dl}");
+    for p in store.params() {
+        let ours = grads.get(p.differentiated()).expect("adapter gradient");
+        let theirs = ref_grads.get(vars[&p.name].as_tensor()).unwrap();
+        let scale = max_abs(theirs, &theirs.zeros_like().unwrap()).max(1e-3);
+        assert!(max_abs(ours, theirs) / scale < 1e-4, "{}", p.name);
+    }
+}
+
+#[test]
+fn lora_training_saves_peft_adapters_and_merges() -> Result<()> {
+    let weights = tiny();
+    let cfg = LoraConfig::all_linear(4, 8.0);
+    let store = ParamStore::new(Precision::Bf16Mixed, Device::Cpu, 11);
+    let m = Llama::new(&store, &weights, &FineTune::Lora(cfg.clone()))?;
+    assert_eq!(
+        m.frozen_bytes(),
+        weights
+            .tensors
+            .values()
+            .map(Tensor::elem_count)
+            .sum::<usize>()
+            * 2
+    );
+    let mut engine = Engine::new(store.clone(), EngineConfig::adamw(1e-2))?;
+    let (ids, targets) = batch(4, 16, 5);
+    let first = engine.step(|_| m.loss(&ids, &targets))?.loss()?;
+    for _ in 0..20 {
+        engine.step(|_| m.loss(&ids, &targets))?;
+    }
+    let last = engine.step(|_| m.loss(&ids, &targets))?.loss()?;
+    assert!(last < first * 0.9, "LoRA did not learn: {first} -> {last}");
+
+    let dir = tempdir("lora");
+    lora::save_adapters(&store, &cfg, "SmolLM2-135M-Instruct", &dir)?;
+    let (back_cfg, tensors) = lora::load_adapters(&dir)?;
+    assert_eq!(back_cfg, cfg);
+    assert_eq!(tensors.len(), store.len());
+    let raw = candle_core::safetensors::load(dir.join("adapter_model.safetensors"), &Device::Cpu)?;
+    assert!(raw.contains_key("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"));
+    for (name, t) in &tensors {
+        let master = store
+            .get(name)
+            .expect("adapter")
+            .master
+            .as_detached_tensor();
+        assert_eq!(max_abs(t, &master), 0.0, "{name}");
+    }
+
+    // merged weights: an HF folder that candle-transformers' llama and wick both read back
+    let merged = m.merged_weights(&store)?;
+    let out = tempdir("merged");
+    llama_io::save_pretrained(&merged, &out)?;
+    let back = llama_io::read_safetensors(&out)?;
+    let (_s, reloaded) = model(&back, Precision::Fp32, &FineTune::Full);
+    let ours = m.forward_cached(&ids, &mut KvCache::default())?;
+    let theirs = reloaded.forward_cached(&ids, &mut KvCache::default())?;
+    // the LoRA model runs its GEMMs in bf16, the merged one in f32
+    let d = max_abs(&ours, &theirs);
+    assert!(d < 0.1, "merged model's logits differ by {d}");
+
+    let ct_cfg: candle_transformers::models::llama::LlamaConfig =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json"))?)?;
+    let ct_cfg = ct_cfg.into_config(false);
+    let vb = unsafe {
+        candle_nn::VarBuilder::from_mmaped_safetensors(
+            &[out.join("model.safetensors")],
+            DType::F32,
+            &Device::Cpu,
+        )?
+    };
+    let ct = candle_transformers::models::llama::Llama::load(vb, &ct_cfg)?;
+    let mut cache =
+        candle_transformers::models::llama::Cache::new(false, DType::F32, &ct_cfg, &Device::Cpu)?;
+    let row = ids.narrow(0, 0, 1)?;
+    let theirs = ct.forward(&row, 0, &mut cache)?; // (1, V) last position
+    let mine = reloaded.forward_cached(&row, &mut KvCache::default())?;
+    let mine = mine.narrow(1, 15, 1)?.squeeze(1)?;
+    let d = max_abs(&theirs, &mine);
+    assert!(
+        d < 1e-4,
+        "candle-transformers' llama on the merged folder differs by {d}"
+    );
+    Ok(())
+}
+
+fn tempdir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("wick-llama-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+#[test]
+fn bad_weights_name_every_tensor_and_shape() {
+    let mut w = tiny();
+    w.tensors.remove("model.layers.1.mlp.up_proj.weight");
+    w.tensors.insert(
+        "model.layers.0.self_attn.k_proj.weight".into(),
+        Tensor::zeros((8, 64), DType::F32, &Device::Cpu).unwrap(),
+    );
+    w.tensors.insert(
+        "lm_head.weight".into(),
+        Tensor::zeros((96, 64), DType::F32, &Device::Cpu).unwrap(),
+    );
+    let store = ParamStore::new(Precision::Fp32, Device::Cpu, 0);
+    let err = format!(
+        "{:#}",
+        Llama::new(&store, &w, &FineTune::Full).err().unwrap()
+    );
+    for needle in [
+        "missing model.layers.1.mlp.up_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight: the file has [8, 64], the model expects [32, 64]",
+        "unexpected lm_head.weight [96, 64]",
+        "3 problem(s)",
+    ] {
+        assert!(err.contains(needle), "{needle:?} not in {err}");
+    }
+    assert!(store.is_empty(), "nothing may be added on error");
+    let bad = LoraConfig {
+        target_modules: vec!["nothing".into()],
+        ..LoraConfig::all_linear(2, 4.0)
+    };
+    assert!(Llama::new(&store, &tiny(), &FineTune::Lora(bad)).is_err());
+}
