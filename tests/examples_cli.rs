@@ -421,3 +421,110 @@ fn finetune_bert_flag_errors_are_plain() {
         .1
         .contains("--lr and --head-lr must be finite and > 0"));
 }
+
+/// finetune_llama on the CPU (scripts/fetch_smollm2.sh and scripts/fetch_shakespeare.sh,
+/// which `.ci/run` calls): a tiny random model with full fine-tuning and checkpointing, then
+/// two LoRA steps of the real SmolLM2-135M whose adapters and merged weights load back.
+#[test]
+fn finetune_llama_runs_tiny_full_and_real_lora_on_the_cpu() {
+    let o = run(
+        "finetune_llama",
+        &[
+            "--tiny",
+            "--full",
+            "--checkpointing",
+            "--steps",
+            "6",
+            "--warmup-steps",
+            "1",
+            "--context",
+            "32",
+            "--batch",
+            "2",
+            "--val-batches",
+            "2",
+            "--max-new-tokens",
+            "4",
+            "--lr",
+            "1e-3",
+            "--precision",
+            "fp32",
+        ],
+    );
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    let result: serde_json::Value = serde_json::from_str(
+        out.lines()
+            .find_map(|l| l.strip_prefix("RESULT "))
+            .expect("RESULT line"),
+    )
+    .unwrap();
+    assert_eq!(result["mode"], "full");
+    assert_eq!(result["frozen_bytes"], 0);
+    let (before, after) = (
+        result["val_loss_before"].as_f64().unwrap(),
+        result["val_loss_after"].as_f64().unwrap(),
+    );
+    // a random model over 49152 tokens starts near ln(49152) = 10.8 and learns the unigram
+    assert!(
+        (before - 10.8).abs() < 0.3 && after < before,
+        "{before} -> {after}"
+    );
+
+    let dir = tmp("llama");
+    let (adapters, merged) = (dir.join("adapters"), dir.join("merged"));
+    let o = run(
+        "finetune_llama",
+        &[
+            "--lora",
+            "4",
+            "--steps",
+            "2",
+            "--warmup-steps",
+            "0",
+            "--context",
+            "48",
+            "--batch",
+            "1",
+            "--val-batches",
+            "1",
+            "--max-new-tokens",
+            "3",
+            "--save",
+            adapters.to_str().unwrap(),
+            "--save-merged",
+            merged.to_str().unwrap(),
+        ],
+    );
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    for want in [
+        "validation loss before",
+        "greedy before",
+        "greedy after",
+        "tokens/s",
+    ] {
+        assert!(out.contains(want), "{want:?} missing from\n{out}");
+    }
+    let (cfg, tensors) = wick::lora::load_adapters(&adapters).unwrap();
+    assert_eq!(cfg.r, 4);
+    assert_eq!(tensors.len(), 30 * 7 * 2);
+    let back = wick::models::llama_io::read_safetensors(&merged).unwrap();
+    assert_eq!(back.config.num_hidden_layers, 30);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn finetune_llama_flag_errors_are_plain() {
+    let o = run("finetune_llama", &["--gguf", "/nonexistent.gguf"]);
+    let (_, err) = text(&o);
+    assert!(!o.status.success());
+    assert!(
+        err.contains("/nonexistent.gguf") && err.contains("fetch_smollm2.sh"),
+        "{err}"
+    );
+    let o = run("finetune_llama", &["--full", "--lora", "8"]);
+    assert!(!o.status.success());
+    let o = run("finetune_llama", &["--tiny", "--lora", "0"]);
+    assert!(text(&o).1.contains("rank must be >= 1"), "{}", text(&o).1);
+}
