@@ -107,6 +107,41 @@ struct Args {
     /// Seed of the batch order and initialisations.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Train and validate on these windows instead of drawing them: the JSON of
+    /// scripts/torch_llama_windows.py (the draws of ../shared/reference/torch_llama.py).
+    #[arg(long)]
+    windows: Option<PathBuf>,
+    /// The mode's key in `--windows` (default: full or lora).
+    #[arg(long)]
+    windows_mode: Option<String>,
+}
+
+/// Window starts read from `--windows`: validation batches and per-step training batches.
+struct Windows {
+    val: Vec<Vec<usize>>,
+    train: Vec<Vec<usize>>,
+}
+
+fn read_windows(path: &std::path::Path, mode: &str, train_tokens: usize) -> Result<Windows> {
+    let v: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?,
+    )
+    .with_context(|| format!("parsing {}", path.display()))?;
+    if v["train_tokens"].as_u64() != Some(train_tokens as u64) {
+        bail!(
+            "{}: made for {} training tokens, this text has {train_tokens}; tokenizers differ?",
+            path.display(),
+            v["train_tokens"]
+        );
+    }
+    let lists = |key: &str| -> Result<Vec<Vec<usize>>> {
+        serde_json::from_value(v[key].clone())
+            .with_context(|| format!("{}: no list of windows under {key:?}", path.display()))
+    };
+    Ok(Windows {
+        val: lists("val")?,
+        train: lists(mode)?,
+    })
 }
 
 const PROMPT: &str = "ROMEO:\nO, she doth teach the torches to burn bright!";
@@ -242,7 +277,7 @@ fn main() -> Result<()> {
     let t1 = Instant::now();
     let ids = tok.encode(&text)?;
     let tokenize_s = t1.elapsed().as_secs_f64();
-    let n_train = ids.len() * 9 / 10;
+    let n_train = (0.9 * ids.len() as f64) as usize; // torch_llama.py: int(0.9 * len(ids))
     let (train, val) = ids.split_at(n_train);
     if val.len() < a.context + 2 {
         bail!(
@@ -253,13 +288,43 @@ fn main() -> Result<()> {
             a.context
         );
     }
+    let fixed = match &a.windows {
+        Some(p) => {
+            let mode = a
+                .windows_mode
+                .clone()
+                .unwrap_or(if a.full { "full" } else { "lora" }.into());
+            let w = read_windows(p, &mode, train.len())?;
+            let needed = a.warmup_steps + a.steps;
+            let fits = |l: &[Vec<usize>], len: usize| {
+                l.iter().flatten().all(|&s| s + a.context < len)
+                    && l.iter().all(|b| b.len() == a.batch)
+            };
+            ensure!(
+                w.train.len() >= needed && fits(&w.train, train.len()) && fits(&w.val, val.len()),
+                "{}: the windows do not fit --batch {} --context {} and {needed} steps",
+                p.display(),
+                a.batch,
+                a.context
+            );
+            Some(w)
+        }
+        None => None,
+    };
     let mut vrng = StdRng::seed_from_u64(a.seed + 1);
-    let val_batches = (0..a.val_batches)
-        .map(|_| {
-            let s = random_starts(&mut vrng, val.len(), a.context, a.batch);
-            windows(val, &s, a.context, &dev)
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let val_batches = match &fixed {
+        Some(w) => w
+            .val
+            .iter()
+            .map(|s| windows(val, s, a.context, &dev))
+            .collect::<Result<Vec<_>>>()?,
+        None => (0..a.val_batches)
+            .map(|_| {
+                let s = random_starts(&mut vrng, val.len(), a.context, a.batch);
+                windows(val, &s, a.context, &dev)
+            })
+            .collect::<Result<Vec<_>>>()?,
+    };
 
     let store = ParamStore::new(precision, dev.clone(), a.seed);
     let mut model = Llama::new(&store, &weights, &fine_tune)?;
@@ -298,8 +363,13 @@ fn main() -> Result<()> {
     ec.max_grad_norm = Some(a.clip);
     let mut engine = Engine::new(store.clone(), ec)?;
     let mut rng = StdRng::seed_from_u64(a.seed);
+    let mut drawn = 0;
     let mut step = |engine: &mut Engine| -> Result<wick::StepReport> {
-        let s = random_starts(&mut rng, train.len(), a.context, a.batch);
+        let s = match &fixed {
+            Some(w) => w.train[drawn].clone(),
+            None => random_starts(&mut rng, train.len(), a.context, a.batch),
+        };
+        drawn += 1;
         let (x, y) = windows(train, &s, a.context, &dev)?;
         engine.step(|_| model.loss(&x, &y))
     };
@@ -315,7 +385,18 @@ fn main() -> Result<()> {
         // reading the loss waits for the step: only at the log points
         if i % 25 == 0 || i + 1 == a.steps {
             last_loss = r.loss()?;
-            println!("step {i:>4}  loss {last_loss:.4}");
+            let (host, gpu) = (r.times(), r.spans.resolve()?);
+            let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+            println!(
+                "step {i:>4}  loss {last_loss:.4}  device fwd/bwd/optim {:.1}/{:.1}/{:.1} ms, \
+                 host queueing {:.1}/{:.1}/{:.1} ms",
+                ms(gpu.forward),
+                ms(gpu.backward),
+                ms(gpu.optimizer),
+                ms(host.forward),
+                ms(host.backward),
+                ms(host.optimizer)
+            );
         }
     }
     dev.synchronize()?;

@@ -1,6 +1,9 @@
 // Causal self-attention on tensor cores, forward and backward, for head width 64 in bf16 or f16
 // (f32 accumulation and softmax), reading q, k, v straight from the fused projection
-// qkv: (B, T, 3C) and writing the merged heads (B, T, C); C = H * 64.
+// qkv: (B, T, (H + 2 Hkv) * 64) = [q heads | k heads | v heads] and writing the merged heads
+// (B, T, C); C = H * 64. Grouped-query attention (Ainslie et al. 2023, arXiv:2305.13245): query
+// head h uses key/value head h / G, G = H / Hkv, read in place (K and V are never repeated in
+// memory); Hkv == H (G = 1) is multi-head attention, qkv (B, T, 3C).
 //
 //   S = scale * Q K^T (keys j <= i),  P = softmax(S),  O = P V
 //   dV = P^T dO,  dP = dO V^T,  dS = P * (dP - D) with D_i = dO_i . O_i,
@@ -13,6 +16,9 @@
 // L. Unlike FlashAttention-2's backward, dQ is not accumulated with atomics: one kernel owns a
 // key tile (dK, dV) and loops over query tiles, another owns a query tile (dQ) and loops over
 // key tiles, so the gradients are deterministic at the cost of recomputing S and dP once more.
+// With G > 1 the dK/dV kernel runs per key/value head and loops over the G query heads of its
+// group, accumulating dK and dV in registers over all of them (a fixed order, no atomics); every
+// element of dqkv is written exactly once (q columns by the dQ kernel, k and v by dK/dV).
 //
 // Matrix products use mma.sync.m16n8k16 (PTX ISA, "Matrix fragments for mma.m16n8k16"):
 // with g = lane / 4 and c = lane % 4, an A fragment (16x16, row-major) holds rows g and g+8 at
@@ -27,11 +33,11 @@
 //
 // Needs sm_80+ (mma.sync with bf16/f16 operands); the launcher falls back below that.
 //
-// Entry points (TN = bf16 | f16; scale2 = scale * log2(e)):
-//   attn_fwd_<TN>(qkv, out, lse, T, H, scale2)              grid (ceil(T/64), B*H)
+// Entry points (TN = bf16 | f16; scale2 = scale * log2(e); lse and dsum are (B, H, T) f32):
+//   attn_fwd_<TN>(qkv, out, lse, T, H, Hkv, scale2)          grid (ceil(T/64), B*H)
 //   attn_bwd_dot_<TN>(out, dout, dsum, rows, T, H)           D = rowsum(dO * O), rows = B*T*H
-//   attn_bwd_dkdv_<TN>(qkv, dout, lse, dsum, dqkv, T, H, scale2, scale)   grid (ceil(T/64), B*H)
-//   attn_bwd_dq_<TN>(qkv, dout, lse, dsum, dqkv, T, H, scale2, scale)     grid (ceil(T/64), B*H)
+//   attn_bwd_dkdv_<TN>(qkv, dout, lse, dsum, dqkv, T, H, Hkv, scale2, scale)  grid (ceil(T/64), B*Hkv)
+//   attn_bwd_dq_<TN>(qkv, dout, lse, dsum, dqkv, T, H, Hkv, scale2, scale)    grid (ceil(T/64), B*H)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
@@ -180,17 +186,18 @@ __device__ __forceinline__ void att_store(T* __restrict__ dst, const float (&acc
 
 template <typename T>
 __device__ void attn_fwd(const T* __restrict__ qkv, T* __restrict__ out, float* __restrict__ lse, int T_, int H,
-                         float scale2) {
+                         int Hkv, float scale2) {
     __shared__ __align__(16) T Qs[ATT_TILE][ATT_LD];
     __shared__ __align__(16) T Ks[ATT_TILE][ATT_LD];
     __shared__ __align__(16) T Vs[ATT_TILE][ATT_LD];
     const int qt = gridDim.x - 1 - blockIdx.x;   // longest (last) query tiles first
-    const int bh = blockIdx.y, b = bh / H, h = bh % H;
+    const int bh = blockIdx.y, b = bh / H, h = bh % H, kvh = h / (H / Hkv);
     const int C = H * ATT_D;
-    const long s3 = 3L * C;
-    const T* q = qkv + (long)b * T_ * s3 + h * ATT_D;
-    const T* k = q + C;
-    const T* v = q + 2 * C;
+    const long s3 = (long)(H + 2 * Hkv) * ATT_D;   // qkv row stride
+    const T* row0 = qkv + (long)b * T_ * s3;
+    const T* q = row0 + h * ATT_D;
+    const T* k = row0 + (long)(H + kvh) * ATT_D;
+    const T* v = row0 + (long)(H + Hkv + kvh) * ATT_D;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int q0 = qt * ATT_TILE, r0 = warp * 16 + g;
     const int qrow[2] = {q0 + r0, q0 + r0 + 8};
@@ -283,31 +290,31 @@ __device__ void attn_bwd_dot(const T* __restrict__ out, const T* __restrict__ do
     }
 }
 
-// dK, dV of one key tile: loops over the query tiles at or after it.
+// dK, dV of one key tile of one key/value head: loops over the G query heads of its group and,
+// for each, over the query tiles at or after the key tile.
 template <typename T>
 __device__ void attn_bwd_dkdv(const T* __restrict__ qkv, const T* __restrict__ dout, const float* __restrict__ lse,
-                              const float* __restrict__ dsum, T* __restrict__ dqkv, int T_, int H, float scale2,
-                              float scale) {
+                              const float* __restrict__ dsum, T* __restrict__ dqkv, int T_, int H, int Hkv,
+                              float scale2, float scale) {
     __shared__ __align__(16) T Qs[ATT_TILE][ATT_LD];
     __shared__ __align__(16) T Ds[ATT_TILE][ATT_LD];   // dO tile
     __shared__ float Ls[ATT_TILE], Dd[ATT_TILE];
     const int kt = gridDim.x - 1 - blockIdx.x;   // first key tiles see the most queries: start them first
     const int nq = gridDim.x;
-    const int bh = blockIdx.y, b = bh / H, h = bh % H;
+    const int bk = blockIdx.y, b = bk / Hkv, kvh = bk % Hkv, G = H / Hkv;
     const int C = H * ATT_D;
-    const long s3 = 3L * C;
-    const T* q = qkv + (long)b * T_ * s3 + h * ATT_D;
-    const T* do_ = dout + (long)b * T_ * C + h * ATT_D;
-    const float* lrow = lse + (long)bh * T_;
-    const float* drow = dsum + (long)bh * T_;
+    const long s3 = (long)(H + 2 * Hkv) * ATT_D;   // qkv row stride
+    const T* row0 = qkv + (long)b * T_ * s3;
+    const T* k = row0 + (long)(H + kvh) * ATT_D;
+    const T* v = row0 + (long)(H + Hkv + kvh) * ATT_D;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int k0 = kt * ATT_TILE, r0 = warp * 16 + g;
     const int krow[2] = {k0 + r0, k0 + r0 + 8};
 
     // this warp's K and V rows as A fragments (staged through Qs and Ds)
     uint32_t ka[4][4], va[4][4];
-    att_load_tile(Qs, q + C, k0, T_, s3);
-    att_load_tile(Ds, q + 2 * C, k0, T_, s3);
+    att_load_tile(Qs, k, k0, T_, s3);
+    att_load_tile(Ds, v, k0, T_, s3);
     __syncthreads();
     att_a_frags(ka, Qs, r0, c);
     att_a_frags(va, Ds, r0, c);
@@ -315,57 +322,70 @@ __device__ void attn_bwd_dkdv(const T* __restrict__ qkv, const T* __restrict__ d
     float dk[8][4], dv[8][4];
     att_zero<T>(dk);
     att_zero<T>(dv);
-    for (int qt = kt; qt < nq; qt++) {
-        const int q0 = qt * ATT_TILE;
-        __syncthreads();
-        att_load_tile(Qs, q, q0, T_, s3);
-        att_load_tile(Ds, do_, q0, T_, (long)C);
-        for (int i = threadIdx.x; i < ATT_TILE; i += ATT_THREADS) {
-            const bool in = q0 + i < T_;
-            Ls[i] = in ? lrow[q0 + i] : INFINITY;
-            Dd[i] = in ? drow[q0 + i] : 0.0f;
-        }
-        __syncthreads();
-        // P^T (keys x queries) = exp2(scale2 * K Q^T - L)
-        float p[8][4];
-        att_zero<T>(p);
-        att_mm_nt(p, ka, Qs);
-#pragma unroll
-        for (int nb = 0; nb < 8; nb++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const int col = nb * 8 + 2 * c + (i & 1);
-                const int query = q0 + col;
-                p[nb][i] = (query < krow[i >> 1] || query >= T_) ? 0.0f : exp2f(p[nb][i] * scale2 - Ls[col]);
+    // the G query heads of this key/value head, in order; each walks the query tiles at or
+    // after the key tile (the __syncthreads at the top of each step also guards the reuse of
+    // Qs and Ds across heads)
+    for (int gi = 0; gi < G; gi++) {
+        const int h = kvh * G + gi;
+        const T* q = row0 + h * ATT_D;
+        const T* do_ = dout + (long)b * T_ * C + h * ATT_D;
+        const float* lrow = lse + ((long)b * H + h) * T_;
+        const float* drow = dsum + ((long)b * H + h) * T_;
+        for (int qt = kt; qt < nq; qt++) {
+            const int q0 = qt * ATT_TILE;
+            __syncthreads();
+            att_load_tile(Qs, q, q0, T_, s3);
+            att_load_tile(Ds, do_, q0, T_, (long)C);
+            for (int i = threadIdx.x; i < ATT_TILE; i += ATT_THREADS) {
+                const bool in = q0 + i < T_;
+                Ls[i] = in ? lrow[q0 + i] : INFINITY;
+                Dd[i] = in ? drow[q0 + i] : 0.0f;
             }
-        att_mm_nn(dv, p, Ds);   // dV += P^T dO
-        // dP^T = V dO^T, then dS^T = P^T * (dP^T - D)
-        float dp[8][4];
-        att_zero<T>(dp);
-        att_mm_nt(dp, va, Ds);
+            __syncthreads();
+            // P^T (keys x queries) = exp2(scale2 * K Q^T - L)
+            float p[8][4];
+            att_zero<T>(p);
+            att_mm_nt(p, ka, Qs);
 #pragma unroll
-        for (int nb = 0; nb < 8; nb++)
+            for (int nb = 0; nb < 8; nb++)
 #pragma unroll
-            for (int i = 0; i < 4; i++) dp[nb][i] = p[nb][i] * (dp[nb][i] - Dd[nb * 8 + 2 * c + (i & 1)]);
-        att_mm_nn(dk, dp, Qs);   // dK += dS^T Q (scaled at the end)
+                for (int i = 0; i < 4; i++) {
+                    const int col = nb * 8 + 2 * c + (i & 1);
+                    const int query = q0 + col;
+                    p[nb][i] = (query < krow[i >> 1] || query >= T_) ? 0.0f : exp2f(p[nb][i] * scale2 - Ls[col]);
+                }
+            att_mm_nn(dv, p, Ds);   // dV += P^T dO
+            // dP^T = V dO^T, then dS^T = P^T * (dP^T - D)
+            float dp[8][4];
+            att_zero<T>(dp);
+            att_mm_nt(dp, va, Ds);
+#pragma unroll
+            for (int nb = 0; nb < 8; nb++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) dp[nb][i] = p[nb][i] * (dp[nb][i] - Dd[nb * 8 + 2 * c + (i & 1)]);
+            att_mm_nn(dk, dp, Qs);   // dK += dS^T Q (scaled at the end)
+        }
     }
-    T* dk_out = dqkv + (long)b * T_ * s3 + C + h * ATT_D;
-    att_store(dk_out, dk, k0, r0, T_, s3, c, scale, scale);
-    att_store(dk_out + C, dv, k0, r0, T_, s3, c, 1.0f, 1.0f);
+    T* drow0 = dqkv + (long)b * T_ * s3;
+    att_store(drow0 + (long)(H + kvh) * ATT_D, dk, k0, r0, T_, s3, c, scale, scale);
+    att_store(drow0 + (long)(H + Hkv + kvh) * ATT_D, dv, k0, r0, T_, s3, c, 1.0f, 1.0f);
 }
 
 // dQ of one query tile: loops over the key tiles at or before it.
 template <typename T>
 __device__ void attn_bwd_dq(const T* __restrict__ qkv, const T* __restrict__ dout, const float* __restrict__ lse,
-                            const float* __restrict__ dsum, T* __restrict__ dqkv, int T_, int H, float scale2,
-                            float scale) {
+                            const float* __restrict__ dsum, T* __restrict__ dqkv, int T_, int H, int Hkv,
+                            float scale2, float scale) {
     __shared__ __align__(16) T Ks[ATT_TILE][ATT_LD];
     __shared__ __align__(16) T Vs[ATT_TILE][ATT_LD];
     const int qt = gridDim.x - 1 - blockIdx.x;
-    const int bh = blockIdx.y, b = bh / H, h = bh % H;
+    const int bh = blockIdx.y, b = bh / H, h = bh % H, kvh = h / (H / Hkv);
     const int C = H * ATT_D;
-    const long s3 = 3L * C;
-    const T* q = qkv + (long)b * T_ * s3 + h * ATT_D;
+    const long s3 = (long)(H + 2 * Hkv) * ATT_D;   // qkv row stride
+    const T* row0 = qkv + (long)b * T_ * s3;
+    const T* q = row0 + h * ATT_D;
+    const T* k = row0 + (long)(H + kvh) * ATT_D;
+    const T* v = row0 + (long)(H + Hkv + kvh) * ATT_D;
     const T* do_ = dout + (long)b * T_ * C + h * ATT_D;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int q0 = qt * ATT_TILE, r0 = warp * 16 + g;
@@ -389,8 +409,8 @@ __device__ void attn_bwd_dq(const T* __restrict__ qkv, const T* __restrict__ dou
     for (int kt = 0; kt <= qt; kt++) {
         const int k0 = kt * ATT_TILE;
         __syncthreads();
-        att_load_tile(Ks, q + C, k0, T_, s3);
-        att_load_tile(Vs, q + 2 * C, k0, T_, s3);
+        att_load_tile(Ks, k, k0, T_, s3);
+        att_load_tile(Vs, v, k0, T_, s3);
         __syncthreads();
         float p[8][4], dp[8][4];
         att_zero<T>(p);
@@ -413,22 +433,23 @@ __device__ void attn_bwd_dq(const T* __restrict__ qkv, const T* __restrict__ dou
 
 #define ATT_ENTRIES(TN, T)                                                                                  \
 extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_fwd_##TN(const T* qkv, T* out, float* lse,  \
-                                                                          int T_, int H, float scale2) {    \
-    attn_fwd<T>(qkv, out, lse, T_, H, scale2);                                                              \
+                                                                          int T_, int H, int Hkv,           \
+                                                                          float scale2) {                   \
+    attn_fwd<T>(qkv, out, lse, T_, H, Hkv, scale2);                                                         \
 }                                                                                                           \
 extern "C" __global__ void __launch_bounds__(256) attn_bwd_dot_##TN(const T* out, const T* dout, float* dsum, \
                                                                      int rows, int T_, int H) {             \
     attn_bwd_dot<T>(out, dout, dsum, rows, T_, H);                                                          \
 }                                                                                                           \
 extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dkdv_##TN(                               \
-    const T* qkv, const T* dout, const float* lse, const float* dsum, T* dqkv, int T_, int H, float scale2,  \
-    float scale) {                                                                                          \
-    attn_bwd_dkdv<T>(qkv, dout, lse, dsum, dqkv, T_, H, scale2, scale);                                     \
+    const T* qkv, const T* dout, const float* lse, const float* dsum, T* dqkv, int T_, int H, int Hkv,       \
+    float scale2, float scale) {                                                                            \
+    attn_bwd_dkdv<T>(qkv, dout, lse, dsum, dqkv, T_, H, Hkv, scale2, scale);                                \
 }                                                                                                           \
 extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dq_##TN(                                 \
-    const T* qkv, const T* dout, const float* lse, const float* dsum, T* dqkv, int T_, int H, float scale2,  \
-    float scale) {                                                                                          \
-    attn_bwd_dq<T>(qkv, dout, lse, dsum, dqkv, T_, H, scale2, scale);                                       \
+    const T* qkv, const T* dout, const float* lse, const float* dsum, T* dqkv, int T_, int H, int Hkv,       \
+    float scale2, float scale) {                                                                            \
+    attn_bwd_dq<T>(qkv, dout, lse, dsum, dqkv, T_, H, Hkv, scale2, scale);                                  \
 }
 
 ATT_ENTRIES(bf16, __nv_bfloat16)

@@ -886,6 +886,304 @@ fn causal_attention_is_causal_and_checks_its_input() -> Result<()> {
     Ok(())
 }
 
+/// Rotary embedding of `qkv: (B, T, (H + 2 Hkv) D)` composed of candle ops in f32, independent
+/// of wick's: each head split into halves with `narrow`, `x1 cos - x2 sin` and
+/// `x2 cos + x1 sin` by broadcast multiplies, `cat` back; the v columns passed through.
+fn rotary_ref(qkv: &Tensor, cos: &Tensor, sin: &Tensor, h: usize, hkv: usize) -> Result<Tensor> {
+    let x = qkv.to_dtype(DType::F32)?;
+    let (b, t, w) = x.dims3()?;
+    let d = w / (h + 2 * hkv);
+    let half = d / 2;
+    let c = cos.reshape((1, t, 1, half))?;
+    let s = sin.reshape((1, t, 1, half))?;
+    let rot = |first: usize, n: usize| -> Result<Tensor> {
+        let x = x.narrow(2, first * d, n * d)?.reshape((b, t, n, d))?;
+        let (x1, x2) = (x.narrow(3, 0, half)?, x.narrow(3, half, half)?);
+        let y1 = (x1.broadcast_mul(&c)? - x2.broadcast_mul(&s)?)?;
+        let y2 = (x2.broadcast_mul(&c)? + x1.broadcast_mul(&s)?)?;
+        Tensor::cat(&[y1, y2], 3)?.reshape((b, t, n * d))
+    };
+    let v = x.narrow(2, (h + hkv) * d, hkv * d)?;
+    Tensor::cat(&[rot(0, h)?, rot(h, hkv)?, v], 2)
+}
+
+/// `(B, T, H, Hkv, D)` cases of the rotary and grouped-attention tests: GQA with T not a
+/// multiple of 64, multi-head, multi-query over two tiles, one position, SmolLM2's heads.
+const GQA_CASES: &[(usize, usize, usize, usize, usize)] = &[
+    (2, 70, 6, 2, 16),
+    (1, 70, 6, 6, 16),
+    (2, 37, 4, 1, 8),
+    (1, 1, 6, 2, 8),
+    (1, 20, 9, 3, 64),
+];
+
+#[test]
+fn rotary_qkv_matches_composed_on_cpu() -> Result<()> {
+    let dev = Device::Cpu;
+    for dtype in DTYPES {
+        for (i, &(b, t, h, hkv, d)) in GQA_CASES.iter().enumerate() {
+            let w = (h + 2 * hkv) * d;
+            let qkv = rand_t(&[b, t, w], -2.0, 2.0, 5000 + i as u64, dtype, &dev);
+            let r = rand_t(&[b, t, w], -1.0, 1.0, 5010 + i as u64, DType::F32, &dev);
+            // positions 3.. with SmolLM2's base: large angles in every frequency
+            let (cos, sin) = ops::rotary_tables(t, d, 1e5, 3, &dev)?;
+            let name = format!("rotary {dtype:?} {:?}", (b, t, h, hkv, d));
+            let fused = |a: &[Tensor]| ops::rotary_qkv(&a[0], &cos, &sin, h, hkv);
+            let reference = |a: &[Tensor]| rotary_ref(&a[0], &cos, &sin, h, hkv);
+            let e = compare(&name, &fused, &reference, std::slice::from_ref(&qkv), &r)?;
+            assert!(e.iter().all(|e| *e <= tol(dtype)), "{name}: {e:?}");
+        }
+    }
+    // the tables are constants: no gradient reaches them even when they are variables
+    let (cos, sin) = ops::rotary_tables(5, 8, 1e4, 0, &dev)?;
+    let (cos, sin) = (Var::from_tensor(&cos)?, Var::from_tensor(&sin)?);
+    let x = Var::from_tensor(&rand_t(&[1, 5, 5 * 8], -1.0, 1.0, 5020, DType::F32, &dev))?;
+    let g = ops::rotary_qkv(&x, &cos, &sin, 3, 1)?
+        .sum_all()?
+        .backward()?;
+    assert!(g.get(&x).is_some() && g.get(&cos).is_none() && g.get(&sin).is_none());
+    Ok(())
+}
+
+#[test]
+fn rotary_closed_forms_on_cpu() -> Result<()> {
+    let dev = Device::Cpu;
+    let (h, hkv, d, t) = (3, 1, 8, 6);
+    let w = (h + 2 * hkv) * d;
+    let x = rand_t(&[2, t, w], -2.0, 2.0, 5100, DType::F32, &dev);
+    let (cos, sin) = ops::rotary_tables(t, d, 1e4, 0, &dev)?;
+    let y = ops::rotary_qkv(&x, &cos, &sin, h, hkv)?;
+    // position 0 is the identity, exactly; the v columns are copied at every position
+    assert_eq!(err(&y.narrow(1, 0, 1)?, &x.narrow(1, 0, 1)?), 0.0);
+    let v = |a: &Tensor| a.narrow(2, (h + hkv) * d, hkv * d);
+    assert_eq!(err(&v(&y)?, &v(&x)?), 0.0);
+    // a rotation keeps each pair's norm, so it changes later positions without scaling them
+    assert!(err(&y.narrow(1, 1, t - 1)?, &x.narrow(1, 1, t - 1)?) > 1e-2);
+    let norm = |a: &Tensor| -> Result<f32> { a.sqr()?.sum_all()?.to_scalar() };
+    assert!((norm(&y)? - norm(&x)?).abs() <= 1e-4 * norm(&x)?);
+    // the backward is the rotation by -angle: the gradient of sum(y^2) / 2 is R^T y = x
+    let xv = Var::from_tensor(&x)?;
+    let yv = ops::rotary_qkv(&xv, &cos, &sin, h, hkv)?;
+    let g = (yv.sqr()?.sum_all()? * 0.5)?.backward()?;
+    let e = err(g.get(&xv).unwrap(), &x);
+    assert!(e <= 1e-6, "R^T R x vs x: {e:e}");
+
+    // head_dim 2, one frequency (inv_freq = 1): the angle is the position, here 1 rad
+    let (c1, s1) = ops::rotary_tables(1, 2, 1e4, 1, &dev)?;
+    let (c, s) = (1f32.cos(), 1f32.sin());
+    assert_eq!(c1.to_vec2::<f32>()?, [[c]]);
+    assert_eq!(s1.to_vec2::<f32>()?, [[s]]);
+    // q = (1, 0) -> (cos 1, sin 1); k = (0, 2) -> (-2 sin 1, 2 cos 1); v = (5, -3) copied
+    let qkv = Tensor::new(&[[[1f32, 0., 0., 2., 5., -3.]]], &dev)?;
+    let got = ops::rotary_qkv(&qkv, &c1, &s1, 1, 1)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    let want = [c, s, -2.0 * s, 2.0 * c, 5.0, -3.0];
+    for (g, w) in got.iter().zip(want) {
+        assert!((g - w).abs() <= 1e-6, "{got:?} vs {want:?}");
+    }
+    // head_dim 4, base 100: inv_freq = [1, 0.1]; position 3 has angles 3 and 0.3
+    let (c4, s4) = ops::rotary_tables(2, 4, 100.0, 2, &dev)?;
+    assert_eq!(c4.dims(), &[2, 2]);
+    let (c4, s4) = (c4.to_vec2::<f32>()?, s4.to_vec2::<f32>()?);
+    for (got, want) in [
+        (c4[1][0], 3f64.cos()),
+        (c4[1][1], 0.3f64.cos()),
+        (s4[1][0], 3f64.sin()),
+        (s4[1][1], 0.3f64.sin()),
+        (s4[0][1], 0.2f64.sin()),
+    ] {
+        assert!((f64::from(got) - want).abs() <= 1e-7, "{got} vs {want}");
+    }
+    Ok(())
+}
+
+#[test]
+fn rotary_checks_its_inputs() -> Result<()> {
+    let dev = Device::Cpu;
+    let msg = |r: Result<(Tensor, Tensor)>| r.unwrap_err().to_string();
+    assert!(msg(ops::rotary_tables(4, 7, 1e4, 0, &dev)).contains("head_dim must be even"));
+    assert!(msg(ops::rotary_tables(4, 0, 1e4, 0, &dev)).contains("head_dim must be even"));
+    for base in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+        assert!(msg(ops::rotary_tables(4, 8, base, 0, &dev)).contains("base must be finite"));
+    }
+    assert!(msg(ops::rotary_tables(4, 8, 1e4, usize::MAX, &dev)).contains("overflow"));
+    let (cos, sin) = ops::rotary_tables(0, 8, 1e4, 0, &dev)?;
+    assert_eq!((cos.dims(), sin.dims()), (&[0, 4][..], &[0, 4][..]));
+
+    let (h, hkv, d, t) = (3, 1, 8, 4);
+    let qkv = Tensor::zeros((2, t, (h + 2 * hkv) * d), DType::F32, &dev)?;
+    let (cos, sin) = ops::rotary_tables(t, d, 1e4, 0, &dev)?;
+    let msg = |r: Result<Tensor>| r.unwrap_err().to_string();
+    let rot = |x: &Tensor, c: &Tensor, s: &Tensor, h, hkv| ops::rotary_qkv(x, c, s, h, hkv);
+    assert!(msg(rot(&qkv, &cos, &sin, 4, 1)).contains("(n_head + 2 * n_kv_head) * head_dim"));
+    assert!(msg(rot(&qkv, &cos, &sin, h, 0)).contains("n_kv_head = 0"));
+    assert!(msg(rot(&qkv.flatten_from(1)?, &cos, &sin, h, hkv)).contains("must be (B, T"));
+    let odd = Tensor::zeros((1, t, 5 * 3), DType::F32, &dev)?; // head_dim 3
+    assert!(msg(rot(&odd, &cos, &sin, h, hkv)).contains("head_dim even"));
+    let (c9, s9) = ops::rotary_tables(t + 1, d, 1e4, 0, &dev)?;
+    assert!(msg(rot(&qkv, &c9, &s9, h, hkv)).contains("cos must be (T, head_dim / 2)"));
+    assert!(msg(rot(&qkv, &cos, &s9, h, hkv)).contains("sin must be (T, head_dim / 2)"));
+    let c16 = cos.to_dtype(DType::F16)?;
+    assert!(msg(rot(&qkv, &c16, &sin, h, hkv)).contains("cos must be f32"));
+    let ids = Tensor::zeros((2, t, (h + 2 * hkv) * d), DType::U32, &dev)?;
+    assert!(msg(rot(&ids, &cos, &sin, h, hkv)).contains("U32"));
+    let empty = Tensor::zeros((0, t, (h + 2 * hkv) * d), DType::BF16, &dev)?;
+    assert_eq!(rot(&empty, &cos, &sin, h, hkv)?.dims(), empty.dims());
+    Ok(())
+}
+
+fn swiglu_fused(a: &[Tensor]) -> Result<Tensor> {
+    ops::swiglu(&a[0])
+}
+/// `silu(g) * u` in f32 with candle's silu and mul on the two `narrow`ed halves.
+fn swiglu_ref(a: &[Tensor]) -> Result<Tensor> {
+    let x = a[0].to_dtype(DType::F32)?;
+    let f = x.dim(D::Minus1)? / 2;
+    x.narrow(D::Minus1, 0, f)?
+        .silu()?
+        .mul(&x.narrow(D::Minus1, f, f)?)
+}
+
+#[test]
+fn swiglu_matches_silu_times_up_on_cpu() -> Result<()> {
+    let dev = Device::Cpu;
+    for dtype in DTYPES {
+        for (i, shape) in [
+            &[2usize, 3, 2 * 48][..],
+            &[5, 2 * 37],
+            &[1, 2],
+            &[4, 2 * 1536],
+        ]
+        .iter()
+        .enumerate()
+        {
+            let x = rand_t(shape, -6.0, 6.0, 5200 + i as u64, dtype, &dev);
+            let mut out = shape.to_vec();
+            *out.last_mut().unwrap() /= 2;
+            let r = rand_t(&out, -1.0, 1.0, 5210 + i as u64, DType::F32, &dev);
+            let name = format!("swiglu {dtype:?} {shape:?}");
+            let e = compare(&name, &swiglu_fused, &swiglu_ref, &[x], &r)?;
+            assert!(e.iter().all(|e| *e <= tol(dtype)), "{name}: {e:?}");
+        }
+    }
+    // a strided input (a transposed view) is made contiguous first
+    let x = rand_t(&[16, 6], -3.0, 3.0, 5220, DType::F32, &dev).t()?;
+    assert!(err(&ops::swiglu(&x)?, &swiglu_ref(&[x])?) <= 1e-6);
+    let msg = |r: Result<Tensor>| r.unwrap_err().to_string();
+    let odd = Tensor::zeros((2, 7), DType::F32, &dev)?;
+    assert!(msg(ops::swiglu(&odd)).contains("must be even"));
+    let ids = Tensor::zeros((2, 8), DType::U32, &dev)?;
+    assert!(msg(ops::swiglu(&ids)).contains("U32"));
+    assert!(msg(ops::swiglu(&Tensor::new(1f32, &dev)?)).contains("scalar"));
+    let empty = Tensor::zeros((0, 3, 8), DType::BF16, &dev)?;
+    assert_eq!(ops::swiglu(&empty)?.dims(), &[0, 3, 4]);
+    Ok(())
+}
+
+/// Grouped-query causal attention of `qkv: (B, T, (H + 2 Hkv) D)` as multi-head attention in
+/// f32: every key and value head repeated for the `H / Hkv` query heads of its group with
+/// `narrow` and `cat` (the gradients of the copies sum back), then [`attn_ref`].
+fn gqa_ref(qkv: &Tensor, h: usize, hkv: usize) -> Result<Tensor> {
+    let x = qkv.to_dtype(DType::F32)?;
+    let d = x.dim(2)? / (h + 2 * hkv);
+    let mut parts = vec![x.narrow(2, 0, h * d)?];
+    for first in [h, h + hkv] {
+        for qh in 0..h {
+            parts.push(x.narrow(2, (first + qh / (h / hkv)) * d, d)?);
+        }
+    }
+    attn_ref(&Tensor::cat(&parts, 2)?, h)
+}
+
+#[test]
+fn grouped_causal_attention_matches_repeated_kv_on_cpu() -> Result<()> {
+    let dev = Device::Cpu;
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        for (i, &(b, t, h, hkv, d)) in GQA_CASES.iter().enumerate() {
+            let qkv = rand_t(
+                &[b, t, (h + 2 * hkv) * d],
+                -2.0,
+                2.0,
+                5300 + i as u64,
+                dtype,
+                &dev,
+            );
+            let r = rand_t(&[b, t, h * d], -1.0, 1.0, 5310 + i as u64, DType::F32, &dev);
+            let name = format!("grouped attention {dtype:?} {:?}", (b, t, h, hkv, d));
+            let fused = |a: &[Tensor]| ops::grouped_causal_attention(&a[0], h, hkv);
+            let composed = |a: &[Tensor]| ops::grouped_causal_attention_composed(&a[0], h, hkv);
+            let reference = |a: &[Tensor]| gqa_ref(&a[0], h, hkv);
+            let args = std::slice::from_ref(&qkv);
+            for (what, f) in [
+                ("fused", &fused as &dyn Fn(&[Tensor]) -> _),
+                ("composed", &composed),
+            ] {
+                let e = compare_any(&format!("{name} {what}"), f, &reference, args, &r)?;
+                assert!(e.iter().all(|e| *e <= tol(dtype)), "{name} {what}: {e:?}");
+            }
+            // the fused op against wick's composed fallback (K/V repeated in the graph)
+            let e = compare_any(
+                &format!("{name} fused vs composed"),
+                &fused,
+                &composed,
+                args,
+                &r,
+            )?;
+            assert!(
+                e.iter().all(|e| *e <= tol(dtype)),
+                "{name} fused vs composed: {e:?}"
+            );
+            if h == hkv {
+                // causal_attention is the Hkv == H case, bit for bit
+                let y = ops::grouped_causal_attention(&qkv, h, h)?;
+                assert_eq!(err(&ops::causal_attention(&qkv, h)?, &y), 0.0);
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn grouped_causal_attention_is_deterministic_causal_and_checks_its_input() -> Result<()> {
+    let dev = Device::Cpu;
+    let (b, t, h, hkv, d) = (2, 33, 6, 2, 8);
+    let w = (h + 2 * hkv) * d;
+    let qkv = rand_t(&[b, t, w], -2.0, 2.0, 5400, DType::BF16, &dev);
+    let r = rand_t(&[b, t, h * d], -1.0, 1.0, 5401, DType::F32, &dev);
+    let f = |a: &[Tensor]| ops::grouped_causal_attention(&a[0], h, hkv);
+    let (y1, g1) = value_and_grads(&f, std::slice::from_ref(&qkv), &r)?;
+    let (y2, g2) = value_and_grads(&f, std::slice::from_ref(&qkv), &r)?;
+    let bits = |t: &Tensor| t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>();
+    assert_eq!(bits(&y1)?, bits(&y2)?);
+    assert_eq!(bits(&g1[0])?, bits(&g2[0])?);
+    // changing the last position's q, k, v leaves every earlier output unchanged
+    let last = rand_t(&[b, 1, w], -2.0, 2.0, 5402, DType::BF16, &dev);
+    let qkv2 = Tensor::cat(&[qkv.narrow(1, 0, t - 1)?, last], 1)?;
+    let y3 = ops::grouped_causal_attention(&qkv2, h, hkv)?;
+    assert_eq!(err(&y1.narrow(1, 0, t - 1)?, &y3.narrow(1, 0, t - 1)?), 0.0);
+    // position 0 sees only itself: query head qh's output is v head qh / 3
+    let y0 = y1.narrow(1, 0, 1)?;
+    for qh in 0..h {
+        let v = qkv.narrow(1, 0, 1)?.narrow(2, (h + hkv + qh / 3) * d, d)?;
+        assert_eq!(err(&y0.narrow(2, qh * d, d)?, &v), 0.0);
+    }
+    let msg = |r: Result<Tensor>| r.unwrap_err().to_string();
+    let gqa = |x: &Tensor, h, hkv| ops::grouped_causal_attention(x, h, hkv);
+    assert!(msg(gqa(&qkv, 6, 4)).contains("multiple of n_kv_head"));
+    assert!(msg(gqa(&qkv, 6, 0)).contains("n_kv_head = 0"));
+    assert!(msg(gqa(&qkv, 0, 1)).contains("n_head = 0"));
+    assert!(msg(gqa(&qkv, 7, 7)).contains("(n_head + 2 * n_kv_head) * head_dim"));
+    assert!(msg(gqa(&qkv.flatten_all()?, h, hkv)).contains("must be (B, T"));
+    let composed = ops::grouped_causal_attention_composed(&qkv, 6, 4);
+    assert!(msg(composed).contains("multiple of n_kv_head"));
+    let ids = Tensor::zeros((1, 2, w), DType::U32, &dev)?;
+    assert!(msg(gqa(&ids, h, hkv)).contains("U32"));
+    let empty = Tensor::zeros((0, 4, w), DType::F32, &dev)?;
+    assert_eq!(gqa(&empty, h, hkv)?.dims(), &[0, 4, h * d]);
+    Ok(())
+}
+
 #[test]
 fn residual_add_is_the_cast_and_add_composition_bitwise() -> Result<()> {
     for dtype in DTYPES {
@@ -1561,6 +1859,176 @@ mod cuda {
             .expect_err("device mismatch")
             .to_string();
         assert!(m.contains("w is on") && m.contains("same device"), "{m}");
+        Ok(())
+    }
+
+    /// `x` with its elements moved one place along a fresh buffer, so that its first element is
+    /// off a 16-byte boundary (the kernels' vector paths must not apply).
+    fn misaligned(x: &Tensor, dev: &Device) -> Result<Tensor> {
+        let n = x.elem_count();
+        let pad = Tensor::zeros(1, x.dtype(), &Device::Cpu)?;
+        let flat = Tensor::cat(&[pad, x.flatten_all()?], 0)?.to_device(dev)?;
+        flat.narrow(0, 1, n)?.reshape(x.dims())
+    }
+
+    #[test]
+    fn rotary_qkv_cuda_matches_cpu() -> Result<()> {
+        // SmolLM2's heads at T = 200 (16-byte vectors), a half width of 6 (the scalar kernel
+        // for every dtype), one position
+        let cases = [
+            (2usize, 200usize, 9usize, 3usize, 64usize),
+            (1, 70, 6, 2, 12),
+            (3, 1, 4, 4, 32),
+        ];
+        for dtype in DTYPES {
+            for (i, &(b, t, h, hkv, d)) in cases.iter().enumerate() {
+                let w = (h + 2 * hkv) * d;
+                let qkv = rand_t(&[b, t, w], -2.0, 2.0, 5500 + i as u64, dtype, &Device::Cpu);
+                let r = rand_t(
+                    &[b, t, w],
+                    -1.0,
+                    1.0,
+                    5510 + i as u64,
+                    DType::F32,
+                    &Device::Cpu,
+                );
+                let (cos, sin) = ops::rotary_tables(t, d, 1e5, 7, &Device::Cpu)?;
+                let fused = |a: &[Tensor]| {
+                    let dev = a[0].device();
+                    ops::rotary_qkv(&a[0], &cos.to_device(dev)?, &sin.to_device(dev)?, h, hkv)
+                };
+                let reference = |a: &[Tensor]| rotary_ref(&a[0], &cos, &sin, h, hkv);
+                let name = format!("cuda rotary {dtype:?} {:?}", (b, t, h, hkv, d));
+                check(&name, &fused, &reference, &[qkv], &r, tol(dtype))?;
+            }
+        }
+        // tables made for the GPU are the CPU's; a misaligned qkv takes the scalar kernel
+        let (b, t, h, hkv, d) = (2, 50, 9, 3, 64);
+        let qkv = rand_t(
+            &[b, t, (h + 2 * hkv) * d],
+            -2.0,
+            2.0,
+            5520,
+            DType::BF16,
+            &Device::Cpu,
+        );
+        let dev = gpu();
+        let (cos, sin) = ops::rotary_tables(t, d, 1e5, 0, &Device::Cpu)?;
+        let (cos_g, sin_g) = ops::rotary_tables(t, d, 1e5, 0, &dev)?;
+        assert_eq!(err(&cos_g, &cos), 0.0);
+        assert_eq!(err(&sin_g, &sin), 0.0);
+        let y_c = ops::rotary_qkv(&qkv, &cos, &sin, h, hkv)?;
+        let y_g = ops::rotary_qkv(&misaligned(&qkv, &dev)?, &cos_g, &sin_g, h, hkv)?;
+        let e = err(&y_g, &y_c);
+        println!("cuda rotary misaligned: {e:.2e}");
+        assert!(e <= tol(DType::BF16));
+        // tables on the CPU for a GPU qkv: an error naming the device
+        let m = ops::rotary_qkv(&qkv.to_device(&dev)?, &cos, &sin, h, hkv)
+            .expect_err("device mismatch")
+            .to_string();
+        assert!(m.contains("cos is on"), "{m}");
+        Ok(())
+    }
+
+    #[test]
+    fn swiglu_cuda_matches_cpu() -> Result<()> {
+        for dtype in DTYPES {
+            // SmolLM2's MLP width 1536 (16-byte vectors), F = 37 (scalar), F = 4 (vectors for
+            // f32 only), one pair
+            for (i, shape) in [
+                &[4usize, 128, 2 * 1536][..],
+                &[7, 2 * 37],
+                &[3, 2 * 4],
+                &[1, 2],
+            ]
+            .iter()
+            .enumerate()
+            {
+                let x = rand_t(shape, -6.0, 6.0, 5600 + i as u64, dtype, &Device::Cpu);
+                let mut out = shape.to_vec();
+                *out.last_mut().unwrap() /= 2;
+                let r = rand_t(&out, -1.0, 1.0, 5610 + i as u64, DType::F32, &Device::Cpu);
+                let name = format!("cuda swiglu {dtype:?} {shape:?}");
+                check(&name, &swiglu_fused, &swiglu_ref, &[x], &r, tol(dtype))?;
+            }
+        }
+        let x = rand_t(&[5, 2 * 64], -6.0, 6.0, 5620, DType::BF16, &Device::Cpu);
+        let e = err(&ops::swiglu(&misaligned(&x, &gpu())?)?, &ops::swiglu(&x)?);
+        println!("cuda swiglu misaligned: {e:.2e}");
+        assert!(e <= tol(DType::BF16));
+        Ok(())
+    }
+
+    #[test]
+    fn grouped_causal_attention_cuda_matches_cpu() -> Result<()> {
+        // SmolLM2's 9 query / 3 key-value heads at T = 200 (a partial last tile), exact tiles,
+        // one position, multi-query over a partial tile, multi-head
+        let cases = [
+            (2usize, 200usize, 9usize, 3usize),
+            (2, 128, 6, 2),
+            (1, 1, 9, 3),
+            (2, 70, 4, 1),
+            (1, 130, 3, 3),
+        ];
+        for dtype in [DType::BF16, DType::F16] {
+            for (i, &(b, t, h, hkv)) in cases.iter().enumerate() {
+                let w = (h + 2 * hkv) * 64;
+                let qkv = rand_t(&[b, t, w], -2.0, 2.0, 5700 + i as u64, dtype, &Device::Cpu);
+                let r = rand_t(
+                    &[b, t, h * 64],
+                    -1.0,
+                    1.0,
+                    5710 + i as u64,
+                    DType::F32,
+                    &Device::Cpu,
+                );
+                let name = format!("cuda grouped attention {dtype:?} {:?}", (b, t, h, hkv));
+                let fused = |a: &[Tensor]| ops::grouped_causal_attention(&a[0], h, hkv);
+                let reference = |a: &[Tensor]| gqa_ref(&a[0], h, hkv);
+                check(&name, &fused, &reference, &[qkv], &r, tol(dtype))?;
+            }
+        }
+        // the flash backward is deterministic: two backward passes agree bit for bit
+        let dev = gpu();
+        let (b, t, h, hkv) = (2, 200, 9, 3);
+        let qkv = rand_t(
+            &[b, t, (h + 2 * hkv) * 64],
+            -2.0,
+            2.0,
+            5720,
+            DType::BF16,
+            &dev,
+        );
+        let r = rand_t(&[b, t, h * 64], -1.0, 1.0, 5721, DType::F32, &dev);
+        let f = |a: &[Tensor]| ops::grouped_causal_attention(&a[0], h, hkv);
+        let (_, g1) = value_and_grads(&f, std::slice::from_ref(&qkv), &r)?;
+        let (_, g2) = value_and_grads(&f, std::slice::from_ref(&qkv), &r)?;
+        let bits = |t: &Tensor| t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>();
+        assert_eq!(bits(&g1[0])?, bits(&g2[0])?);
+        // a misaligned qkv is copied, not misread
+        let qkv_c = qkv.to_device(&Device::Cpu)?;
+        let y_c = ops::grouped_causal_attention(&qkv_c, h, hkv)?;
+        let y_g = ops::grouped_causal_attention(&misaligned(&qkv_c, &dev)?, h, hkv)?;
+        let e = err(&y_g, &y_c);
+        println!("cuda grouped attention misaligned: {e:.2e}");
+        assert!(e <= tol(DType::BF16));
+        // the composed path on CUDA: f32, and a head width of 32 in bf16
+        for (dtype, d) in [(DType::F32, 64usize), (DType::BF16, 32)] {
+            let (b, t, h, hkv) = (2, 70, 6, 2);
+            let qkv = rand_t(
+                &[b, t, (h + 2 * hkv) * d],
+                -2.0,
+                2.0,
+                5730,
+                dtype,
+                &Device::Cpu,
+            );
+            let r = rand_t(&[b, t, h * d], -1.0, 1.0, 5731, DType::F32, &Device::Cpu);
+            let name = format!("cuda grouped attention {dtype:?} head width {d} (composed)");
+            let fused = |a: &[Tensor]| ops::grouped_causal_attention(&a[0], h, hkv);
+            let reference = |a: &[Tensor]| gqa_ref(&a[0], h, hkv);
+            check(&name, &fused, &reference, &[qkv], &r, tol(dtype))?;
+        }
         Ok(())
     }
 }

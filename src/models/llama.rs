@@ -157,9 +157,8 @@ impl Proj {
             (None, [w]) => w.clone(),
             (None, parts) => Tensor::cat(parts, 0)?,
         };
-        let y = ops::linear(x, &w, None)?;
         if self.adapters.iter().all(Option::is_none) {
-            return Ok(y);
+            return Ok(ops::linear(x, &w, None)?);
         }
         // all adapted parts in two GEMMs: u = x [A_1; ..; A_k]^T (.., R), then u times the
         // block-diagonal [s B_1 0 ..; 0 s B_2 ..] (out, R); parts without an adapter get zero rows
@@ -186,13 +185,14 @@ impl Proj {
             }
         }
         let b = Tensor::cat(&rows, 0)?.affine(self.scaling, 0.0)?;
-        let x = if train && self.dropout > 0.0 {
-            candle_nn::ops::dropout(x, self.dropout as f32)?
-        } else {
-            x.clone()
-        };
-        let delta = ops::linear(&ops::linear(&x, &a, None)?, &b, None)?;
-        Ok((y + delta)?)
+        if train && self.dropout > 0.0 {
+            // PEFT's order: dropout on the adapter's input only, so the update is its own node
+            let xd = candle_nn::ops::dropout(x, self.dropout as f32)?;
+            let y = ops::linear(x, &w, None)?;
+            return Ok((y + ops::linear(&ops::linear(&xd, &a, None)?, &b, None)?)?);
+        }
+        // base GEMM and update in one node: no (.., out) update tensor kept per projection
+        Ok(ops::lora_linear(x, &w, &a, &b)?)
     }
 }
 

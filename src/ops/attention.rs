@@ -6,11 +6,22 @@
 //! y: (B, T, C), head h at columns h*Dh..(h+1)*Dh
 //! ```
 //! the math of PyTorch's `scaled_dot_product_attention(q, k, v, is_causal=True)` with the head
-//! split and merge around it. On CUDA (bf16 or f16, `Dh == 64`) it is a FlashAttention-2 kernel
+//! split and merge around it. Grouped-query attention (GQA; Ainslie et al. 2023,
+//! arXiv:2305.13245, as in Llama 2/3 and SmolLM2) shares each key/value head among
+//! `G = H / Hkv` query heads:
+//!
+//! ```text
+//! qkv: (B, T, (H + 2 Hkv) Dh) = [q heads (H Dh) | k heads (Hkv Dh) | v heads (Hkv Dh)]
+//! query head h attends with k and v head h / G        y: (B, T, H Dh)
+//! ```
+//! (`scaled_dot_product_attention(.., is_causal=True, enable_gqa=True)`); `Hkv == H` is the
+//! multi-head case above. On CUDA (bf16 or f16, `Dh == 64`) it is a FlashAttention-2 kernel
 //! pair on tensor cores (`kernels/attention.cu`; Dao 2023, arXiv:2307.08691): the `T x T`
-//! scores are never stored, the forward keeps one f32 log-sum-exp per row, the backward
-//! recomputes the probabilities and is deterministic (no atomics). Everywhere else the op runs
-//! the CPU reference below (CPU tensors), or [`causal_attention_composed`] (CUDA f32 or another
+//! scores are never stored, K and V are read in place for every query head of their group
+//! (never repeated in memory), the forward keeps one f32 log-sum-exp per row, the backward
+//! recomputes the probabilities and is deterministic (no atomics: the dK/dV kernel of a
+//! key/value head sums over its query heads in registers). Everywhere else the op runs the CPU
+//! reference below (CPU tensors), or [`grouped_causal_attention_composed`] (CUDA f32 or another
 //! head width). Softmax and products accumulate in f32; the CUDA kernels round P and dS to the
 //! storage dtype before their products, as FlashAttention does.
 
@@ -28,29 +39,55 @@ use rayon::prelude::*;
 /// `B*H <= 65535` and `B*T*3C < 2^31`, the flash-attention kernels (memory O(B·T·C), no score
 /// tensor); on the CPU, a reference implementation in f32 (one rayon task per `(b, h)`);
 /// otherwise the composition [`causal_attention_composed`] (several nodes, scores
-/// materialised). Not twice differentiable.
+/// materialised). Not twice differentiable. This is [`grouped_causal_attention`] with
+/// `n_kv_head == n_head` (the same kernels, one query head per key/value head).
 ///
 /// Errors (no panics): qkv not rank 3, a last dimension that is not `3 * n_head * Dh`,
 /// `n_head == 0`, a non-float dtype. An empty `qkv` (B or T zero) gives an empty result.
 pub fn causal_attention(qkv: &Tensor, n_head: usize) -> Result<Tensor> {
-    let (b, t, c) = dims(qkv, n_head)?;
-    if b * t == 0 {
-        return Tensor::zeros((b, t, c), qkv.dtype(), qkv.device());
+    dims(qkv, n_head)?;
+    grouped_causal_attention(qkv, n_head, n_head)
+}
+
+/// Fused, differentiable grouped-query causal self-attention of a fused projection
+/// `qkv: (B, T, (H + 2 Hkv) Dh)` with `H = n_head` query heads and `Hkv = n_kv_head` key/value
+/// heads (columns `[q heads | k heads | v heads]`, head h of a part at columns
+/// `h Dh..(h + 1) Dh` of it; q and k already rotated, e.g. by [`super::rotary_qkv`]); returns
+/// `(B, T, H Dh)` in qkv's dtype (f32, bf16 or f16), heads merged. Query head h uses key/value
+/// head `h / (H / Hkv)`; scale `1 / sqrt(Dh)`; query `t` attends to keys `0..=t`: PyTorch's
+/// `scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)`.
+/// `n_kv_head == n_head` is [`causal_attention`].
+///
+/// One graph node: on CUDA with bf16/f16, `Dh == 64`, compute capability 8.0 or newer,
+/// `B*H <= 65535` and `B*T*(H + 2 Hkv)*Dh < 2^31`, the flash-attention kernels (K and V read in
+/// place, memory O(B·T·(H + 2 Hkv)·Dh), no score tensor); on the CPU, a reference
+/// implementation in f32 (one rayon task per `(b, query head)`, the key/value gradients summed
+/// over each group in a fixed order); otherwise the composition
+/// [`grouped_causal_attention_composed`]. Not twice differentiable.
+///
+/// Errors (no panics): qkv not rank 3, `n_head` or `n_kv_head` zero, `n_head` not a multiple
+/// of `n_kv_head`, a last dimension that is not `(n_head + 2 n_kv_head) * Dh`, a non-float
+/// dtype. An empty `qkv` (B or T zero) gives an empty result.
+pub fn grouped_causal_attention(qkv: &Tensor, n_head: usize, n_kv_head: usize) -> Result<Tensor> {
+    let d = grouped_dims(qkv, n_head, n_kv_head)?;
+    if d.b * d.t == 0 {
+        return Tensor::zeros((d.b, d.t, d.c()), qkv.dtype(), qkv.device());
     }
     let fused = match qkv.device() {
         candle_core::Device::Cpu => true,
         candle_core::Device::Cuda(dev) => {
-            c / n_head == HEAD_DIM
+            d.dh == HEAD_DIM
                 && matches!(qkv.dtype(), DType::BF16 | DType::F16)
-                && cuda_kernels_apply(dev, b, t, n_head)
+                && cuda_kernels_apply(dev, d)
         }
         _ => false,
     };
     if !fused {
-        return causal_attention_composed(qkv, n_head);
+        return grouped_causal_attention_composed(qkv, n_head, n_kv_head);
     }
     qkv.contiguous()?.apply_op1(Attention {
         n_head,
+        n_kv_head,
         lse: SideOutput::default(),
     })
 }
@@ -72,19 +109,59 @@ pub fn causal_attention_composed(qkv: &Tensor, n_head: usize) -> Result<Tensor> 
     super::merge_heads(&att.matmul(&heads.get(2)?)?)
 }
 
+/// The same attention as [`grouped_causal_attention`] composed of separate differentiable
+/// ops, with the key/value heads repeated: `narrow` to each part, `reshape` / `transpose` to
+/// `(B, heads, T, Dh)`, each k and v head broadcast to the `H / Hkv` query heads of its group
+/// (the gradient sums over them), then as [`causal_attention_composed`]: `q / sqrt(Dh)`,
+/// `q @ k^T`, [`super::causal_softmax_last_dim`], `@ v`, [`super::merge_heads`]. With
+/// `n_kv_head == n_head` it is [`causal_attention_composed`]. Used where the fused kernels do
+/// not apply (CUDA f32, `Dh != 64`) and as the independent reference in tests.
+///
+/// Errors: as [`grouped_causal_attention`].
+pub fn grouped_causal_attention_composed(
+    qkv: &Tensor,
+    n_head: usize,
+    n_kv_head: usize,
+) -> Result<Tensor> {
+    let d = grouped_dims(qkv, n_head, n_kv_head)?;
+    if n_kv_head == n_head {
+        return causal_attention_composed(qkv, n_head);
+    }
+    let (b, t, dh, g) = (d.b, d.t, d.dh, d.h / d.hkv);
+    // (B, heads, T, Dh) of the `heads` heads starting at head column `first`
+    let part = |first: usize, heads: usize| {
+        qkv.narrow(2, first * dh, heads * dh)?
+            .reshape((b, t, heads, dh))?
+            .transpose(1, 2)
+    };
+    // each key/value head repeated for the query heads of its group: (B, H, T, Dh)
+    let repeat = |x: Tensor| {
+        x.unsqueeze(2)?
+            .broadcast_as((b, d.hkv, g, t, dh))?
+            .reshape((b, d.h, t, dh))
+    };
+    let q = part(0, d.h)?
+        .contiguous()?
+        .affine(1.0 / (dh as f64).sqrt(), 0.0)?;
+    let k = repeat(part(d.h, d.hkv)?)?;
+    let v = repeat(part(d.h + d.hkv, d.hkv)?)?;
+    let att = super::causal_softmax_last_dim(&q.matmul(&k.t()?)?)?;
+    super::merge_heads(&att.matmul(&v)?)
+}
+
 /// Whether the CUDA kernels take this problem: tensor-core `mma.sync` with bf16/f16 needs
 /// compute capability 8.0 or newer; `B*H` goes on the grid's y dimension (at most 65535) and
 /// the kernels index rows with 32-bit integers. Outside these limits the composed path runs.
 #[cfg(feature = "cuda")]
-fn cuda_kernels_apply(dev: &candle_core::CudaDevice, b: usize, t: usize, h: usize) -> bool {
+fn cuda_kernels_apply(dev: &candle_core::CudaDevice, d: Dims) -> bool {
     let cc = dev.cuda_stream().context().compute_capability();
     let sm80 = cc.is_ok_and(|(major, _)| major >= 8);
-    sm80 && b * h <= 65535 && b * t * 3 * h * HEAD_DIM <= i32::MAX as usize
+    sm80 && d.b * d.h <= 65535 && d.b * d.t * d.w() <= i32::MAX as usize
 }
 
 /// Without the `cuda` feature there are no kernels.
 #[cfg(not(feature = "cuda"))]
-fn cuda_kernels_apply(_dev: &candle_core::CudaDevice, _b: usize, _t: usize, _h: usize) -> bool {
+fn cuda_kernels_apply(_dev: &candle_core::CudaDevice, _d: Dims) -> bool {
     false
 }
 
@@ -107,42 +184,93 @@ fn dims(qkv: &Tensor, n_head: usize) -> Result<(usize, usize, usize)> {
     Ok((b, t, c3 / 3))
 }
 
+/// The problem shape of a valid grouped `qkv`.
+fn grouped_dims(qkv: &Tensor, n_head: usize, n_kv_head: usize) -> Result<Dims> {
+    let op = "grouped_causal_attention";
+    check_float(op, "qkv", qkv.dtype())?;
+    let (b, t, w) = match qkv.dims() {
+        &[b, t, w] => (b, t, w),
+        d => bail!(
+            "{op}: qkv must be (B, T, (n_head + 2 * n_kv_head) * head_dim), found shape {d:?}"
+        ),
+    };
+    if n_head == 0 || n_kv_head == 0 || n_head % n_kv_head != 0 {
+        bail!(
+            "{op}: n_head = {n_head} must be a positive multiple of n_kv_head = {n_kv_head} \
+             (each key/value head serves n_head / n_kv_head query heads)"
+        )
+    }
+    let heads = n_head + 2 * n_kv_head;
+    if w == 0 || w % heads != 0 {
+        bail!(
+            "{op}: qkv's last dimension {w} must be (n_head + 2 * n_kv_head) * head_dim with \
+             n_head = {n_head}, n_kv_head = {n_kv_head} (and head_dim >= 1)"
+        )
+    }
+    Ok(Dims {
+        b,
+        t,
+        h: n_head,
+        hkv: n_kv_head,
+        dh: w / heads,
+    })
+}
+
 /// The forward op. On CUDA it leaves the rows' log-sum-exp in `lse` for the backward.
 struct Attention {
     n_head: usize,
+    n_kv_head: usize,
     lse: SideOutput,
 }
 
 /// The backward op: `(qkv, y, dy) → dqkv`; `lse` is the forward's (CUDA only).
 struct AttentionBwd {
     n_head: usize,
+    n_kv_head: usize,
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     lse: Option<Tensor>,
 }
 
-/// Problem shape: batch, sequence, heads, head width.
+/// Problem shape: batch, sequence, query heads, key/value heads, head width.
 #[derive(Clone, Copy)]
 struct Dims {
     b: usize,
     t: usize,
     h: usize,
+    hkv: usize,
     dh: usize,
 }
 
 impl Dims {
-    fn of(l: &Layout, n_head: usize) -> Result<Self> {
+    fn of(l: &Layout, n_head: usize, n_kv_head: usize) -> Result<Self> {
+        let heads = n_head + 2 * n_kv_head;
         match l.dims() {
-            &[b, t, c3] if c3 % (3 * n_head) == 0 => Ok(Self {
+            &[b, t, w] if w % heads == 0 && n_head % n_kv_head == 0 => Ok(Self {
                 b,
                 t,
                 h: n_head,
-                dh: c3 / 3 / n_head,
+                hkv: n_kv_head,
+                dh: w / heads,
             }),
             d => bail!("causal_attention: qkv has shape {d:?} (internal error)"),
         }
     }
+    /// Width of the output rows (the query heads).
     fn c(&self) -> usize {
         self.h * self.dh
+    }
+    /// Width of the qkv rows.
+    fn w(&self) -> usize {
+        (self.h + 2 * self.hkv) * self.dh
+    }
+    /// First column in a qkv row of query head `head` (part 0), or of key/value head `head`'s
+    /// keys (part 1) or values (part 2).
+    fn col(&self, part: usize, head: usize) -> usize {
+        match part {
+            0 => head * self.dh,
+            1 => (self.h + head) * self.dh,
+            _ => (self.h + self.hkv + head) * self.dh,
+        }
     }
 }
 
@@ -173,10 +301,13 @@ fn put_head<T: Elem>(out: &mut [T], m: &[f32], rows: impl Iterator<Item = usize>
     }
 }
 
-/// One head's q, k, v as f32 `(T, Dh)` matrices.
+/// Query head `hi`'s q and its key/value head's k and v as f32 `(T, Dh)` matrices.
 fn head_qkv<T: Elem>(qkv: &[T], d: Dims, bi: usize, hi: usize) -> [Vec<f32>; 3] {
-    let c = d.c();
-    std::array::from_fn(|part| get_head(qkv, head_rows(d, bi, hi, 3 * c, part * c), d.dh))
+    let kvh = hi / (d.h / d.hkv);
+    std::array::from_fn(|part| {
+        let col = d.col(part, if part == 0 { hi } else { kvh });
+        get_head(qkv, head_rows(d, bi, 0, d.w(), col), d.dh)
+    })
 }
 
 /// Row `i` of one head's probabilities (keys `0..=i`), f32.
@@ -200,7 +331,8 @@ fn probs(q: &[f32], k: &[f32], i: usize, dh: usize, scale: f32) -> Vec<f32> {
     p
 }
 
-/// CPU reference forward: `(B, T, 3C)` → `(B, T, C)`.
+/// CPU reference forward: `(B, T, (H + 2 Hkv) Dh)` → `(B, T, H Dh)`, one rayon task per
+/// `(b, query head)`.
 fn fwd_cpu<T: Elem>(qkv: &[T], d: Dims) -> Vec<T> {
     let scale = 1.0 / (d.dh as f32).sqrt();
     let heads: Vec<Vec<f32>> = (0..d.b * d.h)
@@ -230,7 +362,8 @@ fn fwd_cpu<T: Elem>(qkv: &[T], d: Dims) -> Vec<T> {
 
 /// CPU reference backward: `(qkv, dy)` → `dqkv`, recomputing the probabilities:
 /// `dP = dy v^T`, `dS = P (dP - rowsum(dy * y))`, `dq = scale dS k`, `dk = scale dS^T q`,
-/// `dv = P^T dy`.
+/// `dv = P^T dy` per query head (one rayon task each); the dk and dv of the query heads of a
+/// group are then summed in head order into their key/value head (deterministic).
 fn bwd_cpu<T: Elem>(qkv: &[T], dy: &[T], d: Dims) -> Vec<T> {
     let scale = 1.0 / (d.dh as f32).sqrt();
     let c = d.c();
@@ -265,11 +398,28 @@ fn bwd_cpu<T: Elem>(qkv: &[T], dy: &[T], d: Dims) -> Vec<T> {
             [dq, dk, dv]
         })
         .collect();
-    let mut out = vec![T::from32(0.0); d.b * d.t * 3 * c];
-    for (bh, parts) in heads.iter().enumerate() {
-        for (part, m) in parts.iter().enumerate() {
-            let rows = head_rows(d, bh / d.h, bh % d.h, 3 * c, part * c);
-            put_head(&mut out, m, rows, dh);
+    let g = d.h / d.hkv;
+    let mut out = vec![T::from32(0.0); d.b * d.t * d.w()];
+    for (bh, [dq, _, _]) in heads.iter().enumerate() {
+        let rows = head_rows(d, bh / d.h, 0, d.w(), d.col(0, bh % d.h));
+        put_head(&mut out, dq, rows, dh);
+    }
+    for bk in 0..d.b * d.hkv {
+        let (bi, kvh) = (bk / d.hkv, bk % d.hkv);
+        let group = &heads[bi * d.h + kvh * g..][..g];
+        for part in 1..3 {
+            let mut sum = group[0][part].clone();
+            for member in &group[1..] {
+                for (s, v) in sum.iter_mut().zip(&member[part]) {
+                    *s += v;
+                }
+            }
+            put_head(
+                &mut out,
+                &sum,
+                head_rows(d, bi, 0, d.w(), d.col(part, kvh)),
+                dh,
+            );
         }
     }
     out
@@ -282,7 +432,7 @@ impl CustomOp1 for Attention {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let op = self.name();
-        let d = Dims::of(l, self.n_head)?;
+        let d = Dims::of(l, self.n_head, self.n_kv_head)?;
         macro_rules! run {
             ($t:ty) => {{
                 let x = cpu_slice::<$t>(op, "qkv", s, l)?;
@@ -301,7 +451,7 @@ impl CustomOp1 for Attention {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let d = Dims::of(l, self.n_head)?;
+        let d = Dims::of(l, self.n_head, self.n_kv_head)?;
         let (y, lse) = cuda::fwd(s, l, d)?;
         self.lse
             .put(candle_core::Storage::Cuda(lse), d.b * d.h * d.t);
@@ -316,6 +466,7 @@ impl CustomOp1 for Attention {
         };
         let op = AttentionBwd {
             n_head: self.n_head,
+            n_kv_head: self.n_kv_head,
             lse: self.lse.get(),
         };
         Ok(Some(qkv.apply_op3_no_bwd(y, &dy, &op)?))
@@ -337,7 +488,7 @@ impl CustomOp3 for AttentionBwd {
         ldy: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let op = self.name();
-        let d = Dims::of(l, self.n_head)?;
+        let d = Dims::of(l, self.n_head, self.n_kv_head)?;
         if s.dtype() != dy.dtype() {
             bail!(
                 "{op}: dy is {:?}, qkv {:?} (internal error)",
@@ -366,7 +517,7 @@ impl CustomOp3 for AttentionBwd {
         ldy: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let op = self.name();
-        let d = Dims::of(l, self.n_head)?;
+        let d = Dims::of(l, self.n_head, self.n_kv_head)?;
         let Some(lse) = &self.lse else {
             bail!("{op}: the forward left no log-sum-exp (internal error)")
         };
@@ -423,9 +574,11 @@ mod cuda {
         Ok(Some((fresh, Layout::contiguous(l.shape()))))
     }
 
-    fn tile_cfg(d: Dims) -> Result<LaunchConfig> {
+    /// Launch shape of the tile kernels: one block per 64-row tile and per (batch row, head),
+    /// `heads` being the query heads (forward, dQ) or the key/value heads (dK/dV).
+    fn tile_cfg(d: Dims, heads: usize) -> Result<LaunchConfig> {
         let bh = d.b * d.h;
-        if bh > 65535 || d.t > i32::MAX as usize / 4 || d.b * d.t * 3 * d.c() > i32::MAX as usize {
+        if bh > 65535 || d.t > i32::MAX as usize / 4 || d.b * d.t * d.w() > i32::MAX as usize {
             bail!(
                 "causal_attention: B*H = {bh} (at most 65535) or T = {} too large for the CUDA \
                  kernels; split the batch",
@@ -433,13 +586,20 @@ mod cuda {
             )
         }
         Ok(LaunchConfig {
-            grid_dim: (d.t.div_ceil(TILE) as u32, bh as u32, 1),
+            grid_dim: (d.t.div_ceil(TILE) as u32, (d.b * heads) as u32, 1),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         })
     }
 
     fn check(op: &str, d: Dims, dtype: DType) -> Result<&'static str> {
+        if d.hkv == 0 || d.h % d.hkv != 0 {
+            bail!(
+                "{op}: {} query heads for {} key/value heads (internal error)",
+                d.h,
+                d.hkv
+            )
+        }
         if d.dh != HEAD_DIM {
             bail!("{op}: the CUDA kernels take head width {HEAD_DIM}, found {} (internal error: the public function falls back)", d.dh)
         }
@@ -458,7 +618,7 @@ mod cuda {
     pub(super) fn fwd(s: &CudaStorage, l: &Layout, d: Dims) -> Result<(CudaStorage, CudaStorage)> {
         let op = "causal_attention";
         let tn = check(op, d, s.dtype())?;
-        let cfg = tile_cfg(d)?;
+        let cfg = tile_cfg(d, d.h)?;
         let copy = realign((s, l))?;
         let (s, l) = copy.as_ref().map_or((s, l), |(s, l)| (s, l));
         let dev = s.device();
@@ -474,10 +634,17 @@ mod cuda {
                 MODULE,
                 crate::cuda::ptx::ATTENTION,
             )?;
-            let (t, h, (scale2, _)) = (d.t as i32, d.h as i32, scales(d));
+            let (t, h, hkv, (scale2, _)) = (d.t as i32, d.h as i32, d.hkv as i32, scales(d));
             let mut lb = func.builder();
-            lb.arg(&xp).arg(&yp).arg(&lp).arg(&t).arg(&h).arg(&scale2);
-            // SAFETY: qkv holds B*T*3C elements (16-byte aligned), y B*T*C, lse B*H*T floats.
+            lb.arg(&xp)
+                .arg(&yp)
+                .arg(&lp)
+                .arg(&t)
+                .arg(&h)
+                .arg(&hkv)
+                .arg(&scale2);
+            // SAFETY: qkv holds B*T*(H + 2 Hkv)*64 elements (16-byte aligned), y B*T*C, lse
+            // B*H*T floats; H is a multiple of Hkv (checked).
             unsafe { lb.launch(cfg) }.w()?;
         }
         Ok((y, lse))
@@ -491,7 +658,7 @@ mod cuda {
         if a.dy.0.dtype() != a.qkv.0.dtype() || a.y.0.dtype() != a.qkv.0.dtype() {
             bail!("{op}: y and dy must have qkv's dtype (internal error)")
         }
-        let cfg = tile_cfg(d)?;
+        let cfgs = [tile_cfg(d, d.hkv)?, tile_cfg(d, d.h)?];
         let (cq, cy, cdy) = (realign(a.qkv)?, realign(a.y)?, realign(a.dy)?);
         let (qs, ql) = cq.as_ref().map_or(a.qkv, |(s, l)| (s, l));
         let (ys, yl) = cy.as_ref().map_or(a.y, |(s, l)| (s, l));
@@ -500,7 +667,8 @@ mod cuda {
         let stream = dev.cuda_stream();
         let rows = d.b * d.t * d.h;
         let mut dsum = alloc(dev, DType::F32, rows)?;
-        let mut dqkv = alloc(dev, qs.dtype(), d.b * d.t * 3 * d.c())?;
+        // every element is written once: the q columns by dq, the k and v columns by dkdv
+        let mut dqkv = alloc(dev, qs.dtype(), d.b * d.t * d.w())?;
         let load = |name: &str| {
             dev.get_or_load_custom_func(
                 &format!("{name}_{tn}"),
@@ -515,7 +683,7 @@ mod cuda {
             let (lp, _gl) = in_ptr(op, "lse", a.lse.0, a.lse.1, &stream)?;
             let (dp, _gd) = out_ptr(&mut dsum, &stream)?;
             let (op_, _go) = out_ptr(&mut dqkv, &stream)?;
-            let (t, h, rows_i) = (d.t as i32, d.h as i32, rows as i32);
+            let (t, h, hkv, rows_i) = (d.t as i32, d.h as i32, d.hkv as i32, rows as i32);
             let (scale2, scale) = scales(d);
             // D = rowsum(dy * y): one warp per (b, t, h) row, 8 rows per block
             let func = load("attn_bwd_dot")?;
@@ -528,7 +696,8 @@ mod cuda {
             };
             // SAFETY: y and dy hold B*T*C elements, dsum B*H*T floats.
             unsafe { lb.launch(dot_cfg) }.w()?;
-            for name in ["attn_bwd_dkdv", "attn_bwd_dq"] {
+            // dkdv: one block per (key tile, batch row, key/value head); dq: per query head
+            for (name, cfg) in ["attn_bwd_dkdv", "attn_bwd_dq"].into_iter().zip(cfgs) {
                 let func = load(name)?;
                 let mut lb = func.builder();
                 lb.arg(&qp)
@@ -538,10 +707,12 @@ mod cuda {
                     .arg(&op_)
                     .arg(&t)
                     .arg(&h)
+                    .arg(&hkv)
                     .arg(&scale2)
                     .arg(&scale);
-                // SAFETY: qkv and dqkv hold B*T*3C elements (16-byte aligned), dy B*T*C,
-                // lse and dsum B*H*T floats; dkdv writes the k and v columns, dq the q columns.
+                // SAFETY: qkv and dqkv hold B*T*(H + 2 Hkv)*64 elements (16-byte aligned), dy
+                // B*T*C, lse and dsum B*H*T floats; dkdv writes the k and v columns, dq the q
+                // columns; H is a multiple of Hkv (checked).
                 unsafe { lb.launch(cfg) }.w()?;
             }
         }

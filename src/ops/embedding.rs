@@ -123,6 +123,9 @@ impl CustomOp2 for Embedding {
         _y: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        if !table.track_op() {
+            return Ok((None, None)); // a frozen table (a constant): no scatter-add
+        }
         let dy = if dy.dtype() == table.dtype() {
             dy.contiguous()?
         } else {

@@ -132,7 +132,7 @@ fn gemm_dims(lx: &Layout, lw: &Layout) -> Result<(usize, usize, usize, Shape)> {
 /// `cast(x) @ w^T` on any backend: x cast to w's dtype (a contiguous copy, whatever x's
 /// layout), then candle's GEMM with w's layout transposed, which cuBLAS reads as a transposed
 /// operand and the CPU gemm as strides (no copy of w).
-fn cast_gemm<S: BackendStorage>(
+pub(super) fn cast_gemm<S: BackendStorage>(
     x: &S,
     lx: &Layout,
     w: &S,

@@ -132,7 +132,11 @@ impl CustomOp2 for HeadLoss {
         let dlogits = logits.apply_op3_no_bwd(&self.targets, &g, &CrossEntropyBwd)?;
         drop(logits);
         let dh = dlogits.matmul(&w.detach().contiguous()?)?; // (N, V) @ (V, C)
-        let dw = dlogits.t()?.matmul(&h.detach().contiguous()?)?; // (V, N) @ (N, C)
-        Ok((Some(dh), Some(dw)))
+                                                             // a frozen head (LoRA's tied table, a constant) costs no dW GEMM
+        let dw = match w.track_op() {
+            true => Some(dlogits.t()?.matmul(&h.detach().contiguous()?)?), // (V, N) @ (N, C)
+            false => None,
+        };
+        Ok((Some(dh), dw))
     }
 }

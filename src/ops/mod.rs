@@ -15,6 +15,10 @@
 //! | [`gelu_erf`] | `y = 0.5 x (1 + erf(x / sqrt(2)))` (elementwise, BERT's) | f32, bf16, f16 | x's |
 //! | [`split_heads`] / [`merge_heads`] | `(B, T, 3C) → (3, B, H, T, Dh)` / `(B, H, T, Dh) → (B, T, C)` row copies | any | x's |
 //! | [`causal_attention`] | `y = softmax(q k^T / sqrt(Dh) + causal mask) v` per head, `(B, T, 3C) → (B, T, C)` (flash attention on CUDA) | f32, bf16, f16 | x's |
+//! | [`grouped_causal_attention`] | the same with `Hkv` key/value heads shared by `H / Hkv` query heads each (GQA), `(B, T, (H + 2Hkv) Dh) → (B, T, H Dh)`, K/V never repeated on CUDA | f32, bf16, f16 | x's |
+//! | [`rotary_qkv`] | RoPE (`rotate_half` form) on the q and k heads of `(B, T, (H + 2Hkv) Dh)`, v copied; tables from [`rotary_tables`] | f32, bf16, f16 (tables f32) | x's |
+//! | [`swiglu`] | `y = silu(g) * u`, `(.., 2F) = [g \| u] → (.., F)` (Llama's MLP activation) | f32, bf16, f16 | x's |
+//! | [`lora_linear`] | `y = x W^T + (x A^T) B^T`, W frozen (no gradient), the LoRA update inside the node | x: f32, bf16, f16; W, A, B: the compute dtype | W's |
 //! | [`linear_cross_entropy_rows`] | `loss = lse(h W^T) - (h W^T)[t]` per row, the logits never a graph tensor | f32, bf16, f16 | f32 loss |
 //! | [`residual_add`] | `out = x + f32(y)`, the residual stream f32, the branch in any float dtype (elementwise) | x f32, y f32/bf16/f16 | f32 |
 //! | [`cross_entropy_rows`] | `loss = lse(x) - x[t]` per row, `dx = g (softmax(x) - onehot(t))` | f32, bf16, f16 | f32 loss, x's dx |
@@ -71,11 +75,17 @@ mod heads;
 mod layer_norm;
 mod linear;
 mod linear_cross_entropy;
+mod lora_linear;
 mod residual;
 mod rms_norm;
+mod rotary;
 mod softmax;
+mod swiglu;
 
-pub use attention::{causal_attention, causal_attention_composed};
+pub use attention::{
+    causal_attention, causal_attention_composed, grouped_causal_attention,
+    grouped_causal_attention_composed,
+};
 pub use bias::bias_add;
 pub use cross_entropy::cross_entropy_rows;
 pub use embedding::embedding;
@@ -84,9 +94,12 @@ pub use heads::{merge_heads, split_heads};
 pub use layer_norm::{layer_norm, layer_norm_with_dtype};
 pub use linear::linear;
 pub use linear_cross_entropy::linear_cross_entropy_rows;
+pub use lora_linear::lora_linear;
 pub use residual::residual_add;
 pub use rms_norm::{rms_norm, rms_norm_with_dtype};
+pub use rotary::{rotary_qkv, rotary_tables};
 pub use softmax::{causal_softmax_last_dim, key_padding_softmax_last_dim, softmax_last_dim};
+pub use swiglu::swiglu;
 
 use candle_core::{bail, CpuStorage, DType, Layout, Result, Storage, Tensor};
 use half::{bf16, f16};
