@@ -1,0 +1,148 @@
+//! LoRA pieces on their own: `ops::lora_linear` against the composition of plain candle ops
+//! (forward and the gradients of x, A and B; on the CPU and on CUDA), and `LoraConfig`'s
+//! PEFT-style target matching and checks.
+
+use candle_core::{DType, Device, Tensor, Var};
+use wick::lora::LoraConfig;
+
+fn values(shape: (usize, usize), scale: f64, phase: f64) -> Tensor {
+    let n = shape.0 * shape.1;
+    let t = Tensor::arange(0u32, n as u32, &Device::Cpu).unwrap();
+    let t = t.to_dtype(DType::F32).unwrap().affine(0.37, phase).unwrap();
+    (t.sin().unwrap() * scale).unwrap().reshape(shape).unwrap()
+}
+
+fn max_abs(a: &Tensor, b: &Tensor) -> f32 {
+    (a.to_dtype(DType::F32).unwrap() - b.to_dtype(DType::F32).unwrap())
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
+/// Loss `sum(y * g)` of the fused op and of `x W^T + (x A^T) B^T` composed, with the gradients
+/// of x, A and B; `dtype` is the compute dtype of W, A, B (x stays f32 and is cast inside).
+fn compare(device: &Device, dtype: DType, tol: f32) {
+    let (m, k, n, r) = (70, 48, 40, 6);
+    let x = Var::from_tensor(&values((m, k), 1.0, 0.1).to_device(device).unwrap()).unwrap();
+    let w = values((n, k), 0.2, 0.7)
+        .to_dtype(dtype)
+        .unwrap()
+        .to_device(device)
+        .unwrap();
+    let mk = |shape, s, p| {
+        Var::from_tensor(
+            &values(shape, s, p)
+                .to_dtype(dtype)
+                .unwrap()
+                .to_device(device)
+                .unwrap(),
+        )
+        .unwrap()
+    };
+    let (a, b) = (mk((r, k), 0.3, 1.3), mk((n, r), 0.3, 2.1));
+    let g = values((m, n), 1.0, 0.5).to_device(device).unwrap();
+
+    let y = wick::ops::lora_linear(x.as_tensor(), &w, a.as_tensor(), b.as_tensor()).unwrap();
+    assert_eq!((y.dims(), y.dtype()), (&[m, n][..], dtype));
+    let gy = (y.to_dtype(DType::F32).unwrap() * &g)
+        .unwrap()
+        .sum_all()
+        .unwrap();
+    let grads = gy.backward().unwrap();
+
+    let xc = x.as_tensor().to_dtype(dtype).unwrap();
+    let y_ref = (xc.matmul(&w.t().unwrap()).unwrap()
+        + xc.matmul(&a.t().unwrap())
+            .unwrap()
+            .matmul(&b.t().unwrap())
+            .unwrap())
+    .unwrap();
+    let gr = (y_ref.to_dtype(DType::F32).unwrap() * &g)
+        .unwrap()
+        .sum_all()
+        .unwrap();
+    let ref_grads = gr.backward().unwrap();
+
+    let scale = |t: &Tensor| max_abs(t, &t.zeros_like().unwrap()).max(1e-3);
+    assert!(max_abs(&y, &y_ref) / scale(&y_ref) < tol, "forward");
+    for (name, v) in [("x", &x), ("a", &a), ("b", &b)] {
+        let (ours, theirs) = (
+            grads.get(v.as_tensor()).expect("grad"),
+            ref_grads.get(v.as_tensor()).expect("ref grad"),
+        );
+        let d = max_abs(ours, theirs) / scale(theirs);
+        assert!(d < tol, "{dtype:?} d{name}: relative error {d}");
+    }
+    assert!(grads.get(&w).is_none(), "the frozen W must get no gradient");
+}
+
+#[test]
+fn lora_linear_matches_the_composition_on_cpu() {
+    compare(&Device::Cpu, DType::F32, 1e-5);
+    compare(&Device::Cpu, DType::BF16, 2e-2);
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn lora_linear_matches_the_composition_on_cuda() {
+    let dev = Device::new_cuda(0).unwrap();
+    compare(&dev, DType::F32, 1e-3); // TF32 may be on for f32 GEMMs
+    compare(&dev, DType::BF16, 2e-2);
+}
+
+#[test]
+fn lora_linear_rejects_shapes_that_do_not_chain() {
+    let x = Tensor::zeros((4, 8), DType::F32, &Device::Cpu).unwrap();
+    let w = Tensor::zeros((6, 8), DType::F32, &Device::Cpu).unwrap();
+    let a = Tensor::zeros((2, 8), DType::F32, &Device::Cpu).unwrap();
+    let b_bad = Tensor::zeros((6, 3), DType::F32, &Device::Cpu).unwrap();
+    let e = wick::ops::lora_linear(&x, &w, &a, &b_bad)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("do not chain"), "{e}");
+    let a16 = a.to_dtype(DType::BF16).unwrap();
+    let b = Tensor::zeros((6, 2), DType::F32, &Device::Cpu).unwrap();
+    assert!(wick::ops::lora_linear(&x, &w, &a16, &b).is_err());
+}
+
+#[test]
+fn lora_config_targets_modules_as_peft_does() {
+    let c = LoraConfig::all_linear(8, 16.0);
+    assert_eq!(c.scaling(), 2.0);
+    assert!(c.targets("model.layers.3.self_attn.q_proj"));
+    assert!(c.targets("model.layers.3.mlp.down_proj"));
+    assert!(!c.targets("model.layers.3.self_attn.q_projection"));
+    let g = LoraConfig {
+        target_modules: vec!["model.layers.1[0-9].*".into()],
+        ..c.clone()
+    };
+    assert!(g.targets("model.layers.12.mlp.up_proj"));
+    assert!(!g.targets("model.layers.2.mlp.up_proj"));
+    for bad in [
+        LoraConfig { r: 0, ..c.clone() },
+        LoraConfig {
+            dropout: 1.0,
+            ..c.clone()
+        },
+        LoraConfig {
+            alpha: f64::NAN,
+            ..c.clone()
+        },
+        LoraConfig {
+            target_modules: vec![],
+            ..c.clone()
+        },
+        LoraConfig {
+            target_modules: vec!["[".into()],
+            ..c.clone()
+        },
+    ] {
+        assert!(bad.validate().is_err(), "{bad:?}");
+    }
+}
