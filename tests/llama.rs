@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use wick::lora::{self, LoraConfig};
 use wick::models::llama_io::{self, Gguf};
-use wick::models::llama_tokenizer::{ChatMessage, LlamaTokenizer};
+use wick::models::llama_tokenizer::{ChatMessage, LlamaTokenizer, Pretokenizer};
 use wick::models::{FineTune, KvCache, Llama, LlamaConfig, LlamaWeights};
 use wick::{Engine, EngineConfig, ParamStore, Precision};
 

@@ -48,7 +48,7 @@ fn compare(device: &Device, dtype: DType, tol: f32) {
     let (a, b) = (mk((r, k), 0.3, 1.3), mk((n, r), 0.3, 2.1));
     let g = values((m, n), 1.0, 0.5).to_device(device).unwrap();
 
-    let y = wick::ops::lora_linear(x.as_tensor(), &w, a.as_tensor(), b.as_tensor()).unwrap();
+    let y = wick::ops::lora_linear(x.as_tensor(), &w, a.as_tensor(), b.as_tensor(), 1.0).unwrap();
     assert_eq!((y.dims(), y.dtype()), (&[m, n][..], dtype));
     let gy = (y.to_dtype(DType::F32).unwrap() * &g)
         .unwrap()
@@ -102,13 +102,13 @@ fn lora_linear_rejects_shapes_that_do_not_chain() {
     let w = Tensor::zeros((6, 8), DType::F32, &Device::Cpu).unwrap();
     let a = Tensor::zeros((2, 8), DType::F32, &Device::Cpu).unwrap();
     let b_bad = Tensor::zeros((6, 3), DType::F32, &Device::Cpu).unwrap();
-    let e = wick::ops::lora_linear(&x, &w, &a, &b_bad)
+    let e = wick::ops::lora_linear(&x, &w, &a, &b_bad, 1.0)
         .unwrap_err()
         .to_string();
     assert!(e.contains("do not chain"), "{e}");
     let a16 = a.to_dtype(DType::BF16).unwrap();
     let b = Tensor::zeros((6, 2), DType::F32, &Device::Cpu).unwrap();
-    assert!(wick::ops::lora_linear(&x, &w, &a16, &b).is_err());
+    assert!(wick::ops::lora_linear(&x, &w, &a16, &b, 1.0).is_err());
 }
 
 #[test]
@@ -145,4 +145,74 @@ fn lora_config_targets_modules_as_peft_does() {
     ] {
         assert!(bad.validate().is_err(), "{bad:?}");
     }
+}
+
+/// Three stacked modules, the middle one without an adapter (`q_proj, v_proj` targets on a
+/// fused qkv): the grouped op against the per-module composition, forward and gradients.
+#[test]
+fn grouped_lora_linear_with_an_unadapted_part_matches_the_composition() {
+    let (m, k, r, s) = (9, 16, 3, 0.5);
+    let x = Var::from_tensor(&values((m, k), 1.0, 0.2)).unwrap();
+    let ws: Vec<Tensor> = [(8, 0.3), (4, 0.9), (6, 1.7)]
+        .iter()
+        .map(|&(n, p)| values((n, k), 0.2, p))
+        .collect();
+    let w = Tensor::cat(&ws, 0).unwrap();
+    let (aq, av) = (
+        Var::from_tensor(&values((r, k), 0.3, 2.3)).unwrap(),
+        Var::from_tensor(&values((r, k), 0.3, 2.9)).unwrap(),
+    );
+    let (bq, bv) = (
+        Var::from_tensor(&values((8, r), 0.3, 3.1)).unwrap(),
+        Var::from_tensor(&values((6, r), 0.3, 3.7)).unwrap(),
+    );
+    let a = Tensor::cat(&[aq.as_tensor(), av.as_tensor()], 0).unwrap();
+    let b = Tensor::cat(&[bq.as_tensor(), bv.as_tensor()], 0).unwrap();
+    let parts = [(8, r), (4, 0), (6, r)];
+    let y = wick::ops::lora_linear_grouped(x.as_tensor(), &w, &a, &b, &parts, s).unwrap();
+    let g = values((m, 18), 1.0, 0.4);
+    let grads = (&y * &g).unwrap().sum_all().unwrap().backward().unwrap();
+
+    let xt = x.as_tensor();
+    let lin = |w: &Tensor| xt.matmul(&w.t().unwrap()).unwrap();
+    let upd = |a: &Var, b: &Var| {
+        (lin(a.as_tensor())
+            .matmul(&b.as_tensor().t().unwrap())
+            .unwrap()
+            * s)
+            .unwrap()
+    };
+    let y_ref = Tensor::cat(
+        &[
+            (lin(&ws[0]) + upd(&aq, &bq)).unwrap(),
+            lin(&ws[1]),
+            (lin(&ws[2]) + upd(&av, &bv)).unwrap(),
+        ],
+        1,
+    )
+    .unwrap();
+    let ref_grads = (&y_ref * &g)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    assert!(max_abs(&y, &y_ref) < 1e-5);
+    for (name, v) in [
+        ("x", &x),
+        ("aq", &aq),
+        ("av", &av),
+        ("bq", &bq),
+        ("bv", &bv),
+    ] {
+        let d = max_abs(
+            grads.get(v.as_tensor()).expect("grad"),
+            ref_grads.get(v.as_tensor()).expect("ref"),
+        );
+        assert!(d < 1e-5, "d{name}: {d}");
+    }
+    // parts that do not add up to w's rows are an error, not a panic
+    assert!(
+        wick::ops::lora_linear_grouped(x.as_tensor(), &w, &a, &b, &[(8, r), (6, r)], s).is_err()
+    );
 }

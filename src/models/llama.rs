@@ -160,39 +160,46 @@ impl Proj {
         if self.adapters.iter().all(Option::is_none) {
             return Ok(ops::linear(x, &w, None)?);
         }
-        // all adapted parts in two GEMMs: u = x [A_1; ..; A_k]^T (.., R), then u times the
-        // block-diagonal [s B_1 0 ..; 0 s B_2 ..] (out, R); parts without an adapter get zero rows
-        let r_total: usize = self.adapters.iter().flatten().map(|a| a.a.dims()[0]).sum();
-        let a = Tensor::cat(
-            &self
-                .adapters
-                .iter()
-                .flatten()
-                .map(|a| a.a.clone())
-                .collect::<Vec<_>>(),
-            0,
-        )?;
-        let mut rows = Vec::with_capacity(self.parts.len());
-        let mut col = 0;
-        for (w, ad) in self.parts.iter().zip(&self.adapters) {
-            match ad {
-                Some(ad) => {
-                    let r = ad.b.dim(1)?;
-                    rows.push(ad.b.pad_with_zeros(1, col, r_total - col - r)?);
-                    col += r;
-                }
-                None => rows.push(Tensor::zeros((w.dim(0)?, r_total), a.dtype(), a.device())?),
-            }
-        }
-        let b = Tensor::cat(&rows, 0)?.affine(self.scaling, 0.0)?;
+        let adapted: Vec<&LoraAdapter> = self.adapters.iter().flatten().collect();
+        let a = Tensor::cat(&adapted.iter().map(|ad| &ad.a).collect::<Vec<_>>(), 0)?;
         if train && self.dropout > 0.0 {
-            // PEFT's order: dropout on the adapter's input only, so the update is its own node
+            // PEFT's order: dropout on the adapters' input only, so the updates are separate
+            // nodes: u = dropout(x) [A_1; ..]^T, then u times the block-diagonal [B_1 0; 0 B_2]
+            let r_total = a.dim(0)?;
+            let mut rows = Vec::with_capacity(self.parts.len());
+            let mut col = 0;
+            for (w, ad) in self.parts.iter().zip(&self.adapters) {
+                match ad {
+                    Some(ad) => {
+                        let r = ad.b.dim(1)?;
+                        rows.push(ad.b.pad_with_zeros(1, col, r_total - col - r)?);
+                        col += r;
+                    }
+                    None => rows.push(Tensor::zeros((w.dim(0)?, r_total), a.dtype(), a.device())?),
+                }
+            }
+            let b = Tensor::cat(&rows, 0)?.affine(self.scaling, 0.0)?;
             let xd = candle_nn::ops::dropout(x, self.dropout as f32)?;
             let y = ops::linear(x, &w, None)?;
             return Ok((y + ops::linear(&ops::linear(&xd, &a, None)?, &b, None)?)?);
         }
-        // base GEMM and update in one node: no (.., out) update tensor kept per projection
-        Ok(ops::lora_linear(x, &w, &a, &b)?)
+        // base GEMM and every part's update in one node: no (.., out) update tensor kept, and
+        // the adapters' tensors enter as two stacks rather than a block-diagonal built per step
+        let b = Tensor::cat(&adapted.iter().map(|ad| &ad.b).collect::<Vec<_>>(), 0)?;
+        let parts: Vec<(usize, usize)> = self
+            .parts
+            .iter()
+            .zip(&self.adapters)
+            .map(|(w, ad)| (w.dims()[0], ad.as_ref().map_or(0, |ad| ad.a.dims()[0])))
+            .collect();
+        Ok(ops::lora_linear_grouped(
+            x,
+            &w,
+            &a,
+            &b,
+            &parts,
+            self.scaling,
+        )?)
     }
 }
 

@@ -4,10 +4,16 @@
 //! GGUF keeps the vocabulary (`tokenizer.ggml.tokens`, in GPT-2's byte-to-unicode alphabet),
 //! the merges (`tokenizer.ggml.merges`, `"a b"` strings in rank order), the token types
 //! (`tokenizer.ggml.token_type`: 3 marks control tokens such as `<|im_start|>`) and the name of
-//! the pre-tokenizer (`tokenizer.ggml.pre`). SmolLM2's (`"smollm"`) splits every digit apart,
-//! then applies GPT-2's regex split and byte-level mapping: llama.cpp's `LLAMA_VOCAB_PRE_TYPE_SMOLLM`
-//! and the `Digits(individual_digits=True)` + `ByteLevel` sequence of SmolLM2's
-//! `tokenizer.json`. Other `gpt2` pre-tokenizers get the `ByteLevel` step alone.
+//! the pre-tokenizer (`tokenizer.ggml.pre`).
+//!
+//! Two pre-tokenizations exist for SmolLM2's `"smollm"`, and they disagree on whitespace runs
+//! before digits (2 of the 1.56M tokens of the Shakespeare text):
+//! - [`Pretokenizer::Transformers`] (the default): GPT-2's regex split and byte-level mapping
+//!   alone, as transformers' GGUF loader (`GGUFLlamaConverter`) builds it; ids equal to the
+//!   tokenizer `../shared/reference/torch_llama.py` uses (tests/fixtures/smollm2_reference.json).
+//! - [`Pretokenizer::LlamaCpp`]: every digit split apart first, then the same ByteLevel step:
+//!   llama.cpp's `LLAMA_VOCAB_PRE_TYPE_SMOLLM` and SmolLM2's own `tokenizer.json`
+//!   (`Digits(individual_digits=True)` + `ByteLevel`).
 
 use super::llama_io::Gguf;
 use anyhow::{anyhow, bail, Context, Result};
@@ -27,6 +33,17 @@ pub struct ChatMessage {
     pub content: String,
 }
 
+/// Which pre-tokenization [`LlamaTokenizer::from_gguf_with`] builds (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Pretokenizer {
+    /// transformers' GGUF loader: ByteLevel (GPT-2 regex) only.
+    #[default]
+    Transformers,
+    /// llama.cpp's `smollm` / SmolLM2's tokenizer.json: digits split apart, then ByteLevel
+    /// (other `tokenizer.ggml.pre` values get ByteLevel alone).
+    LlamaCpp,
+}
+
 /// A GGUF model's tokenizer and chat template.
 pub struct LlamaTokenizer {
     /// The byte-level BPE tokenizer (control tokens are special added tokens).
@@ -40,11 +57,17 @@ pub struct LlamaTokenizer {
 }
 
 impl LlamaTokenizer {
-    /// Builds the tokenizer from the metadata of `gguf`.
+    /// Builds the tokenizer from the metadata of `gguf`, pre-tokenizing as transformers does
+    /// ([`Pretokenizer::Transformers`]).
     ///
     /// Errors: a tokenizer model other than `gpt2` (byte-level BPE), missing or mistyped
     /// vocabulary, merges or token types (named), a merge that is not two tokens.
     pub fn from_gguf(gguf: &Gguf) -> Result<Self> {
+        Self::from_gguf_with(gguf, Pretokenizer::Transformers)
+    }
+
+    /// [`Self::from_gguf`] with the pre-tokenization chosen.
+    pub fn from_gguf_with(gguf: &Gguf, pretokenizer: Pretokenizer) -> Result<Self> {
         let model = gguf.meta("tokenizer.ggml.model")?.to_string()?;
         if model != "gpt2" {
             bail!("tokenizer model {model:?} is not supported; wick reads byte-level BPE (\"gpt2\") GGUF tokenizers");
@@ -86,18 +109,19 @@ impl LlamaTokenizer {
             .map_err(|e| anyhow!("building the BPE model: {e}"))?;
         let mut tokenizer = Tokenizer::new(bpe);
         let byte_level = ByteLevel::new(false, false, true);
-        let pre = match gguf
+        let smollm = gguf
             .content
             .metadata
             .get("tokenizer.ggml.pre")
             .and_then(|v| v.to_string().ok())
-            .map(String::as_str)
-        {
-            Some("smollm") => PreTokenizerWrapper::Sequence(Sequence::new(vec![
+            .is_some_and(|p| p == "smollm");
+        let pre = if pretokenizer == Pretokenizer::LlamaCpp && smollm {
+            PreTokenizerWrapper::Sequence(Sequence::new(vec![
                 PreTokenizerWrapper::Digits(Digits::new(true)),
                 PreTokenizerWrapper::ByteLevel(byte_level),
-            ])),
-            _ => PreTokenizerWrapper::ByteLevel(byte_level),
+            ]))
+        } else {
+            PreTokenizerWrapper::ByteLevel(byte_level)
         };
         tokenizer.with_pre_tokenizer(Some(pre));
         tokenizer.with_decoder(Some(ByteLevelDecoder::default()));

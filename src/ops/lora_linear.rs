@@ -1,44 +1,85 @@
-//! A frozen linear layer with a LoRA update as one graph node (Hu et al. 2021,
-//! arXiv:2106.09685; PEFT's `lora.Linear` with the scale folded into `B`):
+//! Frozen linear layers with LoRA updates as one graph node (Hu et al. 2021,
+//! arXiv:2106.09685; PEFT's `lora.Linear`), for a projection that stacks several modules
+//! along its output (`[Wq; Wk; Wv]`), each with its own adapter:
 //!
 //! ```text
-//! y  = x W^T + (x A^T) B^T          x: (.., K), W: (N, K) frozen, A: (R, K), B: (N, R)
-//! u  = x A^T                        (recomputed in the backward, (M, R): small)
-//! dB = dy^T u       du = dy B       dA = du^T x       dx = dy W + du A
+//! y   = x W^T + s [u_1 B_1^T | u_2 B_2^T | ..]     x: (M, K), W: (N, K) frozen, N = sum N_i
+//! u   = x A^T = [u_1 | u_2 | ..]                    A = [A_1; A_2; ..]: (P r, K), u_i: (M, r)
+//! dB_i = s dy_i^T u_i    du_i = s dy_i B_i    dA = du^T x    dx = dy W + du A
 //! ```
-//! As separate ops (`linear(x, W) + linear(linear(x, A), B)`) the update costs a full-size
-//! `(M, N)` tensor and an add per projection, both kept for the backward: 10 GB of activations
-//! for SmolLM2-135M at 16 x 1024 tokens. Here the forward adds the update into the output
-//! inside the op and keeps nothing but its inputs; `W` gets no gradient (it is a constant) and
-//! costs no `dW` GEMM.
+//! `B = [B_1; B_2; ..]: (sum N_i, r)` holds the adapted parts' up projections (a part without
+//! an adapter has rank 0 and no rows in A or B). As separate ops the updates cost, per
+//! projection, a full-size `(M, N)` tensor and an add kept for the backward (10 GB of
+//! activations for SmolLM2-135M at 16 x 1024 tokens), and the block-diagonal up projection a
+//! dozen tiny graph nodes (host time). Here the forward adds the updates into the output
+//! inside the op and keeps only its inputs; W is a constant and costs no `dW` GEMM.
 
 use super::linear::cast_gemm;
 use super::{check_device, check_float};
-use candle_core::backend::BackendStorage;
+use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 
 const OP: &str = "lora_linear";
 
-/// `x @ w^T + (x @ a^T) @ b^T` in w's dtype, one differentiable node; `w` is frozen.
+/// `x @ w^T + scale * (x @ a^T) @ b^T` in w's dtype, one differentiable node; `w` is frozen.
 ///
 /// - `x: (.., K)`: f32, bf16 or f16 (cast to w's dtype as [`super::linear`] does).
 /// - `w: (N, K)`: the frozen base weight, a constant in the compute dtype (it gets no
 ///   gradient, whether or not autograd tracks it).
-/// - `a: (R, K)`, `b: (N, R)`: the adapter in w's dtype, the LoRA scale already in `b`.
+/// - `a: (R, K)`, `b: (N, R)`: the adapter in w's dtype; `scale` is LoRA's `alpha / r`.
 ///
-/// Returns `(.., N)` in w's dtype. Gradients for x (in x's dtype), a and b. Not twice
-/// differentiable. Errors (no panics): shapes that do not chain, dtypes of a and b other than
-/// w's, a non-float dtype, tensors on different devices, no rows.
-pub fn lora_linear(x: &Tensor, w: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+/// Returns `(.., N)` in w's dtype; gradients for x (in x's dtype), a and b. Errors: as
+/// [`lora_linear_grouped`].
+pub fn lora_linear(x: &Tensor, w: &Tensor, a: &Tensor, b: &Tensor, scale: f64) -> Result<Tensor> {
+    let parts = [(
+        w.dims().first().copied().unwrap_or(0),
+        a.dims().first().copied().unwrap_or(0),
+    )];
+    lora_linear_grouped(x, w, a, b, &parts, scale)
+}
+
+/// [`lora_linear`] for a stack of modules: `parts[i] = (N_i, r_i)`, the output rows of module
+/// `i` in `w` (in order, summing to N) and its adapter's rank (0: no adapter; every adapted
+/// part has the same rank r). `a: (sum r_i, K)` stacks the adapted parts' down projections,
+/// `b: (sum of N_i over adapted parts, r)` their up projections.
+///
+/// Errors (no panics): shapes that do not chain or parts that do not add up, ranks that
+/// differ, dtypes of a and b other than w's, a non-float dtype, tensors on different devices,
+/// no rows or no adapter.
+pub fn lora_linear_grouped(
+    x: &Tensor,
+    w: &Tensor,
+    a: &Tensor,
+    b: &Tensor,
+    parts: &[(usize, usize)],
+    scale: f64,
+) -> Result<Tensor> {
     check_float(OP, "x", x.dtype())?;
     check_float(OP, "w", w.dtype())?;
     for (what, t) in [("w", w), ("a", a), ("b", b)] {
         check_device(OP, what, x, t)?;
     }
-    let (n, k, r) = match (w.dims(), a.dims(), b.dims()) {
-        (&[n, k], &[r, ka], &[nb, rb]) if ka == k && nb == n && rb == r => (n, k, r),
+    let r = parts.iter().map(|p| p.1).max().unwrap_or(0);
+    let ranks_ok = parts.iter().all(|p| p.1 == 0 || p.1 == r);
+    let n_sum: usize = parts.iter().map(|p| p.0).sum();
+    let r_sum: usize = parts.iter().map(|p| p.1).sum();
+    let n_adapted: usize = parts.iter().filter(|p| p.1 > 0).map(|p| p.0).sum();
+    let (n, k) = match (w.dims(), a.dims(), b.dims()) {
+        (&[n, k], &[ra, ka], &[nb, rb])
+            if ka == k
+                && n == n_sum
+                && ra == r_sum
+                && nb == n_adapted
+                && rb == r
+                && r > 0
+                && ranks_ok =>
+        {
+            (n, k)
+        }
         (dw, da, db) => bail!(
-            "{OP}: w {dw:?}, a {da:?} and b {db:?} do not chain; expected w (N, K), a (R, K), b (N, R)"
+            "{OP}: w {dw:?}, a {da:?} and b {db:?} do not chain with the parts (rows, rank) \
+             {parts:?}; expected w (sum rows, K), a (sum ranks, K), b (adapted rows, r) with one \
+             rank r > 0"
         ),
     };
     if a.dtype() != w.dtype() || b.dtype() != w.dtype() {
@@ -55,9 +96,8 @@ pub fn lora_linear(x: &Tensor, w: &Tensor, a: &Tensor, b: &Tensor) -> Result<Ten
             x.dims()
         )
     }
-    let rows = x.elem_count() / k.max(1);
-    if rows == 0 || n == 0 || r == 0 {
-        bail!("{OP}: empty operands (x {:?}, rank {r}, N {n})", x.dims());
+    if x.elem_count() == 0 || n == 0 {
+        bail!("{OP}: empty operands (x {:?}, N {n})", x.dims());
     }
     let x = if x.dtype() == w.dtype() {
         x.contiguous()?
@@ -69,6 +109,9 @@ pub fn lora_linear(x: &Tensor, w: &Tensor, a: &Tensor, b: &Tensor) -> Result<Ten
         &b.contiguous()?,
         LoraLinear {
             w: w.detach().contiguous()?,
+            parts: parts.to_vec(),
+            rank: r,
+            scale,
         },
     )
 }
@@ -76,20 +119,65 @@ pub fn lora_linear(x: &Tensor, w: &Tensor, a: &Tensor, b: &Tensor) -> Result<Ten
 struct LoraLinear {
     /// The frozen base weight `(N, K)`, contiguous.
     w: Tensor,
+    /// `(N_i, r_i)` per stacked module.
+    parts: Vec<(usize, usize)>,
+    rank: usize,
+    scale: f64,
 }
 
-/// The forward on either backend: `y = cast(x) W^T`, `u = cast(x) A^T`, `y + u B^T`.
-fn forward<S: BackendStorage>(
+/// Where part `i`'s blocks sit: output columns, columns of u (rank offset), rows of b.
+fn offsets(parts: &[(usize, usize)]) -> Vec<(usize, usize, usize, usize)> {
+    let (mut col, mut q, mut row) = (0, 0, 0);
+    let mut out = Vec::new();
+    for &(n_i, r_i) in parts {
+        if r_i > 0 {
+            out.push((col, n_i, q, row));
+            q += r_i;
+            row += n_i;
+        }
+        col += n_i;
+    }
+    out
+}
+
+/// The forward on either backend: `y = cast(x) W^T`, `u = s cast(x) A^T`, then per adapted part
+/// its block `u_i B_i^T` into a zero `(M, N)` update, and `y + update`.
+fn forward<S>(
+    op: &LoraLinear,
     x: (&S, &Layout),
     w: (&S, &Layout),
     a: (&S, &Layout),
     b: (&S, &Layout),
-) -> Result<(S, Shape)> {
+) -> Result<(S, Shape)>
+where
+    S: BackendStorage,
+    S::Device: BackendDevice<Storage = S>,
+{
     let (y, m, n, shape) = cast_gemm(x.0, x.1, w.0, w.1)?;
-    let (u, _, r, _) = cast_gemm(x.0, x.1, a.0, a.1)?;
-    let (d, ..) = cast_gemm(&u, &Layout::contiguous((m, r)), b.0, b.1)?;
+    let (u, _, r_sum, _) = cast_gemm(x.0, x.1, a.0, a.1)?;
+    let u = u.affine(&Layout::contiguous((m, r_sum)), op.scale, 0.0)?;
+    let r = op.rank;
+    let dtype = y.dtype();
+    let dev = y.device().clone();
+    let mut update = dev.zeros_impl(&Shape::from((m, n)), dtype)?;
+    for (col, n_i, q, row) in offsets(&op.parts) {
+        let mut u_i = dev.zeros_impl(&Shape::from((m, r)), dtype)?;
+        u.copy2d(&mut u_i, m, r, r_sum, r, q, 0)?;
+        // u_i (M, r) @ B_i^T, B_i = rows row..row+N_i of b (contiguous (N_i, r) at row * r)
+        let lb = Layout::contiguous_with_offset((n_i, r), b.1.start_offset() + row * r);
+        let d = u_i.matmul(
+            b.0,
+            (1, m, n_i, r),
+            &Layout::contiguous((m, r)),
+            &lb.transpose(0, 1)?,
+        )?;
+        d.copy2d(&mut update, m, n_i, n_i, n, 0, col)?;
+    }
     let l = Layout::contiguous((m, n));
-    Ok((y.binary_impl::<candle_core::op::Add>(&d, &l, &l)?, shape))
+    Ok((
+        y.binary_impl::<candle_core::op::Add>(&update, &l, &l)?,
+        shape,
+    ))
 }
 
 impl CustomOp3 for LoraLinear {
@@ -110,7 +198,7 @@ impl CustomOp3 for LoraLinear {
         let Storage::Cpu(w) = &*ws else {
             bail!("{OP}: w is not on the CPU like x")
         };
-        forward((x, lx), (w, lw), (a, la), (b, lb))
+        forward(self, (x, lx), (w, lw), (a, la), (b, lb))
     }
 
     #[cfg(feature = "cuda")]
@@ -127,7 +215,7 @@ impl CustomOp3 for LoraLinear {
         let Storage::Cuda(w) = &*ws else {
             bail!("{OP}: w is not on CUDA like x")
         };
-        forward((x, lx), (w, lw), (a, la), (b, lb))
+        forward(self, (x, lx), (w, lw), (a, la), (b, lb))
     }
 
     fn bwd(
@@ -144,9 +232,17 @@ impl CustomOp3 for LoraLinear {
         let xc = x.detach().to_dtype(w.dtype())?.reshape((m, k))?;
         let dy2 = dy.detach().to_dtype(w.dtype())?.reshape((m, n))?;
         let (a, b) = (a.detach(), b.detach());
-        let u = xc.matmul(&a.t()?)?; // (M, R)
-        let db = dy2.t()?.matmul(&u)?; // (N, R)
-        let du = dy2.matmul(&b)?; // (M, R)
+        let u = xc.matmul(&a.t()?)?.affine(self.scale, 0.0)?; // s u, (M, R)
+        let (mut dbs, mut dus) = (Vec::new(), Vec::new());
+        for (col, n_i, q, row) in offsets(&self.parts) {
+            let dy_i = dy2.narrow(1, col, n_i)?.contiguous()?;
+            let u_i = u.narrow(1, q, self.rank)?.contiguous()?;
+            dbs.push(dy_i.t()?.matmul(&u_i)?); // s dy_i^T u_i, (N_i, r)
+            let b_i = b.narrow(0, row, n_i)?;
+            dus.push(dy_i.matmul(&b_i)?.affine(self.scale, 0.0)?); // s dy_i B_i, (M, r)
+        }
+        let db = Tensor::cat(&dbs, 0)?;
+        let du = Tensor::cat(&dus, 1)?; // (M, R)
         let da = du.t()?.matmul(&xc)?; // (R, K)
         let dx = if x.track_op() {
             let dx = (dy2.matmul(w)? + du.matmul(&a)?)?.reshape(x.shape())?;

@@ -18,7 +18,7 @@
 //! | [`grouped_causal_attention`] | the same with `Hkv` key/value heads shared by `H / Hkv` query heads each (GQA), `(B, T, (H + 2Hkv) Dh) → (B, T, H Dh)`, K/V never repeated on CUDA | f32, bf16, f16 | x's |
 //! | [`rotary_qkv`] | RoPE (`rotate_half` form) on the q and k heads of `(B, T, (H + 2Hkv) Dh)`, v copied; tables from [`rotary_tables`] | f32, bf16, f16 (tables f32) | x's |
 //! | [`swiglu`] | `y = silu(g) * u`, `(.., 2F) = [g \| u] → (.., F)` (Llama's MLP activation) | f32, bf16, f16 | x's |
-//! | [`lora_linear`] | `y = x W^T + (x A^T) B^T`, W frozen (no gradient), the LoRA update inside the node | x: f32, bf16, f16; W, A, B: the compute dtype | W's |
+//! | [`lora_linear`] / [`lora_linear_grouped`] | `y = x W^T + s (x A^T) B^T`, W frozen (no gradient), the LoRA updates of stacked modules inside the node | x: f32, bf16, f16; W, A, B: the compute dtype | W's |
 //! | [`linear_cross_entropy_rows`] | `loss = lse(h W^T) - (h W^T)[t]` per row, the logits never a graph tensor | f32, bf16, f16 | f32 loss |
 //! | [`residual_add`] | `out = x + f32(y)`, the residual stream f32, the branch in any float dtype (elementwise) | x f32, y f32/bf16/f16 | f32 |
 //! | [`cross_entropy_rows`] | `loss = lse(x) - x[t]` per row, `dx = g (softmax(x) - onehot(t))` | f32, bf16, f16 | f32 loss, x's dx |
@@ -94,7 +94,7 @@ pub use heads::{merge_heads, split_heads};
 pub use layer_norm::{layer_norm, layer_norm_with_dtype};
 pub use linear::linear;
 pub use linear_cross_entropy::linear_cross_entropy_rows;
-pub use lora_linear::lora_linear;
+pub use lora_linear::{lora_linear, lora_linear_grouped};
 pub use residual::residual_add;
 pub use rms_norm::{rms_norm, rms_norm_with_dtype};
 pub use rotary::{rotary_qkv, rotary_tables};
