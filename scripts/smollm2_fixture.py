@@ -14,6 +14,10 @@
   python3 scripts/smollm2_fixture.py check-merged --merged DIR --logits wick.json
       Loads wick's merged HF folder with transformers (LlamaForCausalLM.from_pretrained) and
       compares the logits the same way.
+
+  python3 scripts/smollm2_fixture.py peft-vs-merged --gguf ... --adapter DIR --merged DIR
+      peft with wick's adapter against transformers with wick's merged folder (both f32), and
+      how far both are from the base model.
 """
 import argparse, json, os, sys
 
@@ -109,6 +113,22 @@ def check_merged(a):
     sys.exit(0 if ok else 1)
 
 
+def peft_vs_merged(a):
+    """peft with wick's adapter against transformers with wick's merged folder, both f32: the
+    adapter's tensor names and scale are right when the two agree to f32 rounding."""
+    import torch
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+    tok, base = load(a.gguf)
+    ids = tok(PROMPT)["input_ids"]
+    p = prompt_logits(PeftModel.from_pretrained(base, a.adapter).eval(), ids)
+    m = prompt_logits(LlamaForCausalLM.from_pretrained(a.merged, dtype=torch.float32).eval(), ids)
+    b = prompt_logits(load(a.gguf)[1], ids)
+    d = (p - m).abs().max().item()
+    print(json.dumps({"peft_vs_merged_max_abs": d, "peft_vs_base_max_abs": (p - b).abs().max().item()}))
+    sys.exit(0 if d < 1e-3 else 1)
+
+
 def main():
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -116,8 +136,11 @@ def main():
     c = sub.add_parser("check-adapter"); c.add_argument("--gguf", required=True)
     c.add_argument("--adapter", required=True); c.add_argument("--logits", required=True)
     g = sub.add_parser("check-merged"); g.add_argument("--merged", required=True); g.add_argument("--logits", required=True)
+    pm = sub.add_parser("peft-vs-merged"); pm.add_argument("--gguf", required=True)
+    pm.add_argument("--adapter", required=True); pm.add_argument("--merged", required=True)
     a = ap.parse_args()
-    {"make": make, "check-adapter": check_adapter, "check-merged": check_merged}[a.cmd](a)
+    {"make": make, "check-adapter": check_adapter, "check-merged": check_merged,
+     "peft-vs-merged": peft_vs_merged}[a.cmd](a)
 
 
 if __name__ == "__main__":

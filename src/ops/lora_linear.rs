@@ -11,8 +11,9 @@
 //! an adapter has rank 0 and no rows in A or B). As separate ops the updates cost, per
 //! projection, a full-size `(M, N)` tensor and an add kept for the backward (10 GB of
 //! activations for SmolLM2-135M at 16 x 1024 tokens), and the block-diagonal up projection a
-//! dozen tiny graph nodes (host time). Here the forward adds the updates into the output
-//! inside the op and keeps only its inputs; W is a constant and costs no `dW` GEMM.
+//! dozen tiny graph nodes (host time). Here base and update are one GEMM over the widened
+//! inner dimension, `y = [x | s u] [W | B_bd]^T` (R/K more FLOPs, a few percent), the op keeps
+//! only its inputs, and W, a constant, costs no `dW` GEMM.
 
 use super::linear::cast_gemm;
 use super::{check_device, check_float};
@@ -140,8 +141,10 @@ fn offsets(parts: &[(usize, usize)]) -> Vec<(usize, usize, usize, usize)> {
     out
 }
 
-/// The forward on either backend: `y = cast(x) W^T`, `u = s cast(x) A^T`, then per adapted part
-/// its block `u_i B_i^T` into a zero `(M, N)` update, and `y + update`.
+/// The forward on either backend, as one GEMM over K + R: `y = [x | s u] [W | B_bd]^T`, with
+/// `u = cast(x) A^T` and `B_bd` the block-diagonal `(N, R)` of the parts' up projections
+/// (zero outside each adapted part's rows and rank columns). The widened operands are built
+/// here (copies of x, u, W and B: no full-size `(M, N)` update pass) and dropped after the GEMM.
 fn forward<S>(
     op: &LoraLinear,
     x: (&S, &Layout),
@@ -153,31 +156,43 @@ where
     S: BackendStorage,
     S::Device: BackendDevice<Storage = S>,
 {
-    let (y, m, n, shape) = cast_gemm(x.0, x.1, w.0, w.1)?;
-    let (u, _, r_sum, _) = cast_gemm(x.0, x.1, a.0, a.1)?;
-    let u = u.affine(&Layout::contiguous((m, r_sum)), op.scale, 0.0)?;
-    let r = op.rank;
-    let dtype = y.dtype();
-    let dev = y.device().clone();
-    let mut update = dev.zeros_impl(&Shape::from((m, n)), dtype)?;
-    for (col, n_i, q, row) in offsets(&op.parts) {
-        let mut u_i = dev.zeros_impl(&Shape::from((m, r)), dtype)?;
-        u.copy2d(&mut u_i, m, r, r_sum, r, q, 0)?;
-        // u_i (M, r) @ B_i^T, B_i = rows row..row+N_i of b (contiguous (N_i, r) at row * r)
-        let lb = Layout::contiguous_with_offset((n_i, r), b.1.start_offset() + row * r);
-        let d = u_i.matmul(
-            b.0,
-            (1, m, n_i, r),
-            &Layout::contiguous((m, r)),
-            &lb.transpose(0, 1)?,
-        )?;
-        d.copy2d(&mut update, m, n_i, n_i, n, 0, col)?;
+    let (u, m, r_sum, shape_u) = cast_gemm(x.0, x.1, a.0, a.1)?;
+    let (n, k) = (w.1.dims()[0], w.1.dims()[1]);
+    let mut shape = shape_u.dims().to_vec();
+    if let Some(d) = shape.last_mut() {
+        *d = n;
     }
-    let l = Layout::contiguous((m, n));
-    Ok((
-        y.binary_impl::<candle_core::op::Add>(&update, &l, &l)?,
-        shape,
-    ))
+    let us = u.affine(&Layout::contiguous((m, r_sum)), op.scale, 0.0)?;
+    let dtype = w.0.dtype();
+    let dev = w.0.device().clone();
+    let kp = k + r_sum;
+    let cast;
+    let (xs, x_off) = if x.0.dtype() == dtype {
+        (x.0, x.1.start_offset())
+    } else {
+        cast = x.0.to_dtype(x.1, dtype)?;
+        (&cast, 0)
+    };
+    let mut xp = dev.zeros_impl(&Shape::from((m, kp)), dtype)?;
+    xs.copy2d(&mut xp, m, k, k, kp, x_off, 0)?;
+    us.copy2d(&mut xp, m, r_sum, r_sum, kp, 0, k)?;
+    let mut wp = dev.zeros_impl(&Shape::from((n, kp)), dtype)?;
+    w.0.copy2d(&mut wp, n, k, k, kp, w.1.start_offset(), 0)?;
+    let r = op.rank;
+    for (col, n_i, q, row) in offsets(&op.parts) {
+        b.0.copy2d(
+            &mut wp,
+            n_i,
+            r,
+            r,
+            kp,
+            b.1.start_offset() + row * r,
+            col * kp + k + q,
+        )?;
+    }
+    let lw = Layout::contiguous((n, kp)).transpose(0, 1)?;
+    let y = xp.matmul(&wp, (1, m, n, kp), &Layout::contiguous((m, kp)), &lw)?;
+    Ok((y, Shape::from(shape)))
 }
 
 impl CustomOp3 for LoraLinear {
@@ -232,20 +247,41 @@ impl CustomOp3 for LoraLinear {
         let xc = x.detach().to_dtype(w.dtype())?.reshape((m, k))?;
         let dy2 = dy.detach().to_dtype(w.dtype())?.reshape((m, n))?;
         let (a, b) = (a.detach(), b.detach());
-        let u = xc.matmul(&a.t()?)?.affine(self.scale, 0.0)?; // s u, (M, R)
-        let (mut dbs, mut dus) = (Vec::new(), Vec::new());
-        for (col, n_i, q, row) in offsets(&self.parts) {
-            let dy_i = dy2.narrow(1, col, n_i)?.contiguous()?;
-            let u_i = u.narrow(1, q, self.rank)?.contiguous()?;
-            dbs.push(dy_i.t()?.matmul(&u_i)?); // s dy_i^T u_i, (N_i, r)
-            let b_i = b.narrow(0, row, n_i)?;
-            dus.push(dy_i.matmul(&b_i)?.affine(self.scale, 0.0)?); // s dy_i B_i, (M, r)
+        let us = xc.matmul(&a.t()?)?.affine(self.scale, 0.0)?; // s u, (M, R)
+        let r_sum = us.dim(1)?;
+        // W' = [W | B_bd] as in the forward; dX' = dy W' gives dx's base part and d(s u)
+        let mut rows = Vec::with_capacity(self.parts.len());
+        let blocks = offsets(&self.parts);
+        let mut next = blocks.iter().peekable();
+        let mut col = 0;
+        for &(n_i, r_i) in &self.parts {
+            if r_i > 0 {
+                let &(_, _, q, row) = next.next().expect("one block per adapted part");
+                rows.push(
+                    b.narrow(0, row, n_i)?
+                        .pad_with_zeros(1, q, r_sum - q - r_i)?,
+                );
+            } else {
+                rows.push(Tensor::zeros((n_i, r_sum), w.dtype(), w.device())?);
+            }
+            col += n_i;
         }
-        let db = Tensor::cat(&dbs, 0)?;
-        let du = Tensor::cat(&dus, 1)?; // (M, R)
+        debug_assert_eq!(col, n);
+        let b_bd = Tensor::cat(&rows, 0)?; // (N, R)
+        let dxp = dy2.matmul(&Tensor::cat(&[w, &b_bd], 1)?)?; // (M, K + R)
+        let du = dxp.narrow(1, k, r_sum)?.affine(self.scale, 0.0)?; // s dy B_bd, (M, R)
         let da = du.t()?.matmul(&xc)?; // (R, K)
+                                       // dB_bd = dy^T (s u): the adapted parts' diagonal blocks of one (N, R) GEMM
+        let g = dy2.t()?.matmul(&us)?;
+        let db = Tensor::cat(
+            &blocks
+                .iter()
+                .map(|&(col, n_i, q, _)| g.narrow(0, col, n_i)?.narrow(1, q, self.rank))
+                .collect::<Result<Vec<_>>>()?,
+            0,
+        )?;
         let dx = if x.track_op() {
-            let dx = (dy2.matmul(w)? + du.matmul(&a)?)?.reshape(x.shape())?;
+            let dx = (dxp.narrow(1, 0, k)? + du.matmul(&a)?)?.reshape(x.shape())?;
             Some(dx.to_dtype(x.dtype())?)
         } else {
             None
