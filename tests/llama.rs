@@ -733,3 +733,46 @@ fn cuda_loss_and_gradients_match_the_cpu() {
         }
     }
 }
+
+/// LoRA dropout (PEFT's: on the adapters' input only) changes the training loss, trains every
+/// adapter, leaves inference alone, and refuses checkpointing (a recomputation would draw
+/// another mask).
+#[test]
+fn lora_dropout_applies_in_training_only() {
+    let weights = tiny();
+    let cfg = LoraConfig {
+        dropout: 0.5,
+        ..LoraConfig::all_linear(4, 8.0)
+    };
+    let (store, mut m) = model(&weights, Precision::Fp32, &FineTune::Lora(cfg.clone()));
+    for p in store.params().iter().filter(|p| p.name.contains("lora_B")) {
+        p.master.set(&fixed_values(p.master.shape(), 0.05)).unwrap();
+    }
+    let (store0, m0) = model(
+        &weights,
+        Precision::Fp32,
+        &FineTune::Lora(LoraConfig {
+            dropout: 0.0,
+            ..cfg
+        }),
+    );
+    for (p, q) in store.params().iter().zip(store0.params()) {
+        q.master.set(&p.master.as_detached_tensor()).unwrap();
+    }
+    let (ids, targets) = batch(2, 8, 7);
+    let l = m.loss(&ids, &targets).unwrap();
+    let l0 = m0.loss(&ids, &targets).unwrap();
+    assert_ne!(
+        l.to_scalar::<f32>().unwrap(),
+        l0.to_scalar::<f32>().unwrap()
+    );
+    let g = l.backward().unwrap();
+    assert!(store
+        .params()
+        .iter()
+        .all(|p| g.get(p.differentiated()).is_some()));
+    let e = m.forward_cached(&ids, &mut KvCache::default()).unwrap();
+    let e0 = m0.forward_cached(&ids, &mut KvCache::default()).unwrap();
+    assert!(max_abs(&e, &e0) < 1e-5, "inference must not drop");
+    assert!(m.set_checkpointing(true).is_err());
+}
