@@ -160,17 +160,6 @@ fn sync(dev: &Device) -> Result<()> {
     Ok(())
 }
 
-fn peak_memory_gb(dev: &Device) -> Option<f64> {
-    #[cfg(feature = "cuda")]
-    if let Device::Cuda(d) = dev {
-        return wick::cuda::memory::memory_stats(d)
-            .ok()
-            .map(|m| m.peak_allocated as f64 / 1e9);
-    }
-    let _ = dev;
-    None
-}
-
 struct Model {
     bert: Bert,
     head: ClassifierHead,
@@ -470,10 +459,7 @@ fn main() -> Result<()> {
         "training: {} steps of {} lines, {} on {:?}, lr {} (head {}), warmup {warmup}, clip {}",
         total, args.batch_size, args.precision, dev, args.lr, args.head_lr, args.clip
     );
-    #[cfg(feature = "cuda")]
-    if let Device::Cuda(d) = &dev {
-        wick::cuda::memory::reset_peak(d)?;
-    }
+    wick::cuda::reset_peak_memory(&dev)?;
     let (mut timed_examples, mut t_start, mut recent) = (0usize, None, Vec::new());
     let t_all = Instant::now();
     for (step, idx) in schedule_batches.iter().enumerate() {
@@ -500,7 +486,7 @@ fn main() -> Result<()> {
     sync(&dev)?;
     let train_s = t_all.elapsed().as_secs_f64();
     let rate = timed_examples as f64 / t_start.map_or(f64::NAN, |t| t.elapsed().as_secs_f64());
-    let peak = peak_memory_gb(&dev);
+    let peak = wick::cuda::peak_memory_gb(&dev);
     let applied = engine.optimizer_steps()?;
     println!("applied {applied} of {total} optimizer steps (a step with non-finite gradients is skipped)");
     let (after, test_rate) = evaluate(&model, &test_split, &test_batches, pad, &dev, classes)?;

@@ -172,26 +172,6 @@ fn val_loss(model: &Llama, batches: &[(Tensor, Tensor)]) -> Result<f64> {
     Ok(total / batches.len() as f64)
 }
 
-fn peak_gb(dev: &Device) -> Option<f64> {
-    #[cfg(feature = "cuda")]
-    if let Device::Cuda(d) = dev {
-        return wick::cuda::memory::memory_stats(d)
-            .ok()
-            .map(|m| m.peak_allocated as f64 / 1e9);
-    }
-    let _ = dev;
-    None
-}
-
-fn reset_peak(dev: &Device) -> Result<()> {
-    #[cfg(feature = "cuda")]
-    if let Device::Cuda(d) = dev {
-        wick::cuda::memory::reset_peak(d)?;
-    }
-    let _ = dev;
-    Ok(())
-}
-
 /// The summary of the prompt's logits that scripts/smollm2_fixture.py compares.
 fn logits_summary(model: &Llama, prompt: &[u32], dev: &Device) -> Result<serde_json::Value> {
     let x = Tensor::from_slice(prompt, (1, prompt.len()), dev)?;
@@ -373,7 +353,7 @@ fn main() -> Result<()> {
         let (x, y) = windows(train, &s, a.context, &dev)?;
         engine.step(|_| model.loss(&x, &y))
     };
-    reset_peak(&dev)?;
+    wick::cuda::reset_peak_memory(&dev)?;
     for _ in 0..a.warmup_steps {
         step(&mut engine)?;
     }
@@ -403,7 +383,7 @@ fn main() -> Result<()> {
     let secs = t2.elapsed().as_secs_f64();
     let ms = secs * 1e3 / a.steps.max(1) as f64;
     let tokens_per_s = (a.batch * a.context) as f64 / ms * 1e3;
-    let peak = peak_gb(&dev);
+    let peak = wick::cuda::peak_memory_gb(&dev);
     let val_after = val_loss(&model, &val_batches)?;
     let greedy_after = greedy(&model)?;
     println!(

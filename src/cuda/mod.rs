@@ -34,3 +34,30 @@ pub mod ptx {
 mod operands;
 #[cfg(feature = "cuda")]
 pub use operands::*;
+
+/// Peak bytes allocated from `dev`'s CUDA memory pool since the last reset, in GB (1e9
+/// bytes; the pool's `USED_MEM_HIGH`): what the examples report as peak memory. `None` on the
+/// CPU, in a build without the `cuda` feature, or when the driver does not say.
+pub fn peak_memory_gb(dev: &candle_core::Device) -> Option<f64> {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(d) = dev {
+        return memory::memory_stats(d)
+            .ok()
+            .map(|m| m.peak_allocated as f64 / 1e9);
+    }
+    let _ = dev;
+    None
+}
+
+/// Resets `dev`'s pool peaks to the current values (before a measured phase); a no-op on the
+/// CPU.
+///
+/// Errors: the driver call fails.
+pub fn reset_peak_memory(dev: &candle_core::Device) -> anyhow::Result<()> {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(d) = dev {
+        return memory::reset_peak(d);
+    }
+    let _ = dev;
+    Ok(())
+}
