@@ -4,8 +4,10 @@
 //! random configs). The real model is SmolLM2-135M-Instruct's GGUF (scripts/fetch_smollm2.sh,
 //! which `.ci/run` calls).
 
+mod common;
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var, D};
+use common::max_abs;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -43,19 +45,6 @@ fn ids_of(v: &serde_json::Value) -> Vec<u32> {
         .iter()
         .map(|x| x.as_u64().expect("id") as u32)
         .collect()
-}
-
-fn max_abs(a: &Tensor, b: &Tensor) -> f32 {
-    (a.to_dtype(DType::F32).unwrap() - b.to_dtype(DType::F32).unwrap())
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
 }
 
 fn model(weights: &LlamaWeights, precision: Precision, ft: &FineTune) -> (ParamStore, Llama) {
@@ -362,16 +351,7 @@ fn composed_loss(
             .reshape((b, h, t, d))
             .unwrap()
     };
-    let mask: Vec<f32> = (0..t * t)
-        .map(|k| {
-            if k % t > k / t {
-                f32::NEG_INFINITY
-            } else {
-                0.0
-            }
-        })
-        .collect();
-    let mask = Tensor::from_vec(mask, (t, t), &Device::Cpu).unwrap();
+    let mask = common::causal_mask(t, &Device::Cpu);
     let embed = &w["model.embed_tokens.weight"];
     let mut x = embed
         .index_select(&ids.flatten_all().unwrap(), 0)

@@ -2,7 +2,9 @@
 //! (forward and the gradients of x, A and B; on the CPU and on CUDA), and `LoraConfig`'s
 //! PEFT-style target matching and checks.
 
+mod common;
 use candle_core::{DType, Device, Tensor, Var};
+use common::max_abs;
 use wick::lora::LoraConfig;
 
 fn values(shape: (usize, usize), scale: f64, phase: f64) -> Tensor {
@@ -10,19 +12,6 @@ fn values(shape: (usize, usize), scale: f64, phase: f64) -> Tensor {
     let t = Tensor::arange(0u32, n as u32, &Device::Cpu).unwrap();
     let t = t.to_dtype(DType::F32).unwrap().affine(0.37, phase).unwrap();
     (t.sin().unwrap() * scale).unwrap().reshape(shape).unwrap()
-}
-
-fn max_abs(a: &Tensor, b: &Tensor) -> f32 {
-    (a.to_dtype(DType::F32).unwrap() - b.to_dtype(DType::F32).unwrap())
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
 }
 
 /// Loss `sum(y * g)` of the fused op and of `x W^T + (x A^T) B^T` composed, with the gradients

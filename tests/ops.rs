@@ -5,6 +5,7 @@
 //! every kernel path. Every comparison prints its max error (`cargo test --test ops --
 //! --nocapture`); errors are relative to the reference's largest magnitude (at least 1).
 
+mod common;
 use candle_core::{DType, Device, Result, Tensor, Var, D};
 use rand::{Rng, SeedableRng};
 use wick::ops;
@@ -117,16 +118,7 @@ fn causal_fused(a: &[Tensor]) -> Result<Tensor> {
 /// softmax(x + mask) in f32 with the `(T, T)` causal mask (-inf above the diagonal).
 fn causal_ref(a: &[Tensor]) -> Result<Tensor> {
     let t = a[0].dim(D::Minus1)?;
-    let mask: Vec<f32> = (0..t * t)
-        .map(|k| {
-            if k % t > k / t {
-                f32::NEG_INFINITY
-            } else {
-                0.0
-            }
-        })
-        .collect();
-    let mask = Tensor::from_vec(mask, (t, t), a[0].device())?;
+    let mask = common::causal_mask(t, a[0].device());
     candle_nn::ops::softmax(&a[0].to_dtype(DType::F32)?.broadcast_add(&mask)?, D::Minus1)
 }
 fn gelu_fused(a: &[Tensor]) -> Result<Tensor> {
@@ -808,16 +800,7 @@ fn attn_ref(qkv: &Tensor, h: usize) -> Result<Tensor> {
             .contiguous()
     };
     let (q, k, v) = (part(0)?, part(1)?, part(2)?);
-    let mask: Vec<f32> = (0..t * t)
-        .map(|i| {
-            if i % t > i / t {
-                f32::NEG_INFINITY
-            } else {
-                0.0
-            }
-        })
-        .collect();
-    let mask = Tensor::from_vec(mask, (t, t), qkv.device())?;
+    let mask = common::causal_mask(t, qkv.device());
     let s = (q.matmul(&k.t()?)? / (dh as f64).sqrt())?.broadcast_add(&mask)?;
     let p = candle_nn::ops::softmax(&s, D::Minus1)?;
     p.matmul(&v)?.transpose(1, 2)?.reshape((b, t, c))

@@ -169,19 +169,13 @@ pub fn save_pretrained(
             m.entry(k).or_insert(v.into());
         }
     }
-    write_atomic(
+    crate::checkpoint::write_file_atomic(
         &dir.join("config.json"),
         serde_json::to_string_pretty(&json)?.as_bytes(),
     )?;
     if let Some(t) = tokenizer {
         let bytes = std::fs::read(t).with_context(|| format!("reading {}", t.display()))?;
-        write_atomic(&dir.join("tokenizer.json"), &bytes)?;
+        crate::checkpoint::write_file_atomic(&dir.join("tokenizer.json"), &bytes)?;
     }
     Ok(())
-}
-
-fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("renaming to {}", path.display()))
 }

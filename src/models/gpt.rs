@@ -60,7 +60,7 @@ use crate::params::{ParamStore, Role};
 use crate::precision::{to_f32, Precision};
 use candle_core::{bail, DType, Device, Module, Result, Tensor};
 use candle_nn::Init;
-use rand::{rngs::StdRng, Rng, SeedableRng};
+use rand::{rngs::StdRng, SeedableRng};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::str::FromStr;
@@ -458,21 +458,7 @@ impl Gpt {
         temperature: f64,
         seed: u64,
     ) -> Result<Vec<u32>> {
-        if prompt.is_empty() {
-            bail!("Gpt::generate: the prompt is empty; give at least one token");
-        }
-        if let Some(bad) = prompt
-            .iter()
-            .find(|&&id| id as usize >= self.config.vocab_size)
-        {
-            bail!(
-                "Gpt::generate: prompt id {bad} is outside the vocabulary of {}",
-                self.config.vocab_size
-            );
-        }
-        if !(temperature.is_finite() && temperature >= 0.0) {
-            bail!("Gpt::generate: temperature must be finite and >= 0, got {temperature}");
-        }
+        super::sampling::check_generation("Gpt", prompt, self.config.vocab_size, temperature)?;
         let device = self.device.clone();
         let mut rng = StdRng::seed_from_u64(seed);
         let mut ids = prompt.to_vec();
@@ -489,44 +475,10 @@ impl Gpt {
                     .flatten_all()?,
             )?
             .to_vec1()?;
-            let next = sample(&logits, temperature, &mut rng)?;
+            let next = super::sampling::sample(&logits, temperature, &mut rng)?;
             ids.push(next);
             out.push(next);
         }
         Ok(out)
     }
-}
-
-/// Draws an index from `softmax(logits / temperature)` (greedy when `temperature == 0`).
-pub(crate) fn sample(logits: &[f32], temperature: f64, rng: &mut StdRng) -> Result<u32> {
-    if logits.iter().any(|v| !v.is_finite()) {
-        bail!("Gpt::generate: the model produced non-finite logits");
-    }
-    let argmax = logits
-        .iter()
-        .enumerate()
-        .fold((0usize, f32::NEG_INFINITY), |best, (i, &v)| {
-            if v > best.1 {
-                (i, v)
-            } else {
-                best
-            }
-        });
-    if temperature == 0.0 {
-        return Ok(argmax.0 as u32);
-    }
-    let max = argmax.1 as f64;
-    let weights: Vec<f64> = logits
-        .iter()
-        .map(|&v| ((v as f64 - max) / temperature).exp())
-        .collect();
-    let total: f64 = weights.iter().sum();
-    let mut u = rng.random::<f64>() * total;
-    for (i, w) in weights.iter().enumerate() {
-        if u < *w {
-            return Ok(i as u32);
-        }
-        u -= w;
-    }
-    Ok(argmax.0 as u32) // rounding at the end of the cumulative sum
 }

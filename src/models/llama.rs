@@ -150,6 +150,15 @@ impl Proj {
         })
     }
 
+    /// `(out_i, r_i)` per part (rank 0 without an adapter), as `ops::lora_linear_grouped` takes.
+    fn part_ranks(&self) -> Vec<(usize, usize)> {
+        self.parts
+            .iter()
+            .zip(&self.adapters)
+            .map(|(w, ad)| (w.dims()[0], ad.as_ref().map_or(0, |ad| ad.a.dims()[0])))
+            .collect()
+    }
+
     /// `x: (.., in)` in the compute dtype → `(.., sum out_i)`.
     fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
         let w = match (&self.stacked, self.parts.as_slice()) {
@@ -162,36 +171,18 @@ impl Proj {
         }
         let adapted: Vec<&LoraAdapter> = self.adapters.iter().flatten().collect();
         let a = Tensor::cat(&adapted.iter().map(|ad| &ad.a).collect::<Vec<_>>(), 0)?;
+        let b = Tensor::cat(&adapted.iter().map(|ad| &ad.b).collect::<Vec<_>>(), 0)?;
+        let parts = self.part_ranks();
         if train && self.dropout > 0.0 {
             // PEFT's order: dropout on the adapters' input only, so the updates are separate
             // nodes: u = dropout(x) [A_1; ..]^T, then u times the block-diagonal [B_1 0; 0 B_2]
-            let r_total = a.dim(0)?;
-            let mut rows = Vec::with_capacity(self.parts.len());
-            let mut col = 0;
-            for (w, ad) in self.parts.iter().zip(&self.adapters) {
-                match ad {
-                    Some(ad) => {
-                        let r = ad.b.dim(1)?;
-                        rows.push(ad.b.pad_with_zeros(1, col, r_total - col - r)?);
-                        col += r;
-                    }
-                    None => rows.push(Tensor::zeros((w.dim(0)?, r_total), a.dtype(), a.device())?),
-                }
-            }
-            let b = Tensor::cat(&rows, 0)?.affine(self.scaling, 0.0)?;
+            let b_bd = ops::lora_block_diagonal(&b, &parts)?.affine(self.scaling, 0.0)?;
             let xd = candle_nn::ops::dropout(x, self.dropout as f32)?;
             let y = ops::linear(x, &w, None)?;
-            return Ok((y + ops::linear(&ops::linear(&xd, &a, None)?, &b, None)?)?);
+            return Ok((y + ops::linear(&ops::linear(&xd, &a, None)?, &b_bd, None)?)?);
         }
         // base GEMM and every part's update in one node: no (.., out) update tensor kept, and
         // the adapters' tensors enter as two stacks rather than a block-diagonal built per step
-        let b = Tensor::cat(&adapted.iter().map(|ad| &ad.b).collect::<Vec<_>>(), 0)?;
-        let parts: Vec<(usize, usize)> = self
-            .parts
-            .iter()
-            .zip(&self.adapters)
-            .map(|(w, ad)| (w.dims()[0], ad.as_ref().map_or(0, |ad| ad.a.dims()[0])))
-            .collect();
         Ok(ops::lora_linear_grouped(
             x,
             &w,
@@ -269,6 +260,9 @@ pub struct Llama {
     adapters: Vec<(String, LoraAdapter)>,
     lora: Option<LoraConfig>,
     checkpointing: bool,
+    /// RoPE tables of positions `0..T` for the last training length `T`, made once and reused
+    /// by every step of that length (no host computation and upload per step).
+    rope: std::sync::Mutex<Option<(usize, Tensor, Tensor)>>,
 }
 
 /// The seven linears of a block, by HF module name, in their stacking order.
@@ -390,6 +384,7 @@ impl Llama {
             adapters,
             lora,
             checkpointing: false,
+            rope: std::sync::Mutex::new(None),
         })
     }
 
@@ -446,6 +441,20 @@ impl Llama {
         Ok((b, t))
     }
 
+    /// RoPE `(cos, sin)` of positions `0..t`, from the cache when the length repeats.
+    fn rope_tables(&self, t: usize) -> Result<(Tensor, Tensor)> {
+        let mut cached = self.rope.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((len, cos, sin)) = cached.as_ref() {
+            if *len == t {
+                return Ok((cos.clone(), sin.clone()));
+            }
+        }
+        let d = self.config.head_dim();
+        let (cos, sin) = ops::rotary_tables(t, d, self.config.rope_theta, 0, &self.device)?;
+        *cached = Some((t, cos.clone(), sin.clone()));
+        Ok((cos, sin))
+    }
+
     /// The residual stream `(B, T, C)` f32 of the token ids.
     fn embed_ids(&self, ids: &Tensor) -> Result<Tensor> {
         Ok(to_f32(&ops::embedding(ids, &self.embed)?)?)
@@ -473,8 +482,7 @@ impl Llama {
                 self.config.max_position_embeddings
             );
         }
-        let d = self.config.head_dim();
-        let (cos, sin) = ops::rotary_tables(t, d, self.config.rope_theta, 0, &self.device)?;
+        let (cos, sin) = self.rope_tables(t)?;
         let mut x = self.embed_ids(ids)?;
         for block in &self.blocks {
             x = if self.checkpointing {
@@ -575,21 +583,7 @@ impl Llama {
         temperature: f64,
         seed: u64,
     ) -> Result<Vec<u32>> {
-        if prompt.is_empty() {
-            bail!("Llama::generate: the prompt is empty; give at least one token");
-        }
-        if let Some(bad) = prompt
-            .iter()
-            .find(|&&id| id as usize >= self.config.vocab_size)
-        {
-            bail!(
-                "Llama::generate: prompt id {bad} is outside the vocabulary of {}",
-                self.config.vocab_size
-            );
-        }
-        if !(temperature.is_finite() && temperature >= 0.0) {
-            bail!("Llama::generate: temperature must be finite and >= 0, got {temperature}");
-        }
+        super::sampling::check_generation("Llama", prompt, self.config.vocab_size, temperature)?;
         let mut rng = StdRng::seed_from_u64(seed);
         let mut cache = KvCache::default();
         let mut out = Vec::with_capacity(max_new_tokens);
@@ -601,7 +595,7 @@ impl Llama {
                 .narrow(1, next_input.len() - 1, 1)?
                 .flatten_all()?
                 .to_vec1()?;
-            let id = super::gpt::sample(&last, temperature, &mut rng)?;
+            let id = super::sampling::sample(&last, temperature, &mut rng)?;
             out.push(id);
             if Some(id) == self.config.eos_token_id {
                 break;

@@ -18,6 +18,7 @@ pub mod llama;
 pub mod llama_config;
 pub mod llama_io;
 pub mod llama_tokenizer;
+mod sampling;
 
 pub use bert::{Bert, BertConfig};
 pub use gpt::{Gpt, GptConfig};

@@ -126,6 +126,31 @@ struct LoraLinear {
     scale: f64,
 }
 
+/// The block-diagonal `(N, R)` up projection of stacked parts: part `i`'s rows of `b` at its
+/// rank columns, zeros elsewhere (and zero rows for a part without an adapter). Built from
+/// differentiable ops, so a tracked `b` gets its gradient through it.
+///
+/// Errors: `b` does not hold the adapted parts' rows (`(sum of N_i over adapted parts, r)`).
+pub(crate) fn block_diagonal(b: &Tensor, parts: &[(usize, usize)]) -> Result<Tensor> {
+    let r_sum: usize = parts.iter().map(|p| p.1).sum();
+    let mut blocks = offsets(parts).into_iter();
+    let mut rows = Vec::with_capacity(parts.len());
+    for &(n_i, r_i) in parts {
+        if r_i > 0 {
+            let Some((_, _, q, row)) = blocks.next() else {
+                bail!("{OP}: parts {parts:?} do not match their blocks (internal error)")
+            };
+            rows.push(
+                b.narrow(0, row, n_i)?
+                    .pad_with_zeros(1, q, r_sum - q - r_i)?,
+            );
+        } else {
+            rows.push(Tensor::zeros((n_i, r_sum), b.dtype(), b.device())?);
+        }
+    }
+    Tensor::cat(&rows, 0)
+}
+
 /// Where part `i`'s blocks sit: output columns, columns of u (rank offset), rows of b.
 fn offsets(parts: &[(usize, usize)]) -> Vec<(usize, usize, usize, usize)> {
     let (mut col, mut q, mut row) = (0, 0, 0);
@@ -250,31 +275,14 @@ impl CustomOp3 for LoraLinear {
         let us = xc.matmul(&a.t()?)?.affine(self.scale, 0.0)?; // s u, (M, R)
         let r_sum = us.dim(1)?;
         // W' = [W | B_bd] as in the forward; dX' = dy W' gives dx's base part and d(s u)
-        let mut rows = Vec::with_capacity(self.parts.len());
-        let blocks = offsets(&self.parts);
-        let mut next = blocks.iter().peekable();
-        let mut col = 0;
-        for &(n_i, r_i) in &self.parts {
-            if r_i > 0 {
-                let &(_, _, q, row) = next.next().expect("one block per adapted part");
-                rows.push(
-                    b.narrow(0, row, n_i)?
-                        .pad_with_zeros(1, q, r_sum - q - r_i)?,
-                );
-            } else {
-                rows.push(Tensor::zeros((n_i, r_sum), w.dtype(), w.device())?);
-            }
-            col += n_i;
-        }
-        debug_assert_eq!(col, n);
-        let b_bd = Tensor::cat(&rows, 0)?; // (N, R)
+        let b_bd = block_diagonal(&b, &self.parts)?; // (N, R)
         let dxp = dy2.matmul(&Tensor::cat(&[w, &b_bd], 1)?)?; // (M, K + R)
         let du = dxp.narrow(1, k, r_sum)?.affine(self.scale, 0.0)?; // s dy B_bd, (M, R)
         let da = du.t()?.matmul(&xc)?; // (R, K)
                                        // dB_bd = dy^T (s u): the adapted parts' diagonal blocks of one (N, R) GEMM
         let g = dy2.t()?.matmul(&us)?;
         let db = Tensor::cat(
-            &blocks
+            &offsets(&self.parts)
                 .iter()
                 .map(|&(col, n_i, q, _)| g.narrow(0, col, n_i)?.narrow(1, q, self.rank))
                 .collect::<Result<Vec<_>>>()?,

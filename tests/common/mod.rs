@@ -1,5 +1,5 @@
-//! Fixtures shared by the CPU optimizer tests: a parameter list of awkward shapes, seeded
-//! random gradients, and comparison helpers.
+//! Fixtures shared by the tests: a parameter list of awkward shapes, seeded random
+//! gradients, comparison helpers and the causal mask of the reference compositions.
 #![allow(dead_code)]
 
 use candle_core::{Device, Tensor};
@@ -56,4 +56,26 @@ pub fn max_rel_err(a: &[f32], b: &[f32]) -> f64 {
         .zip(b)
         .map(|(x, y)| ((x - y).abs() as f64) / (y.abs() as f64).max(1e-3))
         .fold(0.0, f64::max)
+}
+
+/// Largest `|a - b|` over all elements, compared in f32 (any float dtypes, same shape).
+pub fn max_abs(a: &Tensor, b: &Tensor) -> f32 {
+    let f = |t: &Tensor| t.to_dtype(candle_core::DType::F32).expect("f32 cast");
+    (f(a) - f(b))
+        .and_then(|d| d.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>())
+        .expect("max |a - b|")
+}
+
+/// The additive causal mask `(t, t)` f32: 0 on and below the diagonal, -inf above.
+pub fn causal_mask(t: usize, device: &Device) -> Tensor {
+    let mask: Vec<f32> = (0..t * t)
+        .map(|k| {
+            if k % t > k / t {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    Tensor::from_vec(mask, (t, t), device).expect("mask")
 }
