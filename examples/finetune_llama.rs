@@ -12,7 +12,8 @@
 //! peak memory (CUDA), and a `RESULT {json}` line. `--save DIR` writes the LoRA adapters
 //! (PEFT's layout) or, with `--full`, the weights as an HF folder; `--save-merged DIR` writes
 //! the LoRA-merged model as an HF folder. `--tiny` swaps the model for a random 2-block
-//! config (CPU smoke runs).
+//! config (CPU smoke runs); `--random-weights` keeps the GGUF's config with random weights
+//! (timing runs from a GGUF that carries only the tokenizer and config).
 
 use anyhow::{bail, ensure, Context, Result};
 use candle_core::{Device, Tensor};
@@ -104,6 +105,10 @@ struct Args {
     /// A random 2-block model (vocabulary of the GGUF's tokenizer) instead of the GGUF's.
     #[arg(long)]
     tiny: bool,
+    /// The GGUF's config with random weights (N(0, 0.02)), for timing runs that need no
+    /// pretrained weights: a GGUF holding only the metadata (tokenizer, config) will do.
+    #[arg(long, conflicts_with = "tiny")]
+    random_weights: bool,
     /// Seed of the batch order and initialisations.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -237,6 +242,8 @@ fn main() -> Result<()> {
         c.max_position_embeddings = a.context.max(64);
         c.eos_token_id = gguf.config()?.eos_token_id;
         LlamaWeights::random(c, a.seed)?
+    } else if a.random_weights {
+        LlamaWeights::random(gguf.config()?, a.seed)?
     } else {
         let mut g = gguf;
         g.weights()?

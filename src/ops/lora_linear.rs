@@ -137,7 +137,7 @@ pub(crate) fn block_diagonal(b: &Tensor, parts: &[(usize, usize)]) -> Result<Ten
     let mut rows = Vec::with_capacity(parts.len());
     for &(n_i, r_i) in parts {
         if r_i > 0 {
-            let Some((_, _, q, row)) = blocks.next() else {
+            let Some(Block { q, b_row: row, .. }) = blocks.next() else {
                 bail!("{OP}: parts {parts:?} do not match their blocks (internal error)")
             };
             rows.push(
@@ -151,17 +151,27 @@ pub(crate) fn block_diagonal(b: &Tensor, parts: &[(usize, usize)]) -> Result<Ten
     Tensor::cat(&rows, 0)
 }
 
-/// Where part `i`'s blocks sit: output columns, columns of u (rank offset), rows of b.
-fn offsets(parts: &[(usize, usize)]) -> Vec<(usize, usize, usize, usize)> {
-    let (mut col, mut q, mut row) = (0, 0, 0);
+/// Where an adapted part's blocks sit: its output columns `col..col + rows`, its rank
+/// columns of `u` from `q`, its rows of `b` from `b_row`.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Block {
+    pub col: usize,
+    pub rows: usize,
+    pub q: usize,
+    pub b_row: usize,
+}
+
+/// The adapted parts' blocks, in order.
+pub(super) fn offsets(parts: &[(usize, usize)]) -> Vec<Block> {
+    let (mut col, mut q, mut b_row) = (0, 0, 0);
     let mut out = Vec::new();
-    for &(n_i, r_i) in parts {
+    for &(rows, r_i) in parts {
         if r_i > 0 {
-            out.push((col, n_i, q, row));
+            out.push(Block { col, rows, q, b_row });
             q += r_i;
-            row += n_i;
+            b_row += rows;
         }
-        col += n_i;
+        col += rows;
     }
     out
 }
@@ -204,20 +214,37 @@ where
     let mut wp = dev.zeros_impl(&Shape::from((n, kp)), dtype)?;
     w.0.copy2d(&mut wp, n, k, k, kp, w.1.start_offset(), 0)?;
     let r = op.rank;
-    for (col, n_i, q, row) in offsets(&op.parts) {
+    for bl in offsets(&op.parts) {
         b.0.copy2d(
             &mut wp,
-            n_i,
+            bl.rows,
             r,
             r,
             kp,
-            b.1.start_offset() + row * r,
-            col * kp + k + q,
+            b.1.start_offset() + bl.b_row * r,
+            bl.col * kp + k + bl.q,
         )?;
     }
     let lw = Layout::contiguous((n, kp)).transpose(0, 1)?;
     let y = xp.matmul(&wp, (1, m, n, kp), &Layout::contiguous((m, kp)), &lw)?;
     Ok((y, Shape::from(shape)))
+}
+
+impl LoraLinear {
+    /// The GEMM sizes for an x of layout `lx` (the CUDA path's view of the op).
+    #[cfg(feature = "cuda")]
+    fn dims(&self, lx: &Layout) -> Result<super::lora_cuda::Dims> {
+        let (n, k) = self.w.dims2()?;
+        Ok(super::lora_cuda::Dims {
+            m: lx.shape().elem_count() / k,
+            n,
+            k,
+            r_sum: self.parts.iter().map(|p| p.1).sum(),
+            rank: self.rank,
+            blocks: offsets(&self.parts),
+            scale: self.scale as f32,
+        })
+    }
 }
 
 impl CustomOp3 for LoraLinear {
@@ -255,6 +282,14 @@ impl CustomOp3 for LoraLinear {
         let Storage::Cuda(w) = &*ws else {
             bail!("{OP}: w is not on CUDA like x")
         };
+        if x.dtype() == w.dtype() {
+            let y = super::lora_cuda::forward(&self.dims(lx)?, (x, lx), (w, lw), (a, la), (b, lb))?;
+            let mut shape = lx.dims().to_vec();
+            if let Some(d) = shape.last_mut() {
+                *d = lw.dims()[0];
+            }
+            return Ok((y, Shape::from(shape)));
+        }
         forward(self, (x, lx), (w, lw), (a, la), (b, lb))
     }
 
@@ -267,6 +302,12 @@ impl CustomOp3 for LoraLinear {
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let w = &self.w;
+        #[cfg(feature = "cuda")]
+        if super::lora_cuda::applies(x, w) {
+            let d = self.dims(x.layout())?;
+            let (dx, da, db) = super::lora_cuda::backward(&d, x, w, a, b, dy, x.track_op())?;
+            return Ok((dx, Some(da), Some(db)));
+        }
         let (n, k) = w.dims2()?;
         let m = x.elem_count() / k;
         let xc = x.detach().to_dtype(w.dtype())?.reshape((m, k))?;
@@ -284,7 +325,7 @@ impl CustomOp3 for LoraLinear {
         let db = Tensor::cat(
             &offsets(&self.parts)
                 .iter()
-                .map(|&(col, n_i, q, _)| g.narrow(0, col, n_i)?.narrow(1, q, self.rank))
+                .map(|bl| g.narrow(0, bl.col, bl.rows)?.narrow(1, bl.q, self.rank))
                 .collect::<Result<Vec<_>>>()?,
             0,
         )?;

@@ -75,6 +75,8 @@ mod heads;
 mod layer_norm;
 mod linear;
 mod linear_cross_entropy;
+#[cfg(feature = "cuda")]
+mod lora_cuda;
 mod lora_linear;
 mod residual;
 mod rms_norm;
