@@ -9,8 +9,13 @@
 //! one, the step is launch-bound.
 //!
 //! ```text
-//! cargo run --release --features cuda --example bench_lora [-- --iters 50]
+//! cargo run --release --features cuda --example bench_lora [-- --iters 50] [--event-tracking]
 //! ```
+//! The device comes from `wick::cuda::new_device` (no per-allocation CUDA events);
+//! `--event-tracking` uses candle's `Device::new_cuda` as is, to show what those events cost.
+//! Last, the adapter-gradient GEMMs with a long inner dimension (`du^T x`, `(R, K)` over the
+//! M tokens) are timed as one GEMM and as S = 16 batched GEMMs over M / S tokens each (split-K
+//! by hand, before the sum of the partial products).
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var};
@@ -46,7 +51,11 @@ fn main() -> Result<()> {
         .map(|s| s.parse())
         .transpose()?
         .unwrap_or(50);
-    let dev = Device::new_cuda(0)?;
+    let dev = if args.iter().any(|a| a == "--event-tracking") {
+        Device::new_cuda(0)?
+    } else {
+        wick::cuda::new_device(0)?
+    };
     let (m, r) = (16 * 1024, 16);
     // (name, K, output rows of each stacked module)
     let projs: [(&str, usize, &[usize]); 4] = [
@@ -106,5 +115,23 @@ fn main() -> Result<()> {
     println!(
         "one block, forward+backward device ms: LoRA {sum_lora:.3}, frozen {sum_frozen:.3}, trainable {sum_full:.3}"
     );
+    // the long-inner-dimension GEMMs of the adapter gradients, whole and split over tokens
+    let s = 16;
+    for (r_sum, k) in [(48, 576), (32, 576), (16, 576), (16, 1536), (576, 16), (1536, 16)] {
+        let du = var((m, r_sum), &dev)?.as_tensor().detach();
+        let x = var((m, k), &dev)?.as_tensor().detach();
+        let (one, _) = time_ms(&dev, iters, || {
+            du.t()?.matmul(&x)?;
+            Ok(())
+        })?;
+        let (dus, xs) = (du.reshape((s, m / s, r_sum))?, x.reshape((s, m / s, k))?);
+        let (split, _) = time_ms(&dev, iters, || {
+            dus.transpose(1, 2)?.matmul(&xs)?;
+            Ok(())
+        })?;
+        println!(
+            "({r_sum}, {m})x({m}, {k}): one GEMM {one:.4} ms, {s} batched partial GEMMs {split:.4} ms"
+        );
+    }
     Ok(())
 }

@@ -74,6 +74,7 @@ pub use precision::Precision;
 pub use scaler::{LossScaler, ScalerConfig};
 
 /// The device a `--device` flag names: `"cpu"`, or `"cuda"` (GPU 0), as the examples take it.
+/// A CUDA device comes from [`cuda::new_device`] (one stream, no per-allocation events).
 ///
 /// Errors: `"cuda"` without a usable CUDA device (a build without `--features cuda`, or no
 /// GPU), or any other name; both messages say what to do.
@@ -81,7 +82,7 @@ pub fn device_from_flag(name: &str) -> anyhow::Result<candle_core::Device> {
     use anyhow::Context;
     match name {
         "cpu" => Ok(candle_core::Device::Cpu),
-        "cuda" => candle_core::Device::new_cuda(0)
+        "cuda" => cuda::new_device(0)
             .context("--device cuda: no CUDA device (build with --features cuda on a GPU machine)"),
         other => anyhow::bail!("--device must be cpu or cuda, got {other:?}"),
     }

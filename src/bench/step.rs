@@ -127,7 +127,7 @@ pub fn run(args: &StepArgs) -> Result<()> {
     let (rank, world) = dist.as_ref().map_or((0, 1), |e| (e.rank, e.world_size));
     let dev = match args.device.as_str() {
         "cpu" => Device::Cpu,
-        "cuda" => Device::new_cuda(dist.as_ref().map_or(0, |e| e.local_rank)).context(
+        "cuda" => crate::cuda::new_device(dist.as_ref().map_or(0, |e| e.local_rank)).context(
             "--device cuda: no CUDA device (build with --features cuda on a GPU machine)",
         )?,
         other => anyhow::bail!("--device must be cpu or cuda, got {other:?}"),

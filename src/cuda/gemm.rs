@@ -72,6 +72,45 @@ fn cuda_type(dtype: DType) -> Result<(sys::cudaDataType_t, sys::cublasComputeTyp
 pub(crate) fn gemm(
     dev: &CudaDevice,
     dtype: DType,
+    mnk: (usize, usize, usize),
+    alpha: f32,
+    a: Operand,
+    b: Operand,
+    beta: f32,
+    c: u64,
+    ldc: usize,
+) -> Result<()> {
+    gemm_batched(dev, dtype, mnk, alpha, a, b, beta, c, ldc, Batch::ONE)
+}
+
+/// `count` GEMMs of the same sizes whose operands and outputs lie `sa`, `sb` and `sc`
+/// elements apart (cuBLAS's strided batched GEMM): one launch for several equal blocks.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Batch {
+    pub count: usize,
+    pub sa: usize,
+    pub sb: usize,
+    pub sc: usize,
+}
+
+impl Batch {
+    /// A single GEMM.
+    pub const ONE: Batch = Batch {
+        count: 1,
+        sa: 0,
+        sb: 0,
+        sc: 0,
+    };
+}
+
+/// [`gemm`] over a [`Batch`]: `C_j = alpha op(A_j) op(B_j) + beta C_j` for `j < count`, with
+/// `A_j` at `a.ptr + j * sa` elements (likewise B and C).
+///
+/// Errors: as [`gemm`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm_batched(
+    dev: &CudaDevice,
+    dtype: DType,
     (m, n, k): (usize, usize, usize),
     alpha: f32,
     a: Operand,
@@ -79,6 +118,7 @@ pub(crate) fn gemm(
     beta: f32,
     c: u64,
     ldc: usize,
+    batch: Batch,
 ) -> Result<()> {
     let i = |v: usize, what: &str| -> Result<i32> {
         i32::try_from(v).or_else(|_| bail!("gemm: {what} = {v} exceeds cuBLAS's i32 range"))
@@ -93,10 +133,10 @@ pub(crate) fn gemm(
     };
     let blas = dev.cublas_handle();
     // SAFETY: the addresses are live device allocations on this device sized for the shapes
-    // (the callers' contract); cuBLAS runs on candle's stream, ordered with the kernels that
-    // wrote them.
+    // and strides (the callers' contract); cuBLAS runs on candle's stream, ordered with the
+    // kernels that wrote them.
     unsafe {
-        result::gemm_ex(
+        result::gemm_strided_batched_ex(
             *blas.handle(),
             op(b.trans),
             op(a.trans),
@@ -107,13 +147,17 @@ pub(crate) fn gemm(
             b.ptr as *const c_void,
             data,
             i(b.ld, "ldb")?,
+            batch.sb as i64,
             a.ptr as *const c_void,
             data,
             i(a.ld, "lda")?,
+            batch.sa as i64,
             &beta as *const f32 as *const c_void,
             c as *mut c_void,
             data,
             i(ldc, "ldc")?,
+            batch.sc as i64,
+            i(batch.count, "batch count")?,
             compute,
             sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT_TENSOR_OP,
         )

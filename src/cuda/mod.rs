@@ -37,6 +37,32 @@ mod operands;
 #[cfg(feature = "cuda")]
 pub use operands::*;
 
+/// `Device::new_cuda(ordinal)` (candle's device on the calling thread's default stream) with
+/// cudarc's event tracking turned off for its context. In cudarc 0.19 every allocation of a
+/// context that tracks events creates two CUDA events (and destroys them when freed), four
+/// driver calls of host time per tensor, although the events are only used once a second stream
+/// of the context exists (`CudaContext::new_stream`, "multi-stream mode"). wick runs every op on
+/// candle's one stream (the data loader's copy stream orders itself with its own events and
+/// does not put the context in multi-stream mode), so the events are dead weight there.
+///
+/// Do not create streams with `CudaContext::new_stream` on this device's context afterwards:
+/// tensors allocated now are not synchronised across streams automatically. A build without
+/// the `cuda` feature returns candle's error for a missing CUDA backend.
+///
+/// Errors: no such device, or the driver fails.
+pub fn new_device(ordinal: usize) -> candle_core::Result<candle_core::Device> {
+    let dev = candle_core::Device::new_cuda(ordinal)?;
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(d) = &dev {
+        if !d.cuda_stream().context().is_in_multi_stream_mode() {
+            // SAFETY: the context is in single-stream mode, where cudarc never reads the
+            // events; the contract above keeps it there.
+            unsafe { d.disable_event_tracking() };
+        }
+    }
+    Ok(dev)
+}
+
 /// Peak bytes allocated from `dev`'s CUDA memory pool since the last reset, in GB (1e9
 /// bytes; the pool's `USED_MEM_HIGH`): what the examples report as peak memory. `None` on the
 /// CPU, in a build without the `cuda` feature, or when the driver does not say.

@@ -4,26 +4,29 @@
 //! stack at output columns `c_i`, rank columns `q_i` of `u` and rows `r_i` of `b`:
 //!
 //! ```text
-//! forward    u = x A^T                      (M, R)
+//! forward    u = x A^T                      (M, R), kept for the backward
 //!            y = x W^T                      (M, N)
 //!            y[:, c_i] += s u[:, q_i] B_i^T per adapted part (beta = 1: no add pass)
 //! backward   du[:, q_i] = s dy[:, c_i] B_i  (M, R)
 //!            dA = du^T x                    (R, K)
-//!            dB_i = dy[:, c_i]^T (s u[:, q_i])
+//!            dB_i = s dy[:, c_i]^T u[:, q_i]
 //!            dx = dy W, then dx += du A     (M, K)
 //! ```
 //!
 //! The forward adds the update to the rounded base output, as PEFT's `lora.Linear` does
-//! (`result = base_layer(x)`, then `result + lora_B(lora_A(x)) * scaling`); the backward's
-//! three results come back as views of one allocation.
+//! (`result = base_layer(x)`, then `result + lora_B(lora_A(x)) * scaling`). Adjacent parts of
+//! the same size (`k_proj`/`v_proj`, `gate_proj`/`up_proj`) share one strided batched GEMM per
+//! product. The backward's three results come back as views of one allocation.
 
 use super::lora_linear::Block;
-use crate::cuda::gemm::{gemm, Operand as Op};
+use crate::cuda::gemm::{gemm, gemm_batched, Batch, Operand as Op};
 use crate::cuda::launch::{alloc, in_ptr, out_ptr};
 use candle_core::backend::BackendStorage;
 use candle_core::{
-    bail, CpuStorage, CudaStorage, CustomOp1, DType, Layout, Result, Shape, Storage, Tensor,
+    bail, CpuStorage, CudaDevice, CudaStorage, CustomOp1, DType, Layout, Result, Shape, Storage,
+    Tensor,
 };
+use std::sync::Mutex;
 
 const OP: &str = "lora_linear";
 
@@ -43,16 +46,43 @@ impl Dims {
     fn n_adapted(&self) -> usize {
         self.blocks.iter().map(|b| b.rows).sum()
     }
+
+    /// The blocks as runs of adjacent equal blocks, `(first, count)`: block `j` of a run sits
+    /// `j * rows` output columns, `j * rank` columns of u and `j * rows` rows of b further.
+    fn runs(&self) -> Vec<(Block, usize)> {
+        let mut out: Vec<(Block, usize)> = Vec::new();
+        for &bl in &self.blocks {
+            if let Some((first, count)) = out.last_mut() {
+                let j = *count;
+                if bl.rows == first.rows
+                    && bl.col == first.col + j * first.rows
+                    && bl.q == first.q + j * self.rank
+                    && bl.b_row == first.b_row + j * first.rows
+                {
+                    *count += 1;
+                    continue;
+                }
+            }
+            out.push((bl, 1));
+        }
+        out
+    }
+}
+
+/// `u = x A^T`, `(M, R)` in the compute dtype.
+fn u_gemm(d: &Dims, dev: &CudaDevice, dtype: DType, px: u64, pa: u64, pu: u64) -> Result<()> {
+    gemm(dev, dtype, (d.m, d.r_sum, d.k), 1.0, Op::n(px, d.k), Op::t(pa, d.k), 0.0, pu, d.r_sum)
 }
 
 /// The forward: `(x, W, A, B)` contiguous (layouts give their offsets), all in W's dtype.
+/// Returns y `(M, N)` and u `(M, R)` (for the backward).
 pub(super) fn forward(
     d: &Dims,
     (x, lx): (&CudaStorage, &Layout),
     (w, lw): (&CudaStorage, &Layout),
     (a, la): (&CudaStorage, &Layout),
     (b, lb): (&CudaStorage, &Layout),
-) -> Result<CudaStorage> {
+) -> Result<(CudaStorage, CudaStorage)> {
     let dev = w.device().clone();
     let dtype = w.dtype();
     let stream = dev.cuda_stream();
@@ -67,10 +97,17 @@ pub(super) fn forward(
         let (pu, _gu) = out_ptr(&mut u, &stream)?;
         let (py, _gy) = out_ptr(&mut y, &stream)?;
         let (m, n, k, r) = (d.m, d.n, d.k, d.r_sum);
-        gemm(&dev, dtype, (m, r, k), 1.0, Op::n(px, k), Op::t(pa, k), 0.0, pu, r)?;
+        u_gemm(d, &dev, dtype, px, pa, pu)?;
         gemm(&dev, dtype, (m, n, k), 1.0, Op::n(px, k), Op::t(pw, k), 0.0, py, n)?;
-        for bl in &d.blocks {
-            gemm(
+        for (bl, count) in d.runs() {
+            // y[:, c_j] += s u_j B_j^T
+            let batch = Batch {
+                count,
+                sa: d.rank,
+                sb: bl.rows * d.rank,
+                sc: bl.rows,
+            };
+            gemm_batched(
                 &dev,
                 dtype,
                 (m, bl.rows, d.rank),
@@ -80,11 +117,11 @@ pub(super) fn forward(
                 1.0,
                 py + bl.col as u64 * es,
                 n,
+                batch,
             )?;
         }
     }
-    drop(u);
-    Ok(y)
+    Ok((y, u))
 }
 
 /// `(dx, dA, dB)` from `dy (M, N)`; dx is `None` when `want_dx` is false. Every tensor is on
@@ -96,10 +133,12 @@ pub(super) fn backward(
     a: &Tensor,
     b: &Tensor,
     dy: &Tensor,
+    u: Option<CudaStorage>,
     want_dx: bool,
 ) -> Result<(Option<Tensor>, Tensor, Tensor)> {
     let op = Backward {
         d: d.clone(),
+        u: Mutex::new(u),
         x: x.contiguous()?,
         w: w.clone(),
         a: a.contiguous()?,
@@ -122,22 +161,13 @@ pub(super) fn backward(
 /// The backward as an op on dy whose output is `[dx | dA | dB]` flattened.
 struct Backward {
     d: Dims,
+    /// The forward's `u = x A^T` (recomputed when absent).
+    u: Mutex<Option<CudaStorage>>,
     x: Tensor,
     w: Tensor,
     a: Tensor,
     b: Tensor,
     want_dx: bool,
-}
-
-fn cuda_of<'a>(
-    t: &'a Tensor,
-    what: &str,
-) -> Result<std::sync::RwLockReadGuard<'a, Storage>> {
-    let s = t.storage_and_layout().0;
-    if !matches!(&*s, Storage::Cuda(_)) {
-        bail!("{OP}: {what} is not on CUDA like dy (internal error)")
-    }
-    Ok(s)
 }
 
 impl CustomOp1 for Backward {
@@ -156,17 +186,12 @@ impl CustomOp1 for Backward {
         let stream = dev.cuda_stream();
         let es = dtype.size_in_bytes() as u64;
         let (m, n, k, r) = (d.m, d.n, d.k, d.r_sum);
-        let guards = [
-            (cuda_of(&self.x, "x")?, self.x.layout().clone(), "x"),
-            (cuda_of(&self.w, "w")?, self.w.layout().clone(), "w"),
-            (cuda_of(&self.a, "a")?, self.a.layout().clone(), "a"),
-            (cuda_of(&self.b, "b")?, self.b.layout().clone(), "b"),
-        ];
+        let held = [&self.x, &self.w, &self.a, &self.b].map(|t| t.storage_and_layout());
         let mut ptrs = [0u64; 4];
         let mut keep = Vec::with_capacity(4);
-        for (i, (s, l, what)) in guards.iter().enumerate() {
+        for (i, ((s, l), what)) in held.iter().zip(["x", "w", "a", "b"]).enumerate() {
             let Storage::Cuda(s) = &**s else {
-                bail!("{OP}: {what} is not on CUDA (internal error)")
+                bail!("{OP}: {what} is not on CUDA like dy (internal error)")
             };
             let (p, g) = in_ptr(OP, what, s, l, &stream)?;
             ptrs[i] = p;
@@ -177,19 +202,33 @@ impl CustomOp1 for Backward {
         let dx_len = if self.want_dx { m * k } else { 0 };
         let total = dx_len + r * k + d.n_adapted() * d.rank;
         let mut out = alloc(&dev, dtype, total)?;
-        let mut us = alloc(&dev, dtype, m * r)?;
+        let saved = self.u.lock().map(|mut u| u.take()).unwrap_or(None);
+        let mut u = match saved {
+            Some(u) => u,
+            None => {
+                let mut u = alloc(&dev, dtype, m * r)?;
+                let (pu, _gu) = out_ptr(&mut u, &stream)?;
+                u_gemm(d, &dev, dtype, px, pa, pu)?;
+                drop(_gu);
+                u
+            }
+        };
         let mut du = alloc(&dev, dtype, m * r)?;
         {
             let (po, _go) = out_ptr(&mut out, &stream)?;
-            let (pus, _gus) = out_ptr(&mut us, &stream)?;
+            let (pu, _gu) = out_ptr(&mut u, &stream)?;
             let (pdu, _gdu) = out_ptr(&mut du, &stream)?;
             let (pdx, pda, pdb) = (po, po + dx_len as u64 * es, po + (dx_len + r * k) as u64 * es);
-            // s u = s x A^T, recomputed (M x R: cheaper than keeping it)
-            gemm(&dev, dtype, (m, r, k), d.scale, Op::n(px, k), Op::t(pa, k), 0.0, pus, r)?;
-            for bl in &d.blocks {
+            for (bl, count) in d.runs() {
                 let (dy_i, b_i) = (pdy + bl.col as u64 * es, pb + (bl.b_row * d.rank) as u64 * es);
-                // du_i = s dy_i B_i
-                gemm(
+                // du_j = s dy_j B_j
+                let batch = Batch {
+                    count,
+                    sa: bl.rows,
+                    sb: bl.rows * d.rank,
+                    sc: d.rank,
+                };
+                gemm_batched(
                     &dev,
                     dtype,
                     (m, d.rank, bl.rows),
@@ -199,18 +238,26 @@ impl CustomOp1 for Backward {
                     0.0,
                     pdu + bl.q as u64 * es,
                     r,
+                    batch,
                 )?;
-                // dB_i = dy_i^T (s u_i)
-                gemm(
+                // dB_j = s dy_j^T u_j
+                let batch = Batch {
+                    count,
+                    sa: bl.rows,
+                    sb: d.rank,
+                    sc: bl.rows * d.rank,
+                };
+                gemm_batched(
                     &dev,
                     dtype,
                     (bl.rows, d.rank, m),
-                    1.0,
+                    d.scale,
                     Op::t(dy_i, n),
-                    Op::n(pus + bl.q as u64 * es, r),
+                    Op::n(pu + bl.q as u64 * es, r),
                     0.0,
                     pdb + (bl.b_row * d.rank) as u64 * es,
                     d.rank,
+                    batch,
                 )?;
             }
             // dA = du^T x
@@ -220,7 +267,7 @@ impl CustomOp1 for Backward {
                 gemm(&dev, dtype, (m, k, r), 1.0, Op::n(pdu, r), Op::n(pa, k), 1.0, pdx, k)?;
             }
         }
-        drop((us, du, keep));
+        drop((u, du, keep));
         Ok((out, Shape::from(total)))
     }
 }

@@ -113,6 +113,8 @@ pub fn lora_linear_grouped(
             parts: parts.to_vec(),
             rank: r,
             scale,
+            #[cfg(feature = "cuda")]
+            saved_u: std::sync::Mutex::new(None),
         },
     )
 }
@@ -124,6 +126,9 @@ struct LoraLinear {
     parts: Vec<(usize, usize)>,
     rank: usize,
     scale: f64,
+    /// CUDA: the forward's `x A^T`, taken by the backward (which recomputes it if absent).
+    #[cfg(feature = "cuda")]
+    saved_u: std::sync::Mutex<Option<candle_core::CudaStorage>>,
 }
 
 /// The block-diagonal `(N, R)` up projection of stacked parts: part `i`'s rows of `b` at its
@@ -283,7 +288,11 @@ impl CustomOp3 for LoraLinear {
             bail!("{OP}: w is not on CUDA like x")
         };
         if x.dtype() == w.dtype() {
-            let y = super::lora_cuda::forward(&self.dims(lx)?, (x, lx), (w, lw), (a, la), (b, lb))?;
+            let (y, u) =
+                super::lora_cuda::forward(&self.dims(lx)?, (x, lx), (w, lw), (a, la), (b, lb))?;
+            if let Ok(mut saved) = self.saved_u.lock() {
+                *saved = Some(u);
+            }
             let mut shape = lx.dims().to_vec();
             if let Some(d) = shape.last_mut() {
                 *d = lw.dims()[0];
@@ -305,7 +314,8 @@ impl CustomOp3 for LoraLinear {
         #[cfg(feature = "cuda")]
         if super::lora_cuda::applies(x, w) {
             let d = self.dims(x.layout())?;
-            let (dx, da, db) = super::lora_cuda::backward(&d, x, w, a, b, dy, x.track_op())?;
+            let u = self.saved_u.lock().map(|mut u| u.take()).unwrap_or(None);
+            let (dx, da, db) = super::lora_cuda::backward(&d, x, w, a, b, dy, u, x.track_op())?;
             return Ok((dx, Some(da), Some(db)));
         }
         let (n, k) = w.dims2()?;
