@@ -116,7 +116,6 @@ fn main() -> Result<()> {
         "one block, forward+backward device ms: LoRA {sum_lora:.3}, frozen {sum_frozen:.3}, trainable {sum_full:.3}"
     );
     // the long-inner-dimension GEMMs of the adapter gradients, whole and split over tokens
-    let s = 16;
     for (r_sum, k) in [(48, 576), (32, 576), (16, 576), (16, 1536), (576, 16), (1536, 16)] {
         let du = var((m, r_sum), &dev)?.as_tensor().detach();
         let x = var((m, k), &dev)?.as_tensor().detach();
@@ -124,14 +123,16 @@ fn main() -> Result<()> {
             du.t()?.matmul(&x)?;
             Ok(())
         })?;
-        let (dus, xs) = (du.reshape((s, m / s, r_sum))?, x.reshape((s, m / s, k))?);
-        let (split, _) = time_ms(&dev, iters, || {
-            dus.transpose(1, 2)?.matmul(&xs)?;
-            Ok(())
-        })?;
-        println!(
-            "({r_sum}, {m})x({m}, {k}): one GEMM {one:.4} ms, {s} batched partial GEMMs {split:.4} ms"
-        );
+        let mut line = format!("({r_sum}, {m})x({m}, {k}): one GEMM {one:.4} ms");
+        for s in [16, 64, 128] {
+            let (dus, xs) = (du.reshape((s, m / s, r_sum))?, x.reshape((s, m / s, k))?);
+            let (split, _) = time_ms(&dev, iters, || {
+                dus.transpose(1, 2)?.matmul(&xs)?;
+                Ok(())
+            })?;
+            line += &format!(", {s} batched partials {split:.4}");
+        }
+        println!("{line}");
     }
     Ok(())
 }

@@ -84,8 +84,10 @@ fn lora_linear_matches_the_composition_on_cuda() {
     compare(&dev, DType::F32, 1e-3); // TF32 may be on for f32 GEMMs
     compare(&dev, DType::BF16, 2e-2);
     // x in the compute dtype: the fused cuBLAS path (batched adjacent parts, saved u)
-    grouped(&dev, DType::F32, 1e-3);
-    grouped(&dev, DType::BF16, 2e-2);
+    for k in [16, 8] {
+        grouped(&dev, DType::F32, 1e-3, k);
+        grouped(&dev, DType::BF16, 0.1, k);
+    }
 }
 
 #[test]
@@ -145,9 +147,14 @@ fn lora_config_targets_modules_as_peft_does() {
 /// GEMM path) against the per-module composition in f32 on the CPU from the same rounded
 /// values: forward and every gradient, relative to the reference's largest magnitude. The
 /// parts are `[(8, r), (4, 0), (6, r), (6, r)]`: an unadapted part between adapted ones, and
-/// two adjacent equal parts (one batched GEMM on CUDA).
-fn grouped(device: &Device, dtype: DType, tol: f32) -> (Var, Tensor, Tensor, Vec<(usize, usize)>) {
-    let (m, k, r, s) = (9, 16, 3, 0.5);
+/// two adjacent equal parts (one batched GEMM on CUDA), at input width `k`.
+fn grouped(
+    device: &Device,
+    dtype: DType,
+    tol: f32,
+    k: usize,
+) -> (Var, Tensor, Tensor, Vec<(usize, usize)>) {
+    let (m, r, s) = (9, 3, 0.5);
     let on = |t: Tensor| t.to_dtype(dtype).unwrap().to_device(device).unwrap();
     let back = |t: &Tensor| t.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap();
     let x = Var::from_tensor(&on(values((m, k), 1.0, 0.2))).unwrap();
@@ -220,8 +227,10 @@ fn grouped(device: &Device, dtype: DType, tol: f32) -> (Var, Tensor, Tensor, Vec
 
 #[test]
 fn grouped_lora_linear_with_an_unadapted_part_matches_the_composition() {
-    let (x, w, a, _) = grouped(&Device::Cpu, DType::F32, 1e-5);
-    grouped(&Device::Cpu, DType::BF16, 2e-2);
+    let (x, w, a, _) = grouped(&Device::Cpu, DType::F32, 1e-5, 16);
+    // bf16: u (or du) is rounded before the second product, and these small sums cancel:
+    // a few percent of the largest entry (7.4% for dA of the first part on the CPU)
+    grouped(&Device::Cpu, DType::BF16, 0.1, 16);
     let (r, s) = (3, 0.5);
     let b = Tensor::zeros((20, r), DType::F32, &Device::Cpu).unwrap();
     // parts that do not add up to w's rows are an error, not a panic
