@@ -116,7 +116,14 @@ fn main() -> Result<()> {
         "one block, forward+backward device ms: LoRA {sum_lora:.3}, frozen {sum_frozen:.3}, trainable {sum_full:.3}"
     );
     // the long-inner-dimension GEMMs of the adapter gradients, whole and split over tokens
-    for (r_sum, k) in [(48, 576), (32, 576), (16, 576), (16, 1536), (576, 16), (1536, 16)] {
+    for (r_sum, k) in [
+        (48, 576),
+        (32, 576),
+        (16, 576),
+        (16, 1536),
+        (576, 16),
+        (1536, 16),
+    ] {
         let du = var((m, r_sum), &dev)?.as_tensor().detach();
         let x = var((m, k), &dev)?.as_tensor().detach();
         let (one, _) = time_ms(&dev, iters, || {

@@ -156,7 +156,12 @@ fn grouped(
 ) -> (Var, Tensor, Tensor, Vec<(usize, usize)>) {
     let (m, r, s) = (9, 3, 0.5);
     let on = |t: Tensor| t.to_dtype(dtype).unwrap().to_device(device).unwrap();
-    let back = |t: &Tensor| t.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap();
+    let back = |t: &Tensor| {
+        t.to_device(&Device::Cpu)
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+    };
     let x = Var::from_tensor(&on(values((m, k), 1.0, 0.2))).unwrap();
     let ws: Vec<Tensor> = [(8, 0.3), (4, 0.9), (6, 1.7), (6, 2.0)]
         .iter()
@@ -170,7 +175,9 @@ fn grouped(
     let bv: Vec<Var> = adapted
         .iter()
         .enumerate()
-        .map(|(i, &(n, _))| Var::from_tensor(&on(values((n, r), 0.3, 3.1 + 0.6 * i as f64))).unwrap())
+        .map(|(i, &(n, _))| {
+            Var::from_tensor(&on(values((n, r), 0.3, 3.1 + 0.6 * i as f64))).unwrap()
+        })
         .collect();
     let a = Tensor::cat(&av.iter().map(|v| v.as_tensor()).collect::<Vec<_>>(), 0).unwrap();
     let b = Tensor::cat(&bv.iter().map(|v| v.as_tensor()).collect::<Vec<_>>(), 0).unwrap();
@@ -187,8 +194,14 @@ fn grouped(
 
     // the reference: f32 on the CPU from the same (rounded) values
     let xr = Var::from_tensor(&back(x.as_tensor())).unwrap();
-    let ar: Vec<Var> = av.iter().map(|v| Var::from_tensor(&back(v.as_tensor())).unwrap()).collect();
-    let br: Vec<Var> = bv.iter().map(|v| Var::from_tensor(&back(v.as_tensor())).unwrap()).collect();
+    let ar: Vec<Var> = av
+        .iter()
+        .map(|v| Var::from_tensor(&back(v.as_tensor())).unwrap())
+        .collect();
+    let br: Vec<Var> = bv
+        .iter()
+        .map(|v| Var::from_tensor(&back(v.as_tensor())).unwrap())
+        .collect();
     let lin = |w: &Tensor| xr.as_tensor().matmul(&w.t().unwrap()).unwrap();
     let mut cols = Vec::new();
     for (i, w_i) in ws.iter().enumerate() {
@@ -205,7 +218,12 @@ fn grouped(
         });
     }
     let y_ref = Tensor::cat(&cols, 1).unwrap();
-    let ref_grads = (&y_ref * &g).unwrap().sum_all().unwrap().backward().unwrap();
+    let ref_grads = (&y_ref * &g)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
     let scale = |t: &Tensor| max_abs(t, &t.zeros_like().unwrap()).max(1e-3);
     let d = max_abs(&back(&y), &y_ref) / scale(&y_ref);
     assert!(d < tol, "{dtype:?} forward: relative error {d}");

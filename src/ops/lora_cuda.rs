@@ -71,7 +71,17 @@ impl Dims {
 
 /// `u = x A^T`, `(M, R)` in the compute dtype.
 fn u_gemm(d: &Dims, dev: &CudaDevice, dtype: DType, px: u64, pa: u64, pu: u64) -> Result<()> {
-    gemm(dev, dtype, (d.m, d.r_sum, d.k), 1.0, Op::n(px, d.k), Op::t(pa, d.k), 0.0, pu, d.r_sum)
+    gemm(
+        dev,
+        dtype,
+        (d.m, d.r_sum, d.k),
+        1.0,
+        Op::n(px, d.k),
+        Op::t(pa, d.k),
+        0.0,
+        pu,
+        d.r_sum,
+    )
 }
 
 /// The forward: `(x, W, A, B)` contiguous (layouts give their offsets), all in W's dtype.
@@ -98,7 +108,17 @@ pub(super) fn forward(
         let (py, _gy) = out_ptr(&mut y, &stream)?;
         let (m, n, k, r) = (d.m, d.n, d.k, d.r_sum);
         u_gemm(d, &dev, dtype, px, pa, pu)?;
-        gemm(&dev, dtype, (m, n, k), 1.0, Op::n(px, k), Op::t(pw, k), 0.0, py, n)?;
+        gemm(
+            &dev,
+            dtype,
+            (m, n, k),
+            1.0,
+            Op::n(px, k),
+            Op::t(pw, k),
+            0.0,
+            py,
+            n,
+        )?;
         for (bl, count) in d.runs() {
             // y[:, c_j] += s u_j B_j^T
             let batch = Batch {
@@ -154,7 +174,9 @@ pub(super) fn backward(
         None
     };
     let da = flat.narrow(0, dx_len, rk)?.reshape((d.r_sum, d.k))?;
-    let db = flat.narrow(0, dx_len + rk, br)?.reshape((d.n_adapted(), d.rank))?;
+    let db = flat
+        .narrow(0, dx_len + rk, br)?
+        .reshape((d.n_adapted(), d.rank))?;
     Ok((dx, da, db))
 }
 
@@ -218,9 +240,16 @@ impl CustomOp1 for Backward {
             let (po, _go) = out_ptr(&mut out, &stream)?;
             let (pu, _gu) = out_ptr(&mut u, &stream)?;
             let (pdu, _gdu) = out_ptr(&mut du, &stream)?;
-            let (pdx, pda, pdb) = (po, po + dx_len as u64 * es, po + (dx_len + r * k) as u64 * es);
+            let (pdx, pda, pdb) = (
+                po,
+                po + dx_len as u64 * es,
+                po + (dx_len + r * k) as u64 * es,
+            );
             for (bl, count) in d.runs() {
-                let (dy_i, b_i) = (pdy + bl.col as u64 * es, pb + (bl.b_row * d.rank) as u64 * es);
+                let (dy_i, b_i) = (
+                    pdy + bl.col as u64 * es,
+                    pb + (bl.b_row * d.rank) as u64 * es,
+                );
                 // du_j = s dy_j B_j
                 let batch = Batch {
                     count,
@@ -261,10 +290,40 @@ impl CustomOp1 for Backward {
                 )?;
             }
             // dA = du^T x
-            gemm(&dev, dtype, (r, k, m), 1.0, Op::t(pdu, r), Op::n(px, k), 0.0, pda, k)?;
+            gemm(
+                &dev,
+                dtype,
+                (r, k, m),
+                1.0,
+                Op::t(pdu, r),
+                Op::n(px, k),
+                0.0,
+                pda,
+                k,
+            )?;
             if self.want_dx {
-                gemm(&dev, dtype, (m, k, n), 1.0, Op::n(pdy, n), Op::n(pw, k), 0.0, pdx, k)?;
-                gemm(&dev, dtype, (m, k, r), 1.0, Op::n(pdu, r), Op::n(pa, k), 1.0, pdx, k)?;
+                gemm(
+                    &dev,
+                    dtype,
+                    (m, k, n),
+                    1.0,
+                    Op::n(pdy, n),
+                    Op::n(pw, k),
+                    0.0,
+                    pdx,
+                    k,
+                )?;
+                gemm(
+                    &dev,
+                    dtype,
+                    (m, k, r),
+                    1.0,
+                    Op::n(pdu, r),
+                    Op::n(pa, k),
+                    1.0,
+                    pdx,
+                    k,
+                )?;
             }
         }
         drop((u, du, keep));
@@ -274,5 +333,7 @@ impl CustomOp1 for Backward {
 
 /// True when the fused CUDA path applies: every operand on CUDA, x already in W's dtype.
 pub(super) fn applies(x: &Tensor, w: &Tensor) -> bool {
-    x.device().is_cuda() && x.dtype() == w.dtype() && matches!(w.dtype(), DType::F32 | DType::BF16 | DType::F16)
+    x.device().is_cuda()
+        && x.dtype() == w.dtype()
+        && matches!(w.dtype(), DType::F32 | DType::BF16 | DType::F16)
 }
