@@ -5,16 +5,17 @@
 //!
 //! ```text
 //! forward    u = x A^T                      (M, R), kept for the backward
-//!            y = x W^T                      (M, N)
-//!            y[:, c_i] += s u[:, q_i] B_i^T per adapted part (beta = 1: no add pass)
+//!            y[:, c_i] = s u[:, q_i] B_i^T  per adapted part
+//!            y += x W^T                     (M, N; beta = 1: no add pass)
 //! backward   du[:, q_i] = s dy[:, c_i] B_i  (M, R)
 //!            dA = du^T x                    (R, K)
 //!            dB_i = s dy[:, c_i]^T u[:, q_i]
 //!            dx = dy W, then dx += du A     (M, K)
 //! ```
 //!
-//! The forward adds the update to the rounded base output, as PEFT's `lora.Linear` does
-//! (`result = base_layer(x)`, then `result + lora_B(lora_A(x)) * scaling`). Adjacent parts of
+//! The base GEMM accumulates onto the rounded update in f32 and rounds the sum once (PEFT's
+//! `lora.Linear` rounds the base output, then adds `lora_B(lora_A(x)) * scaling`); with an
+//! unadapted part in the stack, the base goes first and the updates add into it. Adjacent parts of
 //! the same size (`k_proj`/`v_proj`, `gate_proj`/`up_proj`) share one strided batched GEMM per
 //! product. The backward's three results come back as views of one allocation.
 
@@ -108,19 +109,19 @@ pub(super) fn forward(
         let (py, _gy) = out_ptr(&mut y, &stream)?;
         let (m, n, k, r) = (d.m, d.n, d.k, d.r_sum);
         u_gemm(d, &dev, dtype, px, pa, pu)?;
-        gemm(
-            &dev,
-            dtype,
-            (m, n, k),
-            1.0,
-            Op::n(px, k),
-            Op::t(pw, k),
-            0.0,
-            py,
-            n,
-        )?;
+        // When the adapted parts cover every output column, the updates are written first and
+        // the base GEMM adds itself into them in its epilogue (beta = 1): the (M, N) output is
+        // read once inside a compute-bound GEMM instead of read and written again by the small
+        // update GEMMs. Otherwise the base goes first and the updates add into it.
+        let updates_first = d.n_adapted() == n;
+        let base = |beta: f32| {
+            gemm(&dev, dtype, (m, n, k), 1.0, Op::n(px, k), Op::t(pw, k), beta, py, n)
+        };
+        if !updates_first {
+            base(0.0)?;
+        }
         for (bl, count) in d.runs() {
-            // y[:, c_j] += s u_j B_j^T
+            // y[:, c_j] (+)= s u_j B_j^T
             let batch = Batch {
                 count,
                 sa: d.rank,
@@ -134,11 +135,14 @@ pub(super) fn forward(
                 d.scale,
                 Op::n(pu + bl.q as u64 * es, r),
                 Op::t(pb + (bl.b_row * d.rank) as u64 * es, d.rank),
-                1.0,
+                if updates_first { 0.0 } else { 1.0 },
                 py + bl.col as u64 * es,
                 n,
                 batch,
             )?;
+        }
+        if updates_first {
+            base(1.0)?;
         }
     }
     Ok((y, u))
