@@ -65,6 +65,7 @@ pub mod precision;
 pub mod profile;
 pub mod recompute;
 pub mod scaler;
+pub mod serve;
 pub mod timing;
 pub mod trainer;
 
