@@ -103,7 +103,8 @@ fn main() -> Result<()> {
                 let d = wick::data::mnist::load_dir(&a.data_dir).context("--data-dir")?;
                 let images: Vec<Vec<f32>> = d.test_images.narrow(0, 0, 1000)?.to_vec2()?;
                 let labels: Vec<u32> = d.test_labels.narrow(0, 0, 1000)?.to_vec1()?;
-                let chunk = |k: usize| (0..a.batch).map(|j| (k * a.batch + j) % images.len());
+                let (batch, len) = (a.batch, images.len());
+                let chunk = move |k: usize| (0..batch).map(move |j| (k * batch + j) % len);
                 let req = (0..64)
                     .map(|k| json!({ "images": chunk(k).map(|i| &images[i]).collect::<Vec<_>>() }))
                     .collect();
