@@ -433,6 +433,11 @@ fn concurrent_answers_each_come_from_one_consistent_version() {
             }
         }
     }
+    eprintln!(
+        "{} answers over {} versions; {discriminated} image answers differ from the previous version's",
+        answers.len(),
+        versions.len()
+    );
     // the check tells versions apart: answers of a version differ from the previous version's
     assert!(
         discriminated > 0,
@@ -625,4 +630,142 @@ fn a_full_feedback_queue_answers_429() {
     assert!(m.contains("full"), "{m}");
     let depth = s.health()["queue_depth"].as_u64().unwrap();
     assert!(depth <= 4, "queue depth {depth} over its capacity 4");
+}
+
+#[test]
+fn tiny_llama_learns_a_repeated_completion_and_serves_it_as_an_adapter() {
+    let adapters = tmp("adapters");
+    let s = Server::start(&[
+        "--model",
+        "llama",
+        "--tiny",
+        "--lr",
+        "1e-2",
+        "--train-batch",
+        "4",
+        "--adapters-dir",
+        adapters.to_str().unwrap(),
+    ]);
+    let prompt = "The capital of Wick is";
+    let target = " Candleburg, by the sea.";
+    let ask = json!({ "prompt": prompt, "max_tokens": 8 });
+    let (status, before) = s.post("/v1/completions", &ask);
+    assert_eq!(status, 200, "{before}");
+    assert_eq!(
+        (before["adapter"].as_str(), before["version"].as_u64()),
+        (Some("live"), Some(0))
+    );
+    assert_ne!(
+        before["text"], target,
+        "the untrained model already completes it"
+    );
+
+    let feedback = json!({ "prompt": prompt, "completion": target });
+    let mut after = Value::Null;
+    for round in 1..=30u64 {
+        for _ in 0..4 {
+            feed(&s, "/v1/feedback", &feedback);
+        }
+        s.wait_for("feedback trained on", 1200, |h| {
+            h["queue_depth"] == 0 && h["train_steps"].as_u64().unwrap() >= round
+        });
+        after = s.post("/v1/completions", &ask).1;
+        if after["text"] == target {
+            break;
+        }
+    }
+    assert_eq!(
+        after["text"], target,
+        "not learned after 120 feedback examples: {after}"
+    );
+    let version = after["version"].as_u64().unwrap();
+    assert!(version >= 1);
+
+    // streamed: server-sent events of the same version that add up to the same text
+    let mut r = s
+        .agent
+        .post(&s.url("/v1/completions"))
+        .send_json(json!({ "prompt": prompt, "max_tokens": 8, "stream": true }))
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let body = r.body_mut().read_to_string().unwrap();
+    let events: Vec<&str> = body
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(events.last(), Some(&"[DONE]"), "{body}");
+    let mut text = String::new();
+    for e in &events[..events.len() - 1] {
+        let v: Value = serde_json::from_str(e).unwrap();
+        assert_eq!(
+            (v["adapter"].as_str(), v["version"].as_u64()),
+            (Some("live"), Some(version))
+        );
+        text.push_str(v["text"].as_str().unwrap());
+    }
+    assert_eq!(text, target);
+
+    // the live adapter saved under a name, loaded, served, dropped
+    let (status, v) = s.post("/v1/adapters/learned/save", &json!({}));
+    assert_eq!(status, 200, "{v}");
+    assert!(adapters.join("learned/adapter_model.safetensors").is_file());
+    let (status, v) = s.post("/v1/adapters/learned", &json!({}));
+    assert_eq!((status, v["version"].as_u64()), (200, Some(1)), "{v}");
+    let named = json!({ "prompt": prompt, "max_tokens": 8, "adapter": "learned" });
+    let (status, v) = s.post("/v1/completions", &named);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(
+        (v["adapter"].as_str(), v["version"].as_u64()),
+        (Some("learned"), Some(1))
+    );
+    assert_eq!(v["text"], target);
+    let mut r = s
+        .agent
+        .delete(&s.url("/v1/adapters/learned"))
+        .call()
+        .unwrap();
+    assert_eq!(
+        r.status().as_u16(),
+        200,
+        "{}",
+        r.body_mut().read_to_string().unwrap()
+    );
+    let mut r = s
+        .agent
+        .delete(&s.url("/v1/adapters/learned"))
+        .call()
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 404);
+    let v: Value = r.body_mut().read_json().unwrap();
+    assert!(error_message(404, &v).contains("learned"));
+
+    // bad requests
+    let (status, v) = s.post("/v1/completions", &named);
+    assert_eq!(status, 404, "{v}");
+    assert!(error_message(404, &v).contains("unknown adapter"));
+    let (status, v) = s.post(
+        "/v1/completions",
+        &json!({ "prompt": prompt, "max_tokens": 100000 }),
+    );
+    assert_eq!(status, 422, "{v}");
+    assert!(error_message(422, &v).contains("max_tokens"));
+    let (status, v) = s.post(
+        "/v1/completions",
+        &json!({ "prompt": prompt, "max_tokens": -1 }),
+    );
+    assert_eq!(status, 422, "{v}");
+    assert!(error_message(422, &v).contains("max_tokens"));
+    let (status, v) = s.post(
+        "/v1/completions",
+        &json!({ "prompt": prompt, "temperature": "hot" }),
+    );
+    assert_eq!(status, 422, "{v}");
+    assert!(error_message(422, &v).contains("temperature"));
+    let (status, v) = s.post("/v1/adapters/missing", &json!({}));
+    assert_eq!(status, 404, "{v}");
+    let (status, v) = s.post("/v1/adapters/.hidden", &json!({}));
+    assert_eq!(status, 400, "{v}");
+    let (status, v) = s.post("/v1/feedback", &json!({ "prompt": prompt }));
+    assert_eq!(status, 422, "{v}");
+    assert!(error_message(422, &v).contains("completion"));
 }
