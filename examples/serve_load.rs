@@ -50,9 +50,12 @@ struct Args {
     /// Feedback requests per second during the run (0: no training load).
     #[arg(long, default_value_t = 0.0)]
     feedback_rate: f64,
-    /// mnist: images per /predict and per /feedback request.
+    /// mnist: images per /predict request.
     #[arg(long, default_value_t = 1)]
     batch: usize,
+    /// mnist: labelled images per /feedback request.
+    #[arg(long, default_value_t = 32)]
+    feedback_batch: usize,
     /// mnist: the data folder (test images are sent).
     #[arg(long, default_value = "data/mnist")]
     data_dir: PathBuf,
@@ -103,14 +106,20 @@ fn main() -> Result<()> {
                 let d = wick::data::mnist::load_dir(&a.data_dir).context("--data-dir")?;
                 let images: Vec<Vec<f32>> = d.test_images.narrow(0, 0, 1000)?.to_vec2()?;
                 let labels: Vec<u32> = d.test_labels.narrow(0, 0, 1000)?.to_vec1()?;
-                let (batch, len) = (a.batch, images.len());
-                let chunk = move |k: usize| (0..batch).map(move |j| (k * batch + j) % len);
+                let len = images.len();
+                let chunk = move |k: usize, b: usize| (0..b).map(move |j| (k * b + j) % len);
                 let req = (0..64)
-                    .map(|k| json!({ "images": chunk(k).map(|i| &images[i]).collect::<Vec<_>>() }))
-                    .collect();
-                let fb = (0..64)
-                .map(|k| json!({ "images": chunk(k + 100).map(|i| &images[i]).collect::<Vec<_>>(), "labels": chunk(k + 100).map(|i| labels[i]).collect::<Vec<_>>() }))
+                .map(|k| json!({ "images": chunk(k, a.batch).map(|i| &images[i]).collect::<Vec<_>>() }))
                 .collect();
+                let fb = (0..64)
+                    .map(|k| {
+                        let idx: Vec<usize> = chunk(k + 100, a.feedback_batch).collect();
+                        json!({
+                            "images": idx.iter().map(|&i| &images[i]).collect::<Vec<_>>(),
+                            "labels": idx.iter().map(|&i| labels[i]).collect::<Vec<_>>(),
+                        })
+                    })
+                    .collect();
                 ("/predict", "/feedback", req, fb)
             }
             Model::Llama => {
@@ -161,8 +170,9 @@ fn main() -> Result<()> {
                 let mut versions = BTreeSet::new();
                 let mut k = c as u64;
                 loop {
+                    // behind schedule (a saturated server): send at once, but stop at the deadline
                     let at = start + Duration::from_secs_f64(k as f64 / rate);
-                    if at >= deadline {
+                    if at >= deadline || Instant::now() >= deadline {
                         break;
                     }
                     std::thread::sleep(at.saturating_duration_since(Instant::now()));
@@ -202,6 +212,10 @@ fn main() -> Result<()> {
     let after = scrape(&agent, &a.url)?;
     lat.sort_by(f64::total_cmp);
     let steps = |t: &str| metric(t, "wick_serve_train_steps_total").unwrap_or(0.0);
+    let delta = |n: &str| metric(&after, n).unwrap_or(0.0) - metric(&before, n).unwrap_or(0.0);
+    let publishes = delta("wick_serve_publishes_total");
+    let mean_publish_ms =
+        (publishes > 0.0).then(|| delta("wick_serve_publish_seconds_sum") * 1e3 / publishes);
     let out = json!({
         "model": format!("{:?}", a.model).to_lowercase(),
         "clients": a.clients,
@@ -225,6 +239,7 @@ fn main() -> Result<()> {
         "train_steps": steps(&after) - steps(&before),
         "train_steps_per_s": (steps(&after) - steps(&before)) / wall,
         "last_publish_ms": metric(&after, "wick_serve_publish_seconds").map(|s| s * 1e3),
+        "mean_publish_ms": mean_publish_ms,
         "tokens_per_s_last": metric(&after, "wick_serve_tokens_per_second"),
     });
     println!("{out}");

@@ -40,6 +40,8 @@ pub struct Metrics {
     pub version: Gauge,
     pub queue_depth: Gauge,
     pub publish_seconds: Gauge<f64, AtomicU64>,
+    pub publish_seconds_sum: Gauge<f64, AtomicU64>,
+    pub publishes: Counter,
     pub tokens: Counter,
     pub tokens_per_second: Gauge<f64, AtomicU64>,
 }
@@ -72,6 +74,8 @@ impl Metrics {
             version: Gauge::default(),
             queue_depth: Gauge::default(),
             publish_seconds: Gauge::default(),
+            publish_seconds_sum: Gauge::default(),
+            publishes: Counter::default(),
             tokens: Counter::default(),
             tokens_per_second: Gauge::default(),
             registry,
@@ -142,6 +146,8 @@ impl Metrics {
         catch_up(&self.train_steps, stats.steps());
         catch_up(&self.train_examples, stats.examples());
         catch_up(&self.train_failed_steps, stats.failed_steps());
+        catch_up(&self.publishes, stats.publishes());
+        self.publish_seconds_sum.set(stats.publish_seconds_total());
         let loss = stats.last_loss();
         self.train_loss
             .set(if loss.is_finite() { loss as f64 } else { 0.0 });

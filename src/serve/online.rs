@@ -94,6 +94,7 @@ pub struct OnlineStats {
     train_micros: AtomicU64,
     publishes: AtomicU64,
     publish_micros_last: AtomicU64,
+    publish_micros_total: AtomicU64,
     checkpoints: AtomicU64,
     running: AtomicBool,
 }
@@ -129,6 +130,10 @@ impl OnlineStats {
     /// Seconds the last publication took: from the start of the snapshot's copy to the swap.
     pub fn last_publish_seconds(&self) -> f64 {
         self.publish_micros_last.load(Ordering::Relaxed) as f64 * 1e-6
+    }
+    /// Seconds all publications took together (mean: divide by [`Self::publishes`]).
+    pub fn publish_seconds_total(&self) -> f64 {
+        self.publish_micros_total.load(Ordering::Relaxed) as f64 * 1e-6
     }
     /// Checkpoints written.
     pub fn checkpoints(&self) -> u64 {
@@ -203,6 +208,9 @@ fn publish<L: OnlineLearner>(
     let version = published.publish(snap);
     let micros = t.elapsed().as_micros() as u64;
     stats.publish_micros_last.store(micros, Ordering::Relaxed);
+    stats
+        .publish_micros_total
+        .fetch_add(micros, Ordering::Relaxed);
     stats.publishes.fetch_add(1, Ordering::Relaxed);
     tracing::info!(
         "published version {version} in {:.3} ms",
