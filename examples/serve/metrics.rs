@@ -123,6 +123,16 @@ impl Metrics {
             m.publish_seconds.clone(),
         );
         r.register(
+            "publish_seconds_sum",
+            "Time of all publications together",
+            m.publish_seconds_sum.clone(),
+        );
+        r.register(
+            "publishes",
+            "Publications of new weights",
+            m.publishes.clone(),
+        );
+        r.register(
             "generated_tokens",
             "Tokens generated (llama)",
             m.tokens.clone(),
