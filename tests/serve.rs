@@ -600,6 +600,8 @@ fn bad_requests_get_a_json_4xx_naming_the_problem() {
         "wick_serve_feedback_queue_depth",
         "wick_serve_train_steps_total",
         "wick_serve_train_loss",
+        "wick_serve_publish_seconds_sum",
+        "wick_serve_publishes_total",
     ] {
         assert!(text.contains(name), "/metrics lacks {name}:\n{text}");
     }
