@@ -80,3 +80,25 @@ impl<T> Published<T> {
         history.iter().find(|v| v.version == version).cloned()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_count_up_and_old_readers_keep_their_snapshot() {
+        let p = Published::new("a".to_string(), 2);
+        let held = p.load();
+        assert_eq!(p.publish("b".into()), 1);
+        assert_eq!(p.publish("c".into()), 2);
+        assert_eq!((held.version, held.value.as_str()), (0, "a"));
+        let now = p.load();
+        assert_eq!((now.version, now.value.as_str()), (2, "c"));
+        assert_eq!(p.version(), 2);
+        // the newest 2 are retained
+        assert!(p.get(0).is_none());
+        assert_eq!(p.get(1).unwrap().value, "b");
+        assert_eq!(p.get(2).unwrap().value, "c");
+        assert!(p.get(3).is_none());
+    }
+}

@@ -137,3 +137,27 @@ impl<T> FeedbackReceiver<T> {
         self.depth.load(Ordering::SeqCst)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn full_queue_refuses_and_batches_take_what_is_queued() {
+        let (tx, rx) = feedback_queue::<u32>(3);
+        for i in 0..3 {
+            tx.try_push(i).unwrap();
+        }
+        assert_eq!(tx.try_push(9), Err(QueueError::Full { capacity: 3 }));
+        assert_eq!(tx.depth(), 3);
+        assert_eq!(rx.next_batch(2, Duration::from_millis(1)), vec![0, 1]);
+        assert_eq!(rx.depth(), 1);
+        tx.try_push(3).unwrap();
+        assert_eq!(rx.next_batch(10, Duration::from_millis(1)), vec![2, 3]);
+        assert!(rx.next_batch(10, Duration::from_millis(1)).is_empty());
+        assert_eq!(tx.depth(), 0);
+        drop(rx);
+        assert_eq!(tx.try_push(4), Err(QueueError::Closed));
+        assert_eq!(tx.depth(), 0);
+    }
+}
