@@ -183,18 +183,23 @@ pub fn spawn<L: OnlineLearner>(
     config: OnlineConfig,
 ) -> Result<JoinHandle<Result<OnlineSummary>>> {
     config.validate()?;
-    std::thread::Builder::new()
+    let stats = parts.stats.clone();
+    // running from now on: a health check right after spawn must not see a stopped trainer
+    stats.running.store(true, Ordering::Relaxed);
+    let spawned = std::thread::Builder::new()
         .name("wick-online-trainer".into())
         .spawn(move || {
-            parts.stats.running.store(true, Ordering::Relaxed);
             let out = run(engine, learner, &published, &parts, &config);
             parts.stats.running.store(false, Ordering::Relaxed);
             if let Err(e) = &out {
                 tracing::error!("online trainer stopped: {e:#}");
             }
             out
-        })
-        .context("spawning the online trainer thread")
+        });
+    if spawned.is_err() {
+        stats.running.store(false, Ordering::Relaxed);
+    }
+    spawned.context("spawning the online trainer thread")
 }
 
 fn publish<L: OnlineLearner>(
