@@ -502,7 +502,30 @@ fn sigterm_mid_training_saves_a_checkpoint_that_loads() {
         steps,
         "checkpoint step vs steps trained"
     );
-    assert!(extra["published_version"].as_u64().unwrap() >= 1, "{extra}");
+    let version = extra["published_version"].as_u64().unwrap();
+    assert!(version >= 1, "{extra}");
+
+    // a restart resumes it: the same weights answer, under the version they had
+    let s = Server::start(&[
+        "--model",
+        "mnist",
+        "--hidden",
+        "32",
+        "--precision",
+        "32",
+        "--save-dir",
+        save.to_str().unwrap(),
+    ]);
+    let (status, v) = s.post("/predict", &json!({ "images": [images[0]] }));
+    assert_eq!((status, v["version"].as_u64()), (200, Some(version)), "{v}");
+    let (status, bytes) = s.get(&format!("/v1/snapshots/{version}"));
+    assert_eq!(status, 200);
+    let served = candle_core::safetensors::load_buffer(&bytes, &candle_core::Device::Cpu).unwrap();
+    for (name, master) in engine.store().masters() {
+        let a: Vec<f32> = master.flatten_all().unwrap().to_vec1().unwrap();
+        let b: Vec<f32> = served[&name].flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(a, b, "{name}: served weights differ from the checkpoint's");
+    }
 }
 
 #[test]

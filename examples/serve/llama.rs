@@ -473,14 +473,14 @@ pub fn build(
     let mut config = crate::engine_config(a);
     config.accumulation_steps = a.train_batch.max(1);
     let mut engine = Engine::new(store, config)?;
-    crate::resume(a, &mut engine)?;
+    let version = crate::resume(a, &mut engine)?;
     let learner = Learner {
         model,
         dev: dev.clone(),
     };
     let first = learner.snapshot(&engine)?;
     let state = LlamaState {
-        published: Arc::new(Published::new(first, a.keep_versions)),
+        published: Arc::new(Published::starting_at(first, version, a.keep_versions)),
         named: Default::default(),
         loads: Default::default(),
         tok: Arc::new(tok),

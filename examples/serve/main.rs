@@ -133,14 +133,17 @@ pub fn engine_config(a: &Args) -> EngineConfig {
     c
 }
 
-/// Loads the newest checkpoint of `--save-dir` into `engine`, when there is one.
-pub fn resume(a: &Args, engine: &mut Engine) -> Result<()> {
+/// Loads the newest checkpoint of `--save-dir` into `engine`, when there is one, and returns
+/// the version it had published (0 without a checkpoint): publication numbers go on from it.
+pub fn resume(a: &Args, engine: &mut Engine) -> Result<u64> {
     if let Some(dir) = &a.save_dir {
-        if let Some((path, _)) = Checkpointer::new(dir, 3).resume(engine)? {
-            eprintln!("resumed from {}", path.display());
+        if let Some((path, extra)) = Checkpointer::new(dir, 3).resume(engine)? {
+            let version = extra["published_version"].as_u64().unwrap_or(0);
+            eprintln!("resumed from {} (version {version})", path.display());
+            return Ok(version);
         }
     }
-    Ok(())
+    Ok(0)
 }
 
 /// What /health and /metrics read.
@@ -205,8 +208,12 @@ fn start(a: &Args, stop: Arc<AtomicBool>, m: Arc<metrics::Metrics>) -> Result<St
     let checkpointer = a.save_dir.as_ref().map(|d| Checkpointer::new(d, 3));
     match a.model {
         ModelKind::Mnist => {
-            let (engine, learner, first) = mnist::build(a, &dev)?;
-            let published = Arc::new(wick::serve::Published::new(first, a.keep_versions));
+            let (engine, learner, first, version) = mnist::build(a, &dev)?;
+            let published = Arc::new(wick::serve::Published::starting_at(
+                first,
+                version,
+                a.keep_versions,
+            ));
             let (tx, rx) = wick::serve::feedback_queue(a.queue_capacity);
             let parts = OnlineParts {
                 feedback: rx,

@@ -290,7 +290,7 @@ pub fn router(state: MnistState) -> Router {
 
 /// Builds the store, the network and the engine; resumes from `--save-dir` when it holds a
 /// checkpoint, else starts from `--init` (a model.safetensors of examples/mnist.rs) or fresh.
-pub fn build(a: &Args, dev: &Device) -> Result<(Engine, Learner, Snapshot)> {
+pub fn build(a: &Args, dev: &Device) -> Result<(Engine, Learner, Snapshot, u64)> {
     let store = ParamStore::new(a.precision, dev.clone(), a.seed);
     let net = Net::new(a.arch, a.hidden, &store)?;
     if let Some(init) = &a.init {
@@ -301,12 +301,12 @@ pub fn build(a: &Args, dev: &Device) -> Result<(Engine, Learner, Snapshot)> {
             .with_context(|| format!("--init {}", init.display()))?;
     }
     let mut engine = Engine::new(store, crate::engine_config(a))?;
-    crate::resume(a, &mut engine)?;
+    let version = crate::resume(a, &mut engine)?;
     let learner = Learner {
         net,
         arch: a.arch,
         dev: dev.clone(),
     };
     let first = learner.snapshot(&engine)?;
-    Ok((engine, learner, first))
+    Ok((engine, learner, first, version))
 }

@@ -34,8 +34,14 @@ impl<T> Published<T> {
     /// Publishes `initial` as version 0. `keep` (at least 1; 0 is taken as 1) is how many of
     /// the newest versions [`Published::get`] can return.
     pub fn new(initial: T, keep: usize) -> Self {
+        Self::starting_at(initial, 0, keep)
+    }
+
+    /// Publishes `initial` as version `version`, e.g. the last version published before a
+    /// restart from a checkpoint, so that version numbers never repeat across restarts.
+    pub fn starting_at(initial: T, version: u64, keep: usize) -> Self {
         let first = Arc::new(Versioned {
-            version: 0,
+            version,
             value: initial,
             published_at: Instant::now(),
         });
