@@ -52,13 +52,9 @@ fn cuda_type(dtype: DType) -> Result<(sys::cudaDataType_t, sys::cublasComputeTyp
     use sys::cublasComputeType_t as ct;
     use sys::cudaDataType_t as dt;
     Ok(match dtype {
-        DType::F32 if c::gemm_reduced_precision_f32() => {
-            (dt::CUDA_R_32F, ct::CUBLAS_COMPUTE_32F_FAST_TF32)
-        }
+        DType::F32 if c::gemm_reduced_precision_f32() => (dt::CUDA_R_32F, ct::CUBLAS_COMPUTE_32F_FAST_TF32),
         DType::F32 => (dt::CUDA_R_32F, ct::CUBLAS_COMPUTE_32F),
-        DType::BF16 if c::gemm_reduced_precision_bf16() => {
-            (dt::CUDA_R_16BF, ct::CUBLAS_COMPUTE_32F_FAST_16BF)
-        }
+        DType::BF16 if c::gemm_reduced_precision_bf16() => (dt::CUDA_R_16BF, ct::CUBLAS_COMPUTE_32F_FAST_16BF),
         DType::BF16 => (dt::CUDA_R_16BF, ct::CUBLAS_COMPUTE_32F),
         DType::F16 => (dt::CUDA_R_16F, ct::CUBLAS_COMPUTE_32F),
         d => bail!("gemm: no cuBLAS GEMM for dtype {d:?}; use f32, bf16 or f16"),

@@ -13,9 +13,9 @@ pub mod accumulate;
 #[cfg(feature = "cuda")]
 pub mod debug;
 #[cfg(feature = "cuda")]
-pub(crate) mod gemm;
-#[cfg(feature = "cuda")]
 pub mod grad_norm;
+#[cfg(feature = "cuda")]
+pub(crate) mod gemm;
 #[cfg(feature = "cuda")]
 pub(crate) mod launch;
 #[cfg(feature = "cuda")]

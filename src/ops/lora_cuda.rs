@@ -67,28 +67,8 @@ pub(super) fn forward(
         let (pu, _gu) = out_ptr(&mut u, &stream)?;
         let (py, _gy) = out_ptr(&mut y, &stream)?;
         let (m, n, k, r) = (d.m, d.n, d.k, d.r_sum);
-        gemm(
-            &dev,
-            dtype,
-            (m, r, k),
-            1.0,
-            Op::n(px, k),
-            Op::t(pa, k),
-            0.0,
-            pu,
-            r,
-        )?;
-        gemm(
-            &dev,
-            dtype,
-            (m, n, k),
-            1.0,
-            Op::n(px, k),
-            Op::t(pw, k),
-            0.0,
-            py,
-            n,
-        )?;
+        gemm(&dev, dtype, (m, r, k), 1.0, Op::n(px, k), Op::t(pa, k), 0.0, pu, r)?;
+        gemm(&dev, dtype, (m, n, k), 1.0, Op::n(px, k), Op::t(pw, k), 0.0, py, n)?;
         for bl in &d.blocks {
             gemm(
                 &dev,
@@ -135,9 +115,7 @@ pub(super) fn backward(
         None
     };
     let da = flat.narrow(0, dx_len, rk)?.reshape((d.r_sum, d.k))?;
-    let db = flat
-        .narrow(0, dx_len + rk, br)?
-        .reshape((d.n_adapted(), d.rank))?;
+    let db = flat.narrow(0, dx_len + rk, br)?.reshape((d.n_adapted(), d.rank))?;
     Ok((dx, da, db))
 }
 
@@ -151,7 +129,10 @@ struct Backward {
     want_dx: bool,
 }
 
-fn cuda_of<'a>(t: &'a Tensor, what: &str) -> Result<std::sync::RwLockReadGuard<'a, Storage>> {
+fn cuda_of<'a>(
+    t: &'a Tensor,
+    what: &str,
+) -> Result<std::sync::RwLockReadGuard<'a, Storage>> {
     let s = t.storage_and_layout().0;
     if !matches!(&*s, Storage::Cuda(_)) {
         bail!("{OP}: {what} is not on CUDA like dy (internal error)")
@@ -202,28 +183,11 @@ impl CustomOp1 for Backward {
             let (po, _go) = out_ptr(&mut out, &stream)?;
             let (pus, _gus) = out_ptr(&mut us, &stream)?;
             let (pdu, _gdu) = out_ptr(&mut du, &stream)?;
-            let (pdx, pda, pdb) = (
-                po,
-                po + dx_len as u64 * es,
-                po + (dx_len + r * k) as u64 * es,
-            );
+            let (pdx, pda, pdb) = (po, po + dx_len as u64 * es, po + (dx_len + r * k) as u64 * es);
             // s u = s x A^T, recomputed (M x R: cheaper than keeping it)
-            gemm(
-                &dev,
-                dtype,
-                (m, r, k),
-                d.scale,
-                Op::n(px, k),
-                Op::t(pa, k),
-                0.0,
-                pus,
-                r,
-            )?;
+            gemm(&dev, dtype, (m, r, k), d.scale, Op::n(px, k), Op::t(pa, k), 0.0, pus, r)?;
             for bl in &d.blocks {
-                let (dy_i, b_i) = (
-                    pdy + bl.col as u64 * es,
-                    pb + (bl.b_row * d.rank) as u64 * es,
-                );
+                let (dy_i, b_i) = (pdy + bl.col as u64 * es, pb + (bl.b_row * d.rank) as u64 * es);
                 // du_i = s dy_i B_i
                 gemm(
                     &dev,
@@ -250,40 +214,10 @@ impl CustomOp1 for Backward {
                 )?;
             }
             // dA = du^T x
-            gemm(
-                &dev,
-                dtype,
-                (r, k, m),
-                1.0,
-                Op::t(pdu, r),
-                Op::n(px, k),
-                0.0,
-                pda,
-                k,
-            )?;
+            gemm(&dev, dtype, (r, k, m), 1.0, Op::t(pdu, r), Op::n(px, k), 0.0, pda, k)?;
             if self.want_dx {
-                gemm(
-                    &dev,
-                    dtype,
-                    (m, k, n),
-                    1.0,
-                    Op::n(pdy, n),
-                    Op::n(pw, k),
-                    0.0,
-                    pdx,
-                    k,
-                )?;
-                gemm(
-                    &dev,
-                    dtype,
-                    (m, k, r),
-                    1.0,
-                    Op::n(pdu, r),
-                    Op::n(pa, k),
-                    1.0,
-                    pdx,
-                    k,
-                )?;
+                gemm(&dev, dtype, (m, k, n), 1.0, Op::n(pdy, n), Op::n(pw, k), 0.0, pdx, k)?;
+                gemm(&dev, dtype, (m, k, r), 1.0, Op::n(pdu, r), Op::n(pa, k), 1.0, pdx, k)?;
             }
         }
         drop((us, du, keep));
@@ -293,7 +227,5 @@ impl CustomOp1 for Backward {
 
 /// True when the fused CUDA path applies: every operand on CUDA, x already in W's dtype.
 pub(super) fn applies(x: &Tensor, w: &Tensor) -> bool {
-    x.device().is_cuda()
-        && x.dtype() == w.dtype()
-        && matches!(w.dtype(), DType::F32 | DType::BF16 | DType::F16)
+    x.device().is_cuda() && x.dtype() == w.dtype() && matches!(w.dtype(), DType::F32 | DType::BF16 | DType::F16)
 }

@@ -167,12 +167,7 @@ pub(super) fn offsets(parts: &[(usize, usize)]) -> Vec<Block> {
     let mut out = Vec::new();
     for &(rows, r_i) in parts {
         if r_i > 0 {
-            out.push(Block {
-                col,
-                rows,
-                q,
-                b_row,
-            });
+            out.push(Block { col, rows, q, b_row });
             q += r_i;
             b_row += rows;
         }
