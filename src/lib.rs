@@ -28,7 +28,9 @@
 //! step), [`coverage`] (which parameters received no gradient, and
 //! why), [`data`] (loader, sampler, datasets), [`trainer`] (the fit loop), [`checkpoint`],
 //! [`profile`] and [`timing`] (per-phase timing), [`plot`], [`perf`], [`models`] (GPT),
-//! [`dist`] (data parallelism, behind the engine's [`dist::GradSync`] seam), [`doctor`] and [`bench`](mod@bench) (behind the `wick`
+//! [`dist`] (data parallelism, behind the engine's [`dist::GradSync`] seam), [`serve`]
+//! (published inference snapshots, a bounded feedback queue and an online trainer thread, for
+//! services that keep learning), [`doctor`] and [`bench`](mod@bench) (behind the `wick`
 //! command line).
 //!
 //! ## Examples
@@ -36,7 +38,9 @@
 //! The repository's `examples/` folder has complete programs: `mnist.rs` (an MLP or a CNN
 //! through the [`trainer::Trainer`], with checkpoints and resume) and `char_gpt.rs` (a
 //! byte-level GPT on Shakespeare, with text generation from a checkpoint); `ckpt_crash.rs`
-//! is the crash test of [`checkpoint`]. Run them with
+//! is the crash test of [`checkpoint`]; `serve/` is an HTTP service (axum) that answers
+//! requests and fine-tunes on feedback through [`serve`], and `serve_load.rs` its load
+//! generator. Run them with
 //! `cargo run --release --example mnist -- --help`; the README lists the commands.
 
 #![warn(missing_docs)]
@@ -65,6 +69,7 @@ pub mod precision;
 pub mod profile;
 pub mod recompute;
 pub mod scaler;
+pub mod serve;
 pub mod timing;
 pub mod trainer;
 

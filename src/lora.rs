@@ -172,11 +172,34 @@ pub fn save_adapters(
         .masters()
         .into_iter()
         .filter(|(n, _)| is_adapter(n))
-        .map(|(n, t)| (format!("{PEFT_PREFIX}{n}"), t))
         .collect();
     if tensors.is_empty() {
         bail!("save_adapters: the store has no LoRA parameters (*.lora_A.weight)");
     }
+    save_adapter_tensors(tensors, config, base_model, dir)
+}
+
+/// [`save_adapters`] for given adapter tensors by wick's names (`{module}.lora_A.weight`,
+/// any float dtype and device, stored as they are), e.g. a served snapshot's
+/// ([`crate::models::Llama::adapter_tensors`]). Same files, each written atomically.
+///
+/// Errors: no tensors, a name that is not an adapter's, an I/O failure (naming the file).
+pub fn save_adapter_tensors(
+    tensors: Vec<(String, Tensor)>,
+    config: &LoraConfig,
+    base_model: &str,
+    dir: &Path,
+) -> Result<()> {
+    if tensors.is_empty() {
+        bail!("save_adapter_tensors: no tensors to save");
+    }
+    if let Some((n, _)) = tensors.iter().find(|(n, _)| !is_adapter(n)) {
+        bail!("save_adapter_tensors: {n:?} is not a LoRA tensor (*.lora_A.* / *.lora_B.*)");
+    }
+    let tensors = tensors
+        .into_iter()
+        .map(|(n, t)| (format!("{PEFT_PREFIX}{n}"), t))
+        .collect();
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     crate::checkpoint::save_safetensors_atomic(&dir.join("adapter_model.safetensors"), tensors)?;
     let json = serde_json::json!({

@@ -84,6 +84,33 @@ impl Linear {
     pub fn weight(&self) -> &Tensor {
         &self.weight
     }
+
+    /// A layer over given tensors (e.g. an inference copy of a trained layer's, from
+    /// [`crate::serve::copy_params`]): `weight (out, in)` and `bias (out,)`, in the compute
+    /// dtype of `precision`, on one device.
+    ///
+    /// Errors: a weight that is not 2-D, or a bias whose length is not `out`.
+    pub fn from_tensors(
+        weight: Tensor,
+        bias: Option<Tensor>,
+        precision: Precision,
+    ) -> Result<Self> {
+        let (out, _) = weight.dims2()?;
+        if let Some(b) = &bias {
+            if b.dims() != [out] {
+                candle_core::bail!(
+                    "Linear::from_tensors: bias {:?} for weight {:?}",
+                    b.dims(),
+                    weight.dims()
+                );
+            }
+        }
+        Ok(Self {
+            weight,
+            bias,
+            precision,
+        })
+    }
 }
 
 impl Module for Linear {
@@ -153,6 +180,33 @@ impl Conv2d {
         Ok(Self {
             inner: candle_nn::Conv2d::new(w, b, cfg),
             precision: store.precision(),
+        })
+    }
+
+    /// A layer over given tensors (e.g. an inference copy of a trained layer's, from
+    /// [`crate::serve::copy_params`]): `weight (c_out, c_in/groups, k, k)` and `bias (c_out,)`
+    /// in the compute dtype of `precision`.
+    ///
+    /// Errors: a weight that is not 4-D, or a bias whose length is not `c_out`.
+    pub fn from_tensors(
+        weight: Tensor,
+        bias: Option<Tensor>,
+        cfg: candle_nn::Conv2dConfig,
+        precision: Precision,
+    ) -> Result<Self> {
+        let (c_out, _, _, _) = weight.dims4()?;
+        if let Some(b) = &bias {
+            if b.dims() != [c_out] {
+                candle_core::bail!(
+                    "Conv2d::from_tensors: bias {:?} for weight {:?}",
+                    b.dims(),
+                    weight.dims()
+                );
+            }
+        }
+        Ok(Self {
+            inner: candle_nn::Conv2d::new(weight, bias, cfg),
+            precision,
         })
     }
 }

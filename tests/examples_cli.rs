@@ -4,49 +4,11 @@
 //! same figure in its table and its JSON line) with the step-0 evaluation in metrics.csv.
 //! Runs the example binaries that `cargo test` builds (built here when missing).
 
+mod common;
+
+use common::example;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-
-/// Newest modification time of the files under `dir` (recursively).
-fn newest(dir: &Path) -> std::time::SystemTime {
-    let mut t = std::time::UNIX_EPOCH;
-    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-        let p = e.path();
-        let m = if p.is_dir() {
-            newest(&p)
-        } else {
-            e.metadata().and_then(|m| m.modified()).unwrap_or(t)
-        };
-        t = t.max(m);
-    }
-    t
-}
-
-/// The example binary that `cargo test` built beside this test (`cargo test` builds the
-/// examples; a targeted `cargo test --test examples_cli` does not, so it checks that the
-/// binary is newer than its sources and the library's).
-fn example(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("test binary path");
-    let profile_dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>");
-    let bin = profile_dir.join("examples").join(name);
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let built = std::fs::metadata(&bin).and_then(|m| m.modified());
-    let sources = newest(&root.join("src")).max(
-        std::fs::metadata(root.join("examples").join(format!("{name}.rs")))
-            .and_then(|m| m.modified())
-            .unwrap_or(std::time::UNIX_EPOCH),
-    );
-    assert!(
-        built.as_ref().is_ok_and(|b| *b >= sources),
-        "{} is missing or older than its sources: run `cargo build --release --examples` \
-         (or the whole `cargo test --release`, which builds them) first",
-        bin.display()
-    );
-    bin
-}
 
 fn run<S: AsRef<std::ffi::OsStr>>(name: &str, args: &[S]) -> Output {
     Command::new(example(name))

@@ -625,6 +625,14 @@ pub fn save_safetensors_atomic(path: &Path, tensors: Vec<(String, Tensor)>) -> R
     write_file_atomic(path, &bytes)
 }
 
+/// Named tensors (any device and float dtype, stored as they are) as one safetensors file in
+/// memory, the bytes [`save_safetensors_atomic`] writes (e.g. to send over a network).
+///
+/// Errors: two tensors of one name, or an unsupported dtype.
+pub fn safetensors_bytes(tensors: Vec<(String, Tensor)>) -> Result<Vec<u8>> {
+    Ok(serialize_tensors(tensors, "in-memory safetensors")?.0)
+}
+
 /// Writes `bytes` to `path` atomically: a temporary file beside `path`, fsync, rename over
 /// `path`, fsync of the directory. A failure removes the temporary file and leaves any
 /// previous `path` untouched.

@@ -583,6 +583,22 @@ impl Llama {
         temperature: f64,
         seed: u64,
     ) -> Result<Vec<u32>> {
+        self.generate_with(prompt, max_new_tokens, temperature, seed, |_| true)
+    }
+
+    /// [`Llama::generate`] that hands each new id to `on_token` as soon as it is drawn (e.g.
+    /// to stream it); generation stops early when `on_token` returns false (the id is kept).
+    /// The KV cache lives for this call only, so every id comes from this model's weights.
+    ///
+    /// Errors: as [`Llama::generate`].
+    pub fn generate_with(
+        &self,
+        prompt: &[u32],
+        max_new_tokens: usize,
+        temperature: f64,
+        seed: u64,
+        mut on_token: impl FnMut(u32) -> bool,
+    ) -> Result<Vec<u32>> {
         super::sampling::check_generation("Llama", prompt, self.config.vocab_size, temperature)?;
         let mut rng = StdRng::seed_from_u64(seed);
         let mut cache = KvCache::default();
@@ -597,12 +613,155 @@ impl Llama {
                 .to_vec1()?;
             let id = super::sampling::sample(&last, temperature, &mut rng)?;
             out.push(id);
-            if Some(id) == self.config.eos_token_id {
+            if !on_token(id) || Some(id) == self.config.eos_token_id {
                 break;
             }
             next_input = vec![id];
         }
         Ok(out)
+    }
+
+    /// An inference copy of this model that later training steps do not change: the
+    /// trainable tensors (the LoRA adapters; in full fine-tuning every tensor) are deep-copied
+    /// and detached, the frozen base tensors are shared (no copy). Cheap in LoRA mode: the
+    /// adapters only. Take it between optimizer steps, on the thread that trains.
+    ///
+    /// Errors: a failed copy (out of device memory).
+    pub fn snapshot(&self) -> Result<Llama> {
+        let copy = |t: &Tensor| -> Result<Tensor> { Ok(t.copy()?.detach()) };
+        self.rebuild(&|_, t| copy(t))
+    }
+
+    /// The adapters' tensors by parameter name (`{module}.lora_A.weight` `(r, in)`,
+    /// `{module}.lora_B.weight` `(out, r)`), as the forward reads them (compute dtype); empty
+    /// in full fine-tuning. Shared handles: copy them (or take a [`Llama::snapshot`] first)
+    /// to keep a version.
+    pub fn adapter_tensors(&self) -> Vec<(String, Tensor)> {
+        let mut out = Vec::new();
+        for (module, ad) in &self.adapters {
+            out.push((format!("{module}.lora_A.weight"), ad.a.clone()));
+            out.push((format!("{module}.lora_B.weight"), ad.b.clone()));
+        }
+        out
+    }
+
+    /// An inference copy of this LoRA model with other adapters: `tensors` by parameter name
+    /// (as [`crate::lora::load_adapters`] returns them: any float dtype, any device), cast to
+    /// the compute dtype on the model's device. The base is shared. The scaling stays this
+    /// model's (`alpha / r` of its config).
+    ///
+    /// Errors: not a LoRA model; an adapter of the model missing from `tensors`, a shape that
+    /// differs, or a tensor that is not an adapter of the model (every problem named).
+    pub fn with_adapters(&self, tensors: &HashMap<String, Tensor>) -> Result<Llama> {
+        if self.lora.is_none() {
+            bail!("Llama::with_adapters: the model was built without LoRA (FineTune::Full)");
+        }
+        let mut problems = Vec::new();
+        let mine: HashMap<String, Tensor> = self.adapter_tensors().into_iter().collect();
+        for (name, t) in &mine {
+            match tensors.get(name) {
+                None => problems.push(format!("missing {name} {:?}", t.dims())),
+                Some(x) if x.dims() != t.dims() => problems.push(format!(
+                    "{name}: given {:?}, the model has {:?}",
+                    x.dims(),
+                    t.dims()
+                )),
+                Some(x) if !x.dtype().is_float() => {
+                    problems.push(format!("{name}: dtype {:?} is not a float", x.dtype()))
+                }
+                Some(_) => {}
+            }
+        }
+        let mut unknown: Vec<&String> = tensors.keys().filter(|k| !mine.contains_key(*k)).collect();
+        unknown.sort();
+        problems.extend(unknown.iter().map(|k| format!("unexpected {k}")));
+        if !problems.is_empty() {
+            bail!(
+                "the adapters do not fit the model ({} problem(s)): {}",
+                problems.len(),
+                problems.join("; ")
+            );
+        }
+        let compute = self.compute();
+        self.rebuild(&|name, t| match name {
+            Some(n) => Ok(tensors[n]
+                .to_dtype(compute)?
+                .to_device(&self.device)?
+                .detach()),
+            None => Ok(t.clone()),
+        })
+    }
+
+    /// A copy of the model's structure with each tensor passed through `f(name, t)`: `name`
+    /// is the adapter parameter's name for LoRA tensors, `None` for the others. Frozen base
+    /// tensors (LoRA mode) are never passed to `f`: they are shared.
+    fn rebuild(&self, f: &dyn Fn(Option<&str>, &Tensor) -> Result<Tensor>) -> Result<Llama> {
+        let lora = self.lora.is_some();
+        let base = |t: &Tensor| -> Result<Tensor> {
+            if lora {
+                Ok(t.clone())
+            } else {
+                f(None, t)
+            }
+        };
+        let mut names = self.adapters.iter().map(|(m, _)| m.as_str());
+        let mut adapters = Vec::with_capacity(self.adapters.len());
+        let mut blocks = Vec::with_capacity(self.blocks.len());
+        for b in &self.blocks {
+            let mut proj = |p: &Proj| -> Result<Proj> {
+                let mut ads = Vec::with_capacity(p.adapters.len());
+                for ad in &p.adapters {
+                    ads.push(match ad {
+                        None => None,
+                        Some(ad) => {
+                            let module = names.next().context("adapter list out of step")?;
+                            let new = LoraAdapter {
+                                a: f(Some(&format!("{module}.lora_A.weight")), &ad.a)?,
+                                b: f(Some(&format!("{module}.lora_B.weight")), &ad.b)?,
+                            };
+                            adapters.push((module.to_string(), new.clone()));
+                            Some(new)
+                        }
+                    });
+                }
+                Ok(Proj {
+                    parts: p.parts.iter().map(&base).collect::<Result<_>>()?,
+                    stacked: p.stacked.clone(),
+                    adapters: ads,
+                    scaling: p.scaling,
+                    dropout: p.dropout,
+                })
+            };
+            let (qkv, o, gate_up, down) = (
+                proj(&b.qkv)?,
+                proj(&b.o)?,
+                proj(&b.gate_up)?,
+                proj(&b.down)?,
+            );
+            blocks.push(Arc::new(Block {
+                attn_norm: base(&b.attn_norm)?,
+                qkv,
+                o,
+                mlp_norm: base(&b.mlp_norm)?,
+                gate_up,
+                down,
+                dims: b.dims,
+            }));
+        }
+        Ok(Llama {
+            config: self.config.clone(),
+            precision: self.precision,
+            device: self.device.clone(),
+            embed: base(&self.embed)?,
+            head: self.head.as_ref().map(&base).transpose()?,
+            blocks,
+            norm: base(&self.norm)?,
+            frozen: self.frozen.clone(),
+            adapters,
+            lora: self.lora.clone(),
+            checkpointing: false,
+            rope: std::sync::Mutex::new(None),
+        })
     }
 
     /// The model's current weights by HF name, f32 on the CPU, with every LoRA update merged

@@ -5,6 +5,7 @@
 use candle_core::{Device, Tensor};
 use candle_nn::Init;
 use rand::Rng;
+use std::path::{Path, PathBuf};
 use wick::params::{Param, ParamStore, Role};
 use wick::Precision;
 
@@ -78,4 +79,48 @@ pub fn causal_mask(t: usize, device: &Device) -> Tensor {
         })
         .collect();
     Tensor::from_vec(mask, (t, t), device).expect("mask")
+}
+
+/// Newest modification time of the files under `dir` (recursively).
+pub fn newest(dir: &Path) -> std::time::SystemTime {
+    let mut t = std::time::UNIX_EPOCH;
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let p = e.path();
+        let m = if p.is_dir() {
+            newest(&p)
+        } else {
+            e.metadata().and_then(|m| m.modified()).unwrap_or(t)
+        };
+        t = t.max(m);
+    }
+    t
+}
+
+/// The example binary that `cargo test` built beside this test (`cargo test` builds the
+/// examples; a targeted `cargo test --test examples_cli` does not, so it checks that the
+/// binary is newer than its sources and the library's).
+pub fn example(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>");
+    let bin = profile_dir.join("examples").join(name);
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let built = std::fs::metadata(&bin).and_then(|m| m.modified());
+    // an example is examples/NAME.rs or a folder examples/NAME/ (main.rs and its modules)
+    let sources = newest(&root.join("src"))
+        .max(
+            std::fs::metadata(root.join("examples").join(format!("{name}.rs")))
+                .and_then(|m| m.modified())
+                .unwrap_or(std::time::UNIX_EPOCH),
+        )
+        .max(newest(&root.join("examples").join(name)));
+    assert!(
+        built.as_ref().is_ok_and(|b| *b >= sources),
+        "{} is missing or older than its sources: run `cargo build --release --examples` \
+         (or the whole `cargo test --release`, which builds them) first",
+        bin.display()
+    );
+    bin
 }

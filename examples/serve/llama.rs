@@ -1,0 +1,493 @@
+//! `--model llama`: SmolLM2 (GGUF) with a LoRA adapter that keeps training on feedback.
+//! `POST /v1/completions` (JSON or server-sent events), `POST /v1/feedback`,
+//! `GET /v1/adapters`, `POST /v1/adapters/{name}` (load `--adapters-dir/name`),
+//! `POST /v1/adapters/{name}/save` (save the live adapter there), `DELETE /v1/adapters/{name}`,
+//! `GET /v1/snapshots/{version}` (the live adapter of a retained version, safetensors).
+//!
+//! Every answer names the adapter and its version: `live` (the one being trained; its version
+//! is the publication number) or a loaded name (its version counts loads). A completion runs
+//! entirely on the snapshot it loaded first, with a KV cache of its own: a publication
+//! between two requests gives the next request a fresh cache over the new weights, never a
+//! cache built by old ones.
+
+use crate::http::{blocking, ApiError, ApiJson};
+use crate::metrics::Metrics;
+use crate::Args;
+use anyhow::{Context, Result};
+use axum::extract::{Path, State};
+use axum::http::{header, StatusCode};
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use candle_core::{Device, Tensor};
+use serde::Deserialize;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::Instant;
+use wick::lora::{self, LoraConfig};
+use wick::models::llama_io::Gguf;
+use wick::models::llama_tokenizer::LlamaTokenizer;
+use wick::models::{FineTune, Llama, LlamaConfig, LlamaWeights};
+use wick::serve::{FeedbackSender, OnlineLearner, Published, QueueError};
+use wick::{Engine, ParamStore};
+
+/// A feedback example: prompt and preferred completion as token ids, trained on as one
+/// sequence (next-token loss over every position, prompt included).
+pub struct Example {
+    ids: Vec<u32>,
+}
+
+pub struct Learner {
+    model: Llama,
+    dev: Device,
+}
+
+impl OnlineLearner for Learner {
+    type Example = Example;
+    type Snapshot = Arc<Llama>;
+
+    /// One sequence per micro-batch (no padding), weighted by its token count; the last one
+    /// closes the accumulation window: one optimizer step per batch.
+    fn train_step(&mut self, engine: &mut Engine, batch: &[Example]) -> Result<f32> {
+        let (mut loss_sum, mut weight_sum) = (0.0f64, 0.0f64);
+        for (i, e) in batch.iter().enumerate() {
+            let n = e.ids.len() - 1;
+            let x = Tensor::from_slice(&e.ids[..n], (1, n), &self.dev)?;
+            let y = Tensor::from_slice(&e.ids[1..], (1, n), &self.dev)?;
+            let w = n as f64;
+            let f = |_: &wick::StepCtx| self.model.loss(&x, &y);
+            let r = if i + 1 == batch.len() {
+                engine.step_weighted_closing(w, f)?
+            } else {
+                engine.step_weighted(w, f)?
+            };
+            loss_sum += r.loss()? as f64 * w;
+            weight_sum += w;
+        }
+        Ok((loss_sum / weight_sum) as f32)
+    }
+
+    fn snapshot(&self, _engine: &Engine) -> Result<Arc<Llama>> {
+        Ok(Arc::new(self.model.snapshot()?))
+    }
+}
+
+/// A loaded named adapter.
+struct Named {
+    model: Arc<Llama>,
+    version: u64,
+}
+
+#[derive(Clone)]
+pub struct LlamaState {
+    pub published: Arc<Published<Arc<Llama>>>,
+    named: Arc<RwLock<HashMap<String, Named>>>,
+    loads: Arc<AtomicU64>,
+    tok: Arc<LlamaTokenizer>,
+    lora: LoraConfig,
+    adapters_dir: std::path::PathBuf,
+    max_tokens_limit: usize,
+    metrics: Arc<Metrics>,
+}
+
+#[derive(Clone)]
+struct Routes {
+    s: LlamaState,
+    feedback: FeedbackSender<Example>,
+}
+
+fn default_max_tokens() -> usize {
+    16
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CompletionRequest {
+    prompt: String,
+    #[serde(default = "default_max_tokens")]
+    max_tokens: usize,
+    #[serde(default)]
+    temperature: f64,
+    #[serde(default)]
+    stream: bool,
+    #[serde(default)]
+    seed: u64,
+    /// `live` (default) or the name of a loaded adapter.
+    adapter: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FeedbackRequest {
+    prompt: String,
+    completion: String,
+}
+
+/// The model, adapter name and version a request runs on.
+fn resolve(s: &LlamaState, adapter: Option<&str>) -> Result<(Arc<Llama>, String, u64), ApiError> {
+    match adapter {
+        None | Some("live") => {
+            let v = s.published.load();
+            Ok((v.value.clone(), "live".into(), v.version))
+        }
+        Some(name) => {
+            let named = s.named.read().unwrap_or_else(|e| e.into_inner());
+            let n = named.get(name).ok_or_else(|| {
+                ApiError::new(
+                    StatusCode::NOT_FOUND,
+                    format!("unknown adapter {name:?} (load it with POST /v1/adapters/{name})"),
+                )
+            })?;
+            Ok((n.model.clone(), name.to_string(), n.version))
+        }
+    }
+}
+
+fn check_completion(
+    s: &LlamaState,
+    r: &CompletionRequest,
+    prompt_len: usize,
+    positions: usize,
+) -> Result<(), ApiError> {
+    if r.prompt.is_empty() {
+        return Err(ApiError::invalid("prompt is empty"));
+    }
+    if r.max_tokens == 0 || r.max_tokens > s.max_tokens_limit {
+        return Err(ApiError::invalid(format!(
+            "max_tokens {} is out of range: 1..={} (--max-tokens-limit)",
+            r.max_tokens, s.max_tokens_limit
+        )));
+    }
+    if !(r.temperature.is_finite() && (0.0..=100.0).contains(&r.temperature)) {
+        return Err(ApiError::invalid(format!(
+            "temperature {} must be in 0..=100 (0: greedy)",
+            r.temperature
+        )));
+    }
+    if prompt_len + r.max_tokens > positions {
+        return Err(ApiError::invalid(format!(
+            "prompt ({prompt_len} tokens) + max_tokens ({}) exceeds the model's {positions} positions",
+            r.max_tokens
+        )));
+    }
+    Ok(())
+}
+
+async fn completions(
+    State(r): State<Routes>,
+    ApiJson(req): ApiJson<CompletionRequest>,
+) -> Result<Response, ApiError> {
+    let s = r.s;
+    let (model, adapter, version) = resolve(&s, req.adapter.as_deref())?;
+    let prompt = s
+        .tok
+        .encode(&req.prompt)
+        .map_err(|e| ApiError::invalid(format!("prompt: {e:#}")))?;
+    check_completion(
+        &s,
+        &req,
+        prompt.len(),
+        model.config().max_position_embeddings,
+    )?;
+    let (max, temp, seed) = (req.max_tokens, req.temperature, req.seed);
+    if req.stream {
+        return Ok(stream(s, model, prompt, adapter, version, max, temp, seed).into_response());
+    }
+    let (tok, metrics) = (s.tok.clone(), s.metrics.clone());
+    let (ids, text, secs) = blocking(move || {
+        let t = Instant::now();
+        let ids = model.generate(&prompt, max, temp, seed)?;
+        let secs = t.elapsed().as_secs_f64();
+        Ok((ids.clone(), tok.decode(&ids)?, secs))
+    })
+    .await?;
+    metrics.tokens.inc_by(ids.len() as u64);
+    metrics
+        .tokens_per_second
+        .set(ids.len() as f64 / secs.max(1e-9));
+    Ok(Json(serde_json::json!({
+        "adapter": adapter,
+        "version": version,
+        "text": text,
+        "token_ids": ids,
+        "completion_tokens": ids.len(),
+    }))
+    .into_response())
+}
+
+/// Server-sent events: one `data: {adapter, version, text, token_id}` per token (`text` the
+/// new characters), then `data: [DONE]`. Generation stops when the client goes away.
+#[allow(clippy::too_many_arguments)]
+fn stream(
+    s: LlamaState,
+    model: Arc<Llama>,
+    prompt: Vec<u32>,
+    adapter: String,
+    version: u64,
+    max: usize,
+    temp: f64,
+    seed: u64,
+) -> impl IntoResponse {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Event>(64);
+    let (tok, metrics) = (s.tok.clone(), s.metrics.clone());
+    tokio::task::spawn_blocking(move || {
+        let t = Instant::now();
+        let mut ids = Vec::new();
+        let mut sent = String::new();
+        let result = model.generate_with(&prompt, max, temp, seed, |id| {
+            ids.push(id);
+            let text = tok.decode(&ids).unwrap_or_default();
+            let delta = text.get(sent.len()..).unwrap_or("").to_string();
+            sent = text;
+            let data = serde_json::json!({ "adapter": adapter, "version": version, "text": delta, "token_id": id });
+            tx.blocking_send(Event::default().data(data.to_string())).is_ok()
+        });
+        let last = match result {
+            Ok(ids) => {
+                metrics.tokens.inc_by(ids.len() as u64);
+                metrics
+                    .tokens_per_second
+                    .set(ids.len() as f64 / t.elapsed().as_secs_f64().max(1e-9));
+                Event::default().data("[DONE]")
+            }
+            Err(e) => Event::default()
+                .event("error")
+                .data(serde_json::json!({ "error": format!("{e:#}") }).to_string()),
+        };
+        let _ = tx.blocking_send(last);
+    });
+    let events = tokio_stream::StreamExt::map(
+        tokio_stream::wrappers::ReceiverStream::new(rx),
+        Ok::<Event, std::convert::Infallible>,
+    );
+    Sse::new(events)
+}
+
+async fn post_feedback(
+    State(r): State<Routes>,
+    ApiJson(req): ApiJson<FeedbackRequest>,
+) -> Result<impl IntoResponse, ApiError> {
+    let s = r.s;
+    if req.prompt.is_empty() || req.completion.is_empty() {
+        return Err(ApiError::invalid(
+            "prompt and completion must both be non-empty",
+        ));
+    }
+    let mut ids = s
+        .tok
+        .encode(&req.prompt)
+        .map_err(|e| ApiError::invalid(format!("prompt: {e:#}")))?;
+    ids.extend(
+        s.tok
+            .encode(&req.completion)
+            .map_err(|e| ApiError::invalid(format!("completion: {e:#}")))?,
+    );
+    let positions = s.published.load().value.config().max_position_embeddings;
+    if ids.len() > positions + 1 {
+        return Err(ApiError::invalid(format!(
+            "prompt + completion are {} tokens; at most {} fit the model",
+            ids.len(),
+            positions + 1
+        )));
+    }
+    let n = ids.len();
+    r.feedback.try_push(Example { ids }).map_err(|e| match e {
+        QueueError::Full { .. } => ApiError::new(StatusCode::TOO_MANY_REQUESTS, e.to_string()),
+        QueueError::Closed => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+    })?;
+    Ok((
+        StatusCode::ACCEPTED,
+        Json(serde_json::json!({ "queued": 1, "tokens": n, "queue_depth": r.feedback.depth() })),
+    ))
+}
+
+fn check_name(name: &str) -> Result<(), ApiError> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && !name.starts_with('.')
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
+    if !ok {
+        return Err(ApiError::new(StatusCode::BAD_REQUEST, format!("adapter name {name:?}: use 1-64 letters, digits, '-', '_', '.' (not starting with '.')")));
+    }
+    if name == "live" {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "\"live\" is the adapter being trained; pick another name",
+        ));
+    }
+    Ok(())
+}
+
+async fn load_adapter(
+    State(r): State<Routes>,
+    Path(name): Path<String>,
+) -> Result<impl IntoResponse, ApiError> {
+    let s = r.s;
+    check_name(&name)?;
+    let dir = s.adapters_dir.join(&name);
+    if !dir.join("adapter_config.json").is_file() {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!(
+                "unknown adapter {name:?}: no {}",
+                dir.join("adapter_config.json").display()
+            ),
+        ));
+    }
+    let (base, lora) = (s.published.load().value.clone(), s.lora.clone());
+    let model = blocking(move || {
+        let (cfg, tensors) = lora::load_adapters(&dir)?;
+        anyhow::ensure!(
+            (cfg.scaling() - lora.scaling()).abs() < 1e-12,
+            "its scaling alpha/r = {} differs from the served model's {}",
+            cfg.scaling(),
+            lora.scaling()
+        );
+        base.with_adapters(&tensors.into_iter().collect())
+    })
+    .await
+    .map_err(|e| ApiError::invalid(format!("adapter {name:?}: {}", e.message)))?;
+    let version = s.loads.fetch_add(1, Ordering::SeqCst) + 1;
+    s.named.write().unwrap_or_else(|e| e.into_inner()).insert(
+        name.clone(),
+        Named {
+            model: Arc::new(model),
+            version,
+        },
+    );
+    Ok(Json(
+        serde_json::json!({ "adapter": name, "version": version }),
+    ))
+}
+
+async fn save_live(
+    State(r): State<Routes>,
+    Path(name): Path<String>,
+) -> Result<impl IntoResponse, ApiError> {
+    let s = r.s;
+    check_name(&name)?;
+    let live = s.published.load();
+    let (dir, lora, version) = (s.adapters_dir.join(&name), s.lora.clone(), live.version);
+    blocking(move || {
+        lora::save_adapter_tensors(
+            live.value.adapter_tensors(),
+            &lora,
+            "SmolLM2-135M-Instruct (served)",
+            &dir,
+        )
+    })
+    .await?;
+    Ok(Json(
+        serde_json::json!({ "adapter": name, "saved_from": "live", "version": version }),
+    ))
+}
+
+async fn drop_adapter(
+    State(r): State<Routes>,
+    Path(name): Path<String>,
+) -> Result<impl IntoResponse, ApiError> {
+    let removed =
+        r.s.named
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&name);
+    match removed {
+        Some(n) => Ok(Json(
+            serde_json::json!({ "adapter": name, "version": n.version, "dropped": true }),
+        )),
+        None => Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("unknown adapter {name:?}"),
+        )),
+    }
+}
+
+async fn list_adapters(State(r): State<Routes>) -> impl IntoResponse {
+    let named = r.s.named.read().unwrap_or_else(|e| e.into_inner());
+    let mut list: Vec<serde_json::Value> = named
+        .iter()
+        .map(|(k, v)| serde_json::json!({ "adapter": k, "version": v.version }))
+        .collect();
+    list.push(serde_json::json!({ "adapter": "live", "version": r.s.published.version() }));
+    Json(serde_json::json!({ "adapters": list }))
+}
+
+async fn snapshot_weights(
+    State(r): State<Routes>,
+    Path(version): Path<u64>,
+) -> Result<impl IntoResponse, ApiError> {
+    let p = &r.s.published;
+    let snap = p.get(version).ok_or_else(|| {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!(
+                "version {version} is not retained (current {})",
+                p.version()
+            ),
+        )
+    })?;
+    let bytes =
+        blocking(move || wick::checkpoint::safetensors_bytes(snap.value.adapter_tensors())).await?;
+    Ok(([(header::CONTENT_TYPE, "application/octet-stream")], bytes))
+}
+
+pub fn router(s: LlamaState, feedback: FeedbackSender<Example>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/feedback", post(post_feedback))
+        .route("/v1/adapters", get(list_adapters))
+        .route(
+            "/v1/adapters/{name}",
+            post(load_adapter).delete(drop_adapter),
+        )
+        .route("/v1/adapters/{name}/save", post(save_live))
+        .route("/v1/snapshots/{version}", get(snapshot_weights))
+        .with_state(Routes { s, feedback })
+}
+
+/// Loads the tokenizer and the model (the GGUF's, or `--tiny`), LoRA on every block linear.
+pub fn build(
+    a: &Args,
+    dev: &Device,
+    metrics: Arc<Metrics>,
+) -> Result<(Engine, Learner, LlamaState)> {
+    let gguf = Gguf::open(&a.gguf)
+        .with_context(|| format!("{} (run scripts/fetch_smollm2.sh)", a.gguf.display()))?;
+    let tok = LlamaTokenizer::from_gguf(&gguf)?;
+    let weights = if a.tiny {
+        let mut c = LlamaConfig::tiny(gguf.config()?.vocab_size);
+        c.eos_token_id = gguf.config()?.eos_token_id;
+        LlamaWeights::random(c, a.seed)?
+    } else {
+        let mut g = gguf;
+        g.weights()?
+    };
+    let lora = LoraConfig::all_linear(a.lora_rank, 2.0 * a.lora_rank as f64);
+    let store = ParamStore::new(a.precision, dev.clone(), a.seed);
+    let model = Llama::new(&store, &weights, &FineTune::Lora(lora.clone()))?;
+    drop(weights);
+    let mut config = crate::engine_config(a);
+    config.accumulation_steps = a.train_batch.max(1);
+    let mut engine = Engine::new(store, config)?;
+    let version = crate::resume(a, &mut engine)?;
+    let learner = Learner {
+        model,
+        dev: dev.clone(),
+    };
+    let first = learner.snapshot(&engine)?;
+    let state = LlamaState {
+        published: Arc::new(Published::starting_at(first, version, a.keep_versions)),
+        named: Default::default(),
+        loads: Default::default(),
+        tok: Arc::new(tok),
+        lora,
+        adapters_dir: a.adapters_dir.clone(),
+        max_tokens_limit: a.max_tokens_limit,
+        metrics,
+    };
+    Ok((engine, learner, state))
+}

@@ -1,0 +1,358 @@
+//! An inference service that keeps learning: serves a model over HTTP, queues feedback, trains
+//! on it in a background thread through `Engine::step`, and publishes new weights atomically
+//! (`wick::serve`). One binary; the model is chosen by flag.
+//!
+//! ```text
+//! scripts/fetch_mnist.sh
+//! cargo run --release --example serve -- --model mnist --port 8080 --save-dir runs/serve-mnist
+//! scripts/fetch_smollm2.sh
+//! cargo run --release --example serve -- --model llama --port 8080 --save-dir runs/serve-llama
+//! ```
+//! Routes: `GET /health`, `GET /metrics` (Prometheus text); mnist: `POST /predict`,
+//! `POST /feedback`, `GET /v1/snapshots/{version}`; llama: `POST /v1/completions`,
+//! `POST /v1/feedback`, `POST|DELETE /v1/adapters/{name}`, `GET /v1/snapshots/{version}`.
+//! The README's "Serving and learning from feedback" has curl examples. Prints
+//! `listening on http://ADDR` on stdout once the port is bound (`--port 0`: any free port).
+//! SIGTERM / Ctrl-C: stop accepting, let the trainer finish its step, publish, save a
+//! checkpoint, exit with 128 + the signal (143 / 130).
+
+mod http;
+mod llama;
+mod metrics;
+mod mnist;
+
+use anyhow::{Context, Result};
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::StatusCode;
+use axum::response::IntoResponse;
+use axum::routing::get;
+use axum::{Json, Router};
+use clap::{Parser, ValueEnum};
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tower_http::catch_panic::CatchPanicLayer;
+use wick::checkpoint::Checkpointer;
+use wick::serve::{OnlineConfig, OnlineParts, OnlineStats};
+use wick::{Engine, EngineConfig, Precision};
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum ModelKind {
+    /// MNIST classifier (MLP or CNN): the CPU test fixture.
+    Mnist,
+    /// SmolLM2-135M (GGUF) with a LoRA adapter.
+    Llama,
+}
+
+#[derive(Parser, Debug)]
+#[command(about = "Serve a model and keep fine-tuning it from feedback")]
+pub struct Args {
+    /// Which model to serve.
+    #[arg(long, value_enum, default_value = "mnist")]
+    model: ModelKind,
+    /// Address to bind.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port (0: any free port; the bound address is printed on stdout).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// cpu or cuda (a --features cuda build).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Precision: "32", "bf16-mixed" or "16-mixed".
+    #[arg(long, default_value = "bf16-mixed")]
+    precision: Precision,
+    /// AdamW learning rate (default 1e-3).
+    #[arg(long, default_value_t = 1e-3)]
+    lr: f64,
+    /// Seed of the initialisation.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Most feedback examples per training step.
+    #[arg(long, default_value_t = 32)]
+    train_batch: usize,
+    /// Publish new weights every N training steps.
+    #[arg(long, default_value_t = 1)]
+    publish_every: u64,
+    /// Checkpoint every N training steps (0: only on shutdown); needs --save-dir.
+    #[arg(long, default_value_t = 100)]
+    checkpoint_every: u64,
+    /// Checkpoints go here; a checkpoint already there is resumed.
+    #[arg(long)]
+    save_dir: Option<PathBuf>,
+    /// Fraction of wall time training may take, in (0, 1].
+    #[arg(long, default_value_t = 1.0)]
+    train_share: f64,
+    /// Feedback examples that may wait; beyond it feedback is answered 429.
+    #[arg(long, default_value_t = 1024)]
+    queue_capacity: usize,
+    /// Published versions kept retrievable at /v1/snapshots/{version}.
+    #[arg(long, default_value_t = 8)]
+    keep_versions: usize,
+    /// Largest request body in bytes (larger: 413).
+    #[arg(long, default_value_t = 4 << 20)]
+    body_limit: usize,
+    /// Most images per /predict or /feedback request.
+    #[arg(long, default_value_t = 256)]
+    max_batch: usize,
+    /// Most tokens per completion (llama).
+    #[arg(long, default_value_t = 256)]
+    max_tokens_limit: usize,
+    /// Enable GET /debug/panic (a handler that panics: checks that the server survives).
+    #[arg(long)]
+    debug_routes: bool,
+    /// mnist: the network.
+    #[arg(long, value_enum, default_value = "mlp")]
+    arch: mnist::Arch,
+    /// mnist: hidden width of the MLP.
+    #[arg(long, default_value_t = 1024)]
+    hidden: usize,
+    /// mnist: start from these weights (model.safetensors of an examples/mnist.rs checkpoint).
+    #[arg(long)]
+    init: Option<PathBuf>,
+    /// llama: the GGUF (weights, tokenizer).
+    #[arg(long, default_value = "data/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")]
+    gguf: PathBuf,
+    /// llama: a random 2-block model over the GGUF's tokenizer (CPU tests).
+    #[arg(long)]
+    tiny: bool,
+    /// llama: LoRA rank.
+    #[arg(long, default_value_t = 8)]
+    lora_rank: usize,
+    /// llama: folder of named adapters for POST /v1/adapters/{name}.
+    #[arg(long, default_value = "adapters")]
+    adapters_dir: PathBuf,
+}
+
+/// AdamW over the flags; every step is one accumulation window unless the learner closes it.
+pub fn engine_config(a: &Args) -> EngineConfig {
+    let mut c = EngineConfig::adamw(a.lr);
+    c.max_grad_norm = Some(1.0);
+    c
+}
+
+/// Loads the newest checkpoint of `--save-dir` into `engine`, when there is one, and returns
+/// the version it had published (0 without a checkpoint): publication numbers go on from it.
+pub fn resume(a: &Args, engine: &mut Engine) -> Result<u64> {
+    if let Some(dir) = &a.save_dir {
+        if let Some((path, extra)) = Checkpointer::new(dir, 3).resume(engine)? {
+            let version = extra["published_version"].as_u64().unwrap_or(0);
+            eprintln!("resumed from {} (version {version})", path.display());
+            return Ok(version);
+        }
+    }
+    Ok(0)
+}
+
+/// What /health and /metrics read.
+#[derive(Clone)]
+struct Common {
+    model: &'static str,
+    metrics: Arc<metrics::Metrics>,
+    stats: Arc<OnlineStats>,
+    version: Arc<dyn Fn() -> u64 + Send + Sync>,
+    depth: Arc<dyn Fn() -> usize + Send + Sync>,
+}
+
+async fn health(State(c): State<Common>) -> impl IntoResponse {
+    let ok = c.stats.running();
+    let status = if ok {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    let body = serde_json::json!({
+        "status": if ok { "ok" } else { "trainer stopped" },
+        "model": c.model,
+        "version": (c.version)(),
+        "train_steps": c.stats.steps(),
+        "queue_depth": (c.depth)(),
+    });
+    (status, Json(body))
+}
+
+async fn metrics_text(State(c): State<Common>) -> impl IntoResponse {
+    let text = c.metrics.render(&c.stats, (c.version)(), (c.depth)());
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        text,
+    )
+}
+
+async fn debug_panic() -> &'static str {
+    panic!("deliberate panic from /debug/panic")
+}
+
+/// The model-specific router and the trainer thread, started.
+struct Started {
+    router: Router,
+    common: Common,
+    trainer: std::thread::JoinHandle<Result<wick::serve::OnlineSummary>>,
+}
+
+fn start(a: &Args, stop: Arc<AtomicBool>, m: Arc<metrics::Metrics>) -> Result<Started> {
+    let dev = wick::device_from_flag(&a.device)?;
+    let stats = Arc::new(OnlineStats::default());
+    let online = OnlineConfig {
+        batch_size: a.train_batch,
+        publish_every: a.publish_every,
+        checkpoint_every: a.checkpoint_every,
+        train_share: a.train_share,
+        poll: Duration::from_millis(20),
+    };
+    let checkpointer = a.save_dir.as_ref().map(|d| Checkpointer::new(d, 3));
+    match a.model {
+        ModelKind::Mnist => {
+            let (engine, learner, first, version) = mnist::build(a, &dev)?;
+            let published = Arc::new(wick::serve::Published::starting_at(
+                first,
+                version,
+                a.keep_versions,
+            ));
+            let (tx, rx) = wick::serve::feedback_queue(a.queue_capacity);
+            let parts = OnlineParts {
+                feedback: rx,
+                checkpointer,
+                stop,
+                stats: stats.clone(),
+            };
+            let trainer = wick::serve::spawn(engine, learner, published.clone(), parts, online)?;
+            let (p, q) = (published.clone(), tx.clone());
+            let common = Common {
+                model: "mnist",
+                metrics: m,
+                stats,
+                version: Arc::new(move || p.version()),
+                depth: Arc::new(move || q.depth()),
+            };
+            let state = mnist::MnistState {
+                published,
+                feedback: tx,
+                dev,
+                max_batch: a.max_batch,
+            };
+            Ok(Started {
+                router: mnist::router(state),
+                common,
+                trainer,
+            })
+        }
+        ModelKind::Llama => {
+            let (engine, learner, state) = llama::build(a, &dev, m.clone())?;
+            let (tx, rx) = wick::serve::feedback_queue(a.queue_capacity);
+            let parts = OnlineParts {
+                feedback: rx,
+                checkpointer,
+                stop,
+                stats: stats.clone(),
+            };
+            let trainer =
+                wick::serve::spawn(engine, learner, state.published.clone(), parts, online)?;
+            let (p, q) = (state.published.clone(), tx.clone());
+            let common = Common {
+                model: "llama",
+                metrics: m,
+                stats,
+                version: Arc::new(move || p.version()),
+                depth: Arc::new(move || q.depth()),
+            };
+            Ok(Started {
+                router: llama::router(state, tx),
+                common,
+                trainer,
+            })
+        }
+    }
+}
+
+async fn shutdown_signal(code: Arc<AtomicI32>, stop: Arc<AtomicBool>) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        eprintln!("could not install the signal handlers; stop the server with SIGKILL");
+        return std::future::pending().await;
+    };
+    let n = tokio::select! {
+        _ = term.recv() => 15,
+        _ = int.recv() => 2,
+    };
+    code.store(128 + n, Ordering::SeqCst);
+    stop.store(true, Ordering::SeqCst); // the trainer finishes its step meanwhile
+    eprintln!(
+        "signal {n}: no new connections; finishing requests and the training step, then saving"
+    );
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::WARN)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .init();
+    let a = Args::parse();
+    anyhow::ensure!(
+        a.max_batch >= 1 && a.max_tokens_limit >= 1,
+        "--max-batch and --max-tokens-limit must be >= 1"
+    );
+    anyhow::ensure!(
+        a.lr.is_finite() && a.lr > 0.0,
+        "--lr must be finite and > 0, got {}",
+        a.lr
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    let m = Arc::new(metrics::Metrics::new());
+    let started = start(&a, stop.clone(), m.clone())?;
+    let mut app = started
+        .router
+        .merge(
+            Router::new()
+                .route("/health", get(health))
+                .route("/metrics", get(metrics_text))
+                .with_state(started.common.clone()),
+        )
+        .fallback(http::not_found)
+        .method_not_allowed_fallback(http::method_not_allowed);
+    if a.debug_routes {
+        app = app.route("/debug/panic", get(debug_panic));
+    }
+    let app = app
+        .layer(axum::middleware::from_fn_with_state(m, metrics::track))
+        .layer(CatchPanicLayer::custom(http::panic_response))
+        .layer(DefaultBodyLimit::max(a.body_limit));
+
+    let code = Arc::new(AtomicI32::new(0));
+    let rt = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
+    rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind((a.host.as_str(), a.port))
+            .await
+            .with_context(|| format!("binding {}:{}", a.host, a.port))?;
+        println!("listening on http://{}", listener.local_addr()?);
+        std::io::stdout().flush()?;
+        axum::serve(listener, app)
+            .with_graceful_shutdown(shutdown_signal(code.clone(), stop.clone()))
+            .await
+            .context("serving")
+    })?;
+    stop.store(true, Ordering::SeqCst);
+    let summary = started
+        .trainer
+        .join()
+        .map_err(|_| anyhow::anyhow!("the trainer thread panicked"))??;
+    println!(
+        "stopped: {} training steps, version {}, checkpoint {}",
+        summary.steps,
+        summary.version,
+        summary
+            .checkpoint
+            .map_or("none (no --save-dir)".into(), |p| p.display().to_string())
+    );
+    std::io::stdout().flush()?;
+    std::process::exit(code.load(Ordering::SeqCst));
+}

@@ -1,0 +1,796 @@
+//! examples/serve.rs end to end, over real HTTP on 127.0.0.1: the MNIST model learns a
+//! relabelled class from feedback; 20 concurrent clients x 200 requests while it trains get
+//! answers that each match the weights of the version they name (recomputed here from that
+//! version's tensors, in plain f32 loops); SIGTERM mid-training exits 143 and leaves a
+//! checkpoint that loads; bad requests get the right 4xx with a JSON error; a full feedback
+//! queue answers 429; a panicking handler answers 500 and the server goes on; a tiny Llama
+//! with a LoRA adapter learns a repeated completion, streams it and serves it as a named
+//! adapter. Loops are bounded; nothing asserts on time.
+
+mod common;
+
+use serde_json::{json, Value};
+use std::collections::{BTreeMap, HashMap};
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+/// A running `serve` example and an HTTP client for it.
+struct Server {
+    child: Child,
+    base: String,
+    agent: ureq::Agent,
+    stdout: std::sync::Mutex<mpsc::Receiver<String>>,
+}
+
+fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(180)))
+        .build()
+        .into()
+}
+
+impl Server {
+    fn start(args: &[&str]) -> Server {
+        let mut child = Command::new(common::example("serve"))
+            .args(args)
+            .args(["--host", "127.0.0.1", "--port", "0"])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("starting examples/serve");
+        let out = child.stdout.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let first = rx
+            .recv_timeout(Duration::from_secs(300))
+            .expect("the server printed no address (it exited or hung)");
+        let addr = first
+            .strip_prefix("listening on ")
+            .unwrap_or_else(|| panic!("unexpected first line {first:?}"));
+        Server {
+            child,
+            base: addr.to_string(),
+            agent: agent(),
+            stdout: std::sync::Mutex::new(rx),
+        }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        let mut r = self
+            .agent
+            .post(&self.url(path))
+            .send_json(body)
+            .expect("POST");
+        let status = r.status().as_u16();
+        (status, r.body_mut().read_json().unwrap_or(Value::Null))
+    }
+
+    fn post_raw(&self, path: &str, content_type: Option<&str>, body: &[u8]) -> (u16, Value) {
+        let mut req = self.agent.post(&self.url(path));
+        if let Some(ct) = content_type {
+            req = req.header("content-type", ct);
+        }
+        let mut r = req.send(body).expect("POST");
+        let status = r.status().as_u16();
+        (status, r.body_mut().read_json().unwrap_or(Value::Null))
+    }
+
+    fn get(&self, path: &str) -> (u16, Vec<u8>) {
+        let mut r = self.agent.get(&self.url(path)).call().expect("GET");
+        let status = r.status().as_u16();
+        let body = r
+            .body_mut()
+            .with_config()
+            .limit(1 << 30)
+            .read_to_vec()
+            .expect("body");
+        (status, body)
+    }
+
+    fn get_json(&self, path: &str) -> (u16, Value) {
+        let (s, b) = self.get(path);
+        (s, serde_json::from_slice(&b).unwrap_or(Value::Null))
+    }
+
+    fn health(&self) -> Value {
+        self.get_json("/health").1
+    }
+
+    /// Polls /health (bounded) until `pred` holds; panics after `tries` polls.
+    fn wait_for(&self, what: &str, tries: usize, pred: impl Fn(&Value) -> bool) -> Value {
+        for _ in 0..tries {
+            let h = self.health();
+            if pred(&h) {
+                return h;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("{what}: not reached; last /health {}", self.health());
+    }
+
+    /// Sends SIGTERM and waits (bounded) for the exit; returns the code and the stdout lines.
+    fn terminate(mut self) -> (Option<i32>, Vec<String>) {
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        for _ in 0..1200 {
+            if let Some(status) = self.child.try_wait().expect("wait") {
+                let lines: Vec<String> = self.stdout.lock().unwrap().try_iter().collect();
+                return (status.code(), lines);
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("the server did not exit within 120 s of SIGTERM");
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("wick-serve-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// The first `n` MNIST training images of digit `digit` (pixels 0..1) and the next `n` of it.
+fn digits(digit: u32, n: usize) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("data/mnist");
+    let data = wick::data::mnist::load_dir(&root).expect("data/mnist (scripts/fetch_mnist.sh)");
+    let images: Vec<Vec<f32>> = data
+        .train_images
+        .narrow(0, 0, 5000)
+        .unwrap()
+        .to_vec2()
+        .unwrap();
+    let labels: Vec<u32> = data
+        .train_labels
+        .narrow(0, 0, 5000)
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let mut of: Vec<Vec<f32>> = images
+        .into_iter()
+        .zip(labels)
+        .filter(|(_, l)| *l == digit)
+        .map(|(x, _)| x)
+        .take(2 * n)
+        .collect();
+    let held = of.split_off(n);
+    (of, held)
+}
+
+fn classes(v: &Value) -> Vec<u64> {
+    v["classes"]
+        .as_array()
+        .expect("classes")
+        .iter()
+        .map(|c| c.as_u64().unwrap())
+        .collect()
+}
+
+fn error_message(status: u16, v: &Value) -> String {
+    assert_eq!(v["error"]["status"].as_u64(), Some(status as u64), "{v}");
+    let m = v["error"]["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(!m.is_empty(), "{v}");
+    m
+}
+
+/// Posts feedback, retrying (bounded) while the queue answers 429.
+fn feed(s: &Server, path: &str, body: &Value) {
+    for _ in 0..600 {
+        let (status, v) = s.post(path, body);
+        match status {
+            202 => return,
+            429 => std::thread::sleep(Duration::from_millis(50)),
+            _ => panic!("feedback answered {status}: {v}"),
+        }
+    }
+    panic!("the feedback queue stayed full");
+}
+
+#[test]
+fn mnist_learns_a_relabelled_class_from_feedback() {
+    let s = Server::start(&[
+        "--model",
+        "mnist",
+        "--hidden",
+        "64",
+        "--precision",
+        "32",
+        "--lr",
+        "3e-3",
+        "--train-batch",
+        "32",
+    ]);
+    let (threes, _) = digits(3, 64);
+    let (status, before) = s.post("/predict", &json!({ "images": threes }));
+    assert_eq!(status, 200, "{before}");
+    assert_eq!(before["version"], 0);
+    let sevens_before = classes(&before).iter().filter(|&&c| c == 7).count();
+    assert!(
+        sevens_before < 32,
+        "the untrained model already says 7 for {sevens_before}/64"
+    );
+
+    // relabel these 3s as 7s, 20 times over (1280 examples)
+    let labels = vec![7; threes.len()];
+    for _ in 0..20 {
+        feed(
+            &s,
+            "/feedback",
+            &json!({ "images": threes, "labels": labels }),
+        );
+    }
+    let h = s.wait_for("all feedback trained on", 1200, |h| {
+        h["queue_depth"] == 0 && h["train_steps"].as_u64().unwrap_or(0) >= 40
+    });
+    let (status, after) = s.post("/predict", &json!({ "images": threes }));
+    assert_eq!(status, 200, "{after}");
+    let sevens_after = classes(&after).iter().filter(|&&c| c == 7).count();
+    assert!(
+        sevens_after >= 58,
+        "after feedback only {sevens_after}/64 are 7 ({h})"
+    );
+    assert!(after["version"].as_u64().unwrap() >= 1, "{after}");
+    // probabilities are a distribution over 10 classes
+    for row in after["probabilities"].as_array().unwrap() {
+        let p: Vec<f64> = row
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect();
+        assert_eq!(p.len(), 10);
+        assert!((p.iter().sum::<f64>() - 1.0).abs() < 1e-4, "{p:?}");
+    }
+}
+
+/// The MLP 784-H-H-10 of a snapshot, in plain f32 loops: softmax probabilities of `x`.
+struct Mlp {
+    layers: Vec<(Vec<Vec<f32>>, Vec<f32>)>,
+}
+
+impl Mlp {
+    fn from_safetensors(bytes: &[u8]) -> Mlp {
+        let t = candle_core::safetensors::load_buffer(bytes, &candle_core::Device::Cpu).unwrap();
+        let layer = |n: &str| {
+            let w = t[&format!("{n}.weight")]
+                .to_dtype(candle_core::DType::F32)
+                .unwrap();
+            let b = t[&format!("{n}.bias")]
+                .to_dtype(candle_core::DType::F32)
+                .unwrap();
+            (w.to_vec2::<f32>().unwrap(), b.to_vec1::<f32>().unwrap())
+        };
+        Mlp {
+            layers: vec![layer("l1"), layer("l2"), layer("l3")],
+        }
+    }
+
+    fn probabilities(&self, x: &[f32]) -> Vec<f32> {
+        let mut h: Vec<f32> = x.to_vec();
+        for (i, (w, b)) in self.layers.iter().enumerate() {
+            let mut y: Vec<f32> = w
+                .iter()
+                .zip(b)
+                .map(|(row, bias)| row.iter().zip(&h).map(|(a, b)| a * b).sum::<f32>() + bias)
+                .collect();
+            if i + 1 < self.layers.len() {
+                y.iter_mut().for_each(|v| *v = v.max(0.0));
+            }
+            h = y;
+        }
+        let m = h.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+        let e: Vec<f32> = h.iter().map(|v| (v - m).exp()).collect();
+        let z: f32 = e.iter().sum();
+        e.iter().map(|v| v / z).collect()
+    }
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn concurrent_answers_each_come_from_one_consistent_version() {
+    let s = Server::start(&[
+        "--model",
+        "mnist",
+        "--hidden",
+        "32",
+        "--precision",
+        "32",
+        "--lr",
+        "1e-2",
+        "--train-batch",
+        "8",
+        "--keep-versions",
+        "100000",
+    ]);
+    let (images, _) = digits(5, 8);
+    let done = std::sync::atomic::AtomicBool::new(false);
+    // (client, request, version, first image index, probabilities)
+    let mut answers: Vec<(u64, usize, Vec<Vec<f32>>)> = Vec::new();
+    let mut errors = Vec::new();
+    std::thread::scope(|scope| {
+        // feedback while the clients run: one request, then wait for its version (bounded)
+        let trainer = scope.spawn(|| {
+            for i in 0..100 {
+                if done.load(std::sync::atomic::Ordering::SeqCst) && i >= 2 {
+                    break;
+                }
+                let v0 = s.health()["version"].as_u64().unwrap();
+                let labels: Vec<u32> = (0..images.len() as u32).map(|k| (k + i) % 10).collect();
+                feed(
+                    &s,
+                    "/feedback",
+                    &json!({ "images": images, "labels": labels }),
+                );
+                s.wait_for("a new version", 600, |h| {
+                    h["version"].as_u64().unwrap() > v0
+                });
+            }
+        });
+        let clients: Vec<_> = (0..20)
+            .map(|c| {
+                let (images, s) = (&images, &s);
+                scope.spawn(move || {
+                    let mut out = Vec::new();
+                    let mut errs = Vec::new();
+                    for r in 0..200 {
+                        let start = (c + r) % images.len();
+                        let n = 1 + (r % 3);
+                        let batch: Vec<&Vec<f32>> =
+                            images.iter().cycle().skip(start).take(n).collect();
+                        let (status, v) = s.post("/predict", &json!({ "images": batch }));
+                        if status != 200 {
+                            errs.push(format!("client {c} request {r}: {status} {v}"));
+                            continue;
+                        }
+                        let probs: Vec<Vec<f32>> =
+                            serde_json::from_value(v["probabilities"].clone()).unwrap();
+                        out.push((v["version"].as_u64().unwrap(), start, probs));
+                    }
+                    (out, errs)
+                })
+            })
+            .collect();
+        for c in clients {
+            let (out, errs) = c.join().unwrap();
+            answers.extend(out);
+            errors.extend(errs);
+        }
+        done.store(true, std::sync::atomic::Ordering::SeqCst);
+        trainer.join().unwrap();
+    });
+    assert!(
+        errors.is_empty(),
+        "{} errors, first: {}",
+        errors.len(),
+        errors[0]
+    );
+    assert_eq!(answers.len(), 20 * 200);
+
+    let versions: BTreeMap<u64, usize> = answers.iter().fold(BTreeMap::new(), |mut m, a| {
+        *m.entry(a.0).or_default() += 1;
+        m
+    });
+    assert!(
+        versions.len() >= 2,
+        "the clients saw one version only: {versions:?}"
+    );
+    // every version seen and the one before it, from the server's retained snapshots
+    let mut models: HashMap<u64, Mlp> = HashMap::new();
+    for &v in versions.keys() {
+        for v in [v, v.saturating_sub(1)] {
+            if let std::collections::hash_map::Entry::Vacant(e) = models.entry(v) {
+                let (status, bytes) = s.get(&format!("/v1/snapshots/{v}"));
+                assert_eq!(status, 200, "version {v} is not retained");
+                e.insert(Mlp::from_safetensors(&bytes));
+            }
+        }
+    }
+    let mut discriminated = 0;
+    for (version, start, probs) in &answers {
+        for (k, p) in probs.iter().enumerate() {
+            let x = &images[(start + k) % images.len()];
+            let expect = models[version].probabilities(x);
+            let d = max_diff(p, &expect);
+            assert!(
+                d < 1e-4,
+                "version {version}: the answer differs from that version's weights by {d}"
+            );
+            if *version > 0 {
+                let other = models[&(version - 1)].probabilities(x);
+                if max_diff(p, &other) > 1e-3 {
+                    discriminated += 1;
+                }
+            }
+        }
+    }
+    eprintln!(
+        "{} answers over {} versions; {discriminated} image answers differ from the previous version's",
+        answers.len(),
+        versions.len()
+    );
+    // the check tells versions apart: answers of a version differ from the previous version's
+    assert!(
+        discriminated > 0,
+        "no answer differed from its previous version's: {versions:?}"
+    );
+}
+
+#[test]
+fn sigterm_mid_training_saves_a_checkpoint_that_loads() {
+    let dir = tmp("sigterm");
+    let save = dir.join("ckpt");
+    let s = Server::start(&[
+        "--model",
+        "mnist",
+        "--hidden",
+        "32",
+        "--precision",
+        "32",
+        "--train-batch",
+        "4",
+        "--checkpoint-every",
+        "0",
+        "--save-dir",
+        save.to_str().unwrap(),
+    ]);
+    let (images, _) = digits(2, 32);
+    for _ in 0..8 {
+        feed(
+            &s,
+            "/feedback",
+            &json!({ "images": images, "labels": vec![2; 32] }),
+        );
+    }
+    s.wait_for("training started", 600, |h| {
+        h["train_steps"].as_u64().unwrap() >= 1
+    });
+    let (code, lines) = s.terminate();
+    assert_eq!(code, Some(143), "exit code after SIGTERM; stdout {lines:?}");
+    let last = lines
+        .iter()
+        .find(|l| l.starts_with("stopped:"))
+        .expect("a stopped: line");
+    let steps: u64 = last.split_whitespace().nth(1).unwrap().parse().unwrap();
+    assert!(steps >= 1, "{last}");
+
+    let path = wick::checkpoint::latest(&save)
+        .unwrap()
+        .expect("a checkpoint");
+    assert!(
+        last.contains(&path.display().to_string()),
+        "{last} vs {}",
+        path.display()
+    );
+    let store = wick::ParamStore::new(wick::Precision::Fp32, candle_core::Device::Cpu, 1);
+    for (n, i, o) in [("l1", 784, 32), ("l2", 32, 32), ("l3", 32, 10)] {
+        wick::nn::Linear::new(&store, n, i, o, true).unwrap();
+    }
+    let mut engine = wick::Engine::new(store, wick::EngineConfig::adamw(1e-3)).unwrap();
+    let extra = wick::checkpoint::load(&path, &mut engine).expect("the checkpoint loads");
+    assert_eq!(
+        engine.boundaries(),
+        steps,
+        "checkpoint step vs steps trained"
+    );
+    let version = extra["published_version"].as_u64().unwrap();
+    assert!(version >= 1, "{extra}");
+
+    // a restart resumes it: the same weights answer, under the version they had
+    let s = Server::start(&[
+        "--model",
+        "mnist",
+        "--hidden",
+        "32",
+        "--precision",
+        "32",
+        "--save-dir",
+        save.to_str().unwrap(),
+    ]);
+    let (status, v) = s.post("/predict", &json!({ "images": [images[0]] }));
+    assert_eq!((status, v["version"].as_u64()), (200, Some(version)), "{v}");
+    let (status, bytes) = s.get(&format!("/v1/snapshots/{version}"));
+    assert_eq!(status, 200);
+    let served = candle_core::safetensors::load_buffer(&bytes, &candle_core::Device::Cpu).unwrap();
+    for (name, master) in engine.store().masters() {
+        let a: Vec<f32> = master.flatten_all().unwrap().to_vec1().unwrap();
+        let b: Vec<f32> = served[&name].flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(a, b, "{name}: served weights differ from the checkpoint's");
+    }
+}
+
+#[test]
+fn bad_requests_get_a_json_4xx_naming_the_problem() {
+    let s = Server::start(&[
+        "--model",
+        "mnist",
+        "--hidden",
+        "16",
+        "--max-batch",
+        "4",
+        "--body-limit",
+        "100000",
+        "--debug-routes",
+    ]);
+    let row = vec![0.5f32; 784];
+    let cases: Vec<(&str, Value, u16, &str)> = vec![
+        (
+            "/predict",
+            json!({ "images": [vec![0.5f32; 783]] }),
+            422,
+            "784",
+        ),
+        (
+            "/predict",
+            json!({ "images": [["a"]] }),
+            422,
+            "invalid type",
+        ),
+        ("/predict", json!({ "pictures": [row] }), 422, "pictures"),
+        ("/predict", json!({ "images": [] }), 422, "empty"),
+        (
+            "/predict",
+            json!({ "images": vec![row.clone(); 5] }),
+            422,
+            "at most 4",
+        ),
+        (
+            "/feedback",
+            json!({ "images": [row], "labels": [10] }),
+            422,
+            "labels[0]",
+        ),
+        (
+            "/feedback",
+            json!({ "images": [row], "labels": [1, 2] }),
+            422,
+            "one label per image",
+        ),
+        (
+            "/feedback",
+            json!({ "images": [row], "labels": ["x"] }),
+            422,
+            "invalid type",
+        ),
+    ];
+    for (path, body, status, needle) in cases {
+        let (got, v) = s.post(path, &body);
+        assert_eq!(got, status, "{path} {body}: {v}");
+        let m = error_message(status, &v);
+        assert!(m.contains(needle), "{path}: {m:?} does not name {needle:?}");
+    }
+    let (got, v) = s.post_raw("/predict", Some("application/json"), b"{not json");
+    assert_eq!(got, 400, "{v}");
+    error_message(400, &v);
+    let (got, v) = s.post_raw("/predict", None, br#"{"images": []}"#);
+    assert_eq!(got, 415, "{v}");
+    error_message(415, &v);
+    let big = serde_json::to_vec(&json!({ "images": vec![row.clone(); 60] })).unwrap();
+    assert!(big.len() > 100_000);
+    let (got, v) = s.post_raw("/predict", Some("application/json"), &big);
+    assert_eq!(got, 413, "{v}");
+    assert!(error_message(413, &v).contains("size limit"), "{v}");
+    let (got, v) = s.post("/nowhere", &json!({}));
+    assert_eq!(got, 404, "{v}");
+    assert!(error_message(404, &v).contains("/nowhere"));
+    let (got, v) = s.get_json("/predict");
+    assert_eq!(got, 405, "{v}");
+    error_message(405, &v);
+    let (got, v) = s.get_json("/v1/snapshots/999");
+    assert_eq!(got, 404, "{v}");
+    assert!(error_message(404, &v).contains("999"));
+    // a panic in a handler: 500 with a JSON error, and the server answers the next request
+    let (got, v) = s.get_json("/debug/panic");
+    assert_eq!(got, 500, "{v}");
+    assert!(error_message(500, &v).contains("panicked"));
+    let (got, ok) = s.post("/predict", &json!({ "images": [row] }));
+    assert_eq!(got, 200, "{ok}");
+    let (got, metrics) = s.get("/metrics");
+    assert_eq!(got, 200);
+    let text = String::from_utf8(metrics).unwrap();
+    for name in [
+        "wick_serve_request_latency_seconds_bucket",
+        "wick_serve_weights_version",
+        "wick_serve_feedback_queue_depth",
+        "wick_serve_train_steps_total",
+        "wick_serve_train_loss",
+        "wick_serve_publish_seconds_sum",
+        "wick_serve_publishes_total",
+    ] {
+        assert!(text.contains(name), "/metrics lacks {name}:\n{text}");
+    }
+}
+
+#[test]
+fn a_full_feedback_queue_answers_429() {
+    // a trainer that rests 1000x its step time: the queue of 4 cannot drain while 64 arrive
+    let s = Server::start(&[
+        "--model",
+        "mnist",
+        "--hidden",
+        "16",
+        "--queue-capacity",
+        "4",
+        "--train-batch",
+        "1",
+        "--train-share",
+        "0.001",
+    ]);
+    let (images, _) = digits(1, 64);
+    let (status, v) = s.post(
+        "/feedback",
+        &json!({ "images": images, "labels": vec![1; 64] }),
+    );
+    assert_eq!(status, 429, "{v}");
+    let m = error_message(429, &v);
+    assert!(m.contains("full"), "{m}");
+    let depth = s.health()["queue_depth"].as_u64().unwrap();
+    assert!(depth <= 4, "queue depth {depth} over its capacity 4");
+}
+
+#[test]
+fn tiny_llama_learns_a_repeated_completion_and_serves_it_as_an_adapter() {
+    let adapters = tmp("adapters");
+    let s = Server::start(&[
+        "--model",
+        "llama",
+        "--tiny",
+        "--lr",
+        "1e-2",
+        "--train-batch",
+        "4",
+        "--adapters-dir",
+        adapters.to_str().unwrap(),
+    ]);
+    let prompt = "The capital of Wick is";
+    let target = " Candleburg, by the sea.";
+    let ask = json!({ "prompt": prompt, "max_tokens": 8 });
+    let (status, before) = s.post("/v1/completions", &ask);
+    assert_eq!(status, 200, "{before}");
+    assert_eq!(
+        (before["adapter"].as_str(), before["version"].as_u64()),
+        (Some("live"), Some(0))
+    );
+    assert_ne!(
+        before["text"], target,
+        "the untrained model already completes it"
+    );
+
+    let feedback = json!({ "prompt": prompt, "completion": target });
+    let mut after = Value::Null;
+    for round in 1..=30u64 {
+        for _ in 0..4 {
+            feed(&s, "/v1/feedback", &feedback);
+        }
+        s.wait_for("feedback trained on", 1200, |h| {
+            h["queue_depth"] == 0 && h["train_steps"].as_u64().unwrap() >= round
+        });
+        after = s.post("/v1/completions", &ask).1;
+        if after["text"] == target {
+            break;
+        }
+    }
+    assert_eq!(
+        after["text"], target,
+        "not learned after 120 feedback examples: {after}"
+    );
+    let version = after["version"].as_u64().unwrap();
+    assert!(version >= 1);
+
+    // streamed: server-sent events of the same version that add up to the same text
+    let mut r = s
+        .agent
+        .post(&s.url("/v1/completions"))
+        .send_json(json!({ "prompt": prompt, "max_tokens": 8, "stream": true }))
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let body = r.body_mut().read_to_string().unwrap();
+    let events: Vec<&str> = body
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(events.last(), Some(&"[DONE]"), "{body}");
+    let mut text = String::new();
+    for e in &events[..events.len() - 1] {
+        let v: Value = serde_json::from_str(e).unwrap();
+        assert_eq!(
+            (v["adapter"].as_str(), v["version"].as_u64()),
+            (Some("live"), Some(version))
+        );
+        text.push_str(v["text"].as_str().unwrap());
+    }
+    assert_eq!(text, target);
+
+    // the live adapter saved under a name, loaded, served, dropped
+    let (status, v) = s.post("/v1/adapters/learned/save", &json!({}));
+    assert_eq!(status, 200, "{v}");
+    assert!(adapters.join("learned/adapter_model.safetensors").is_file());
+    let (status, v) = s.post("/v1/adapters/learned", &json!({}));
+    assert_eq!((status, v["version"].as_u64()), (200, Some(1)), "{v}");
+    let named = json!({ "prompt": prompt, "max_tokens": 8, "adapter": "learned" });
+    let (status, v) = s.post("/v1/completions", &named);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(
+        (v["adapter"].as_str(), v["version"].as_u64()),
+        (Some("learned"), Some(1))
+    );
+    assert_eq!(v["text"], target);
+    let mut r = s
+        .agent
+        .delete(&s.url("/v1/adapters/learned"))
+        .call()
+        .unwrap();
+    assert_eq!(
+        r.status().as_u16(),
+        200,
+        "{}",
+        r.body_mut().read_to_string().unwrap()
+    );
+    let mut r = s
+        .agent
+        .delete(&s.url("/v1/adapters/learned"))
+        .call()
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 404);
+    let v: Value = r.body_mut().read_json().unwrap();
+    assert!(error_message(404, &v).contains("learned"));
+
+    // bad requests
+    let (status, v) = s.post("/v1/completions", &named);
+    assert_eq!(status, 404, "{v}");
+    assert!(error_message(404, &v).contains("unknown adapter"));
+    let (status, v) = s.post(
+        "/v1/completions",
+        &json!({ "prompt": prompt, "max_tokens": 100000 }),
+    );
+    assert_eq!(status, 422, "{v}");
+    assert!(error_message(422, &v).contains("max_tokens"));
+    let (status, v) = s.post(
+        "/v1/completions",
+        &json!({ "prompt": prompt, "max_tokens": -1 }),
+    );
+    assert_eq!(status, 422, "{v}");
+    assert!(error_message(422, &v).contains("max_tokens"));
+    let (status, v) = s.post(
+        "/v1/completions",
+        &json!({ "prompt": prompt, "temperature": "hot" }),
+    );
+    assert_eq!(status, 422, "{v}");
+    assert!(error_message(422, &v).contains("temperature"));
+    let (status, v) = s.post("/v1/adapters/missing", &json!({}));
+    assert_eq!(status, 404, "{v}");
+    let (status, v) = s.post("/v1/adapters/.hidden", &json!({}));
+    assert_eq!(status, 400, "{v}");
+    let (status, v) = s.post("/v1/feedback", &json!({ "prompt": prompt }));
+    assert_eq!(status, 422, "{v}");
+    assert!(error_message(422, &v).contains("completion"));
+}
