@@ -115,7 +115,17 @@ pub(super) fn forward(
         // update GEMMs. Otherwise the base goes first and the updates add into it.
         let updates_first = d.n_adapted() == n;
         let base = |beta: f32| {
-            gemm(&dev, dtype, (m, n, k), 1.0, Op::n(px, k), Op::t(pw, k), beta, py, n)
+            gemm(
+                &dev,
+                dtype,
+                (m, n, k),
+                1.0,
+                Op::n(px, k),
+                Op::t(pw, k),
+                beta,
+                py,
+                n,
+            )
         };
         if !updates_first {
             base(0.0)?;

@@ -210,6 +210,14 @@ fn publish<L: OnlineLearner>(
 ) -> Result<u64> {
     let t = Instant::now();
     let snap = learner.snapshot(engine).context("taking a snapshot")?;
+    // On CUDA each thread launches on its own per-thread default stream (candle's
+    // `Device::new_cuda`): the copies are queued on this thread's, and the request threads
+    // that read the snapshot are not ordered with it. Wait for them before publishing.
+    engine
+        .store()
+        .device()
+        .synchronize()
+        .context("waiting for the snapshot's copies")?;
     let version = published.publish(snap);
     let micros = t.elapsed().as_micros() as u64;
     stats.publish_micros_last.store(micros, Ordering::Relaxed);
