@@ -347,7 +347,10 @@ async fn load_adapter(
             cfg.scaling(),
             lora.scaling()
         );
-        base.with_adapters(&tensors.into_iter().collect())
+        let model = base.with_adapters(&tensors.into_iter().collect())?;
+        // CUDA: the copies ran on this thread's stream; other request threads read the model
+        model.device().synchronize()?;
+        Ok(model)
     })
     .await
     .map_err(|e| ApiError::invalid(format!("adapter {name:?}: {}", e.message)))?;

@@ -209,6 +209,7 @@ fn start(a: &Args, stop: Arc<AtomicBool>, m: Arc<metrics::Metrics>) -> Result<St
     match a.model {
         ModelKind::Mnist => {
             let (engine, learner, first, version) = mnist::build(a, &dev)?;
+            dev.synchronize()?; // CUDA: the threads below run on their own per-thread streams
             let published = Arc::new(wick::serve::Published::starting_at(
                 first,
                 version,
@@ -244,6 +245,7 @@ fn start(a: &Args, stop: Arc<AtomicBool>, m: Arc<metrics::Metrics>) -> Result<St
         }
         ModelKind::Llama => {
             let (engine, learner, state) = llama::build(a, &dev, m.clone())?;
+            dev.synchronize()?; // CUDA: the threads below run on their own per-thread streams
             let (tx, rx) = wick::serve::feedback_queue(a.queue_capacity);
             let parts = OnlineParts {
                 feedback: rx,

@@ -393,6 +393,11 @@ impl Llama {
         &self.config
     }
 
+    /// The device the model's tensors live on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
     /// The LoRA configuration, in LoRA mode.
     pub fn lora(&self) -> Option<&LoraConfig> {
         self.lora.as_ref()
