@@ -14,6 +14,10 @@
 //! dozen tiny graph nodes (host time). Here base and update are one GEMM over the widened
 //! inner dimension, `y = [x | s u] [W | B_bd]^T` (R/K more FLOPs, a few percent), the op keeps
 //! only its inputs, and W, a constant, costs no `dW` GEMM.
+//!
+//! That is the CPU path (and CUDA's when x is not in W's dtype). On CUDA with x in W's dtype,
+//! `lora_cuda` runs the forward and the backward as a few cuBLAS GEMMs on device addresses
+//! instead: no widened copies, u kept from the forward, the updates accumulated by `beta = 1`.
 
 use super::linear::cast_gemm;
 use super::{check_device, check_float};
@@ -186,8 +190,8 @@ pub(super) fn offsets(parts: &[(usize, usize)]) -> Vec<Block> {
     out
 }
 
-/// The forward on either backend, as one GEMM over K + R: `y = [x | s u] [W | B_bd]^T`, with
-/// `u = cast(x) A^T` and `B_bd` the block-diagonal `(N, R)` of the parts' up projections
+/// The forward on the CPU (and on CUDA when x needs a cast), as one GEMM over K + R:
+/// `y = [x | s u] [W | B_bd]^T`, with `u = cast(x) A^T` and `B_bd` the block-diagonal `(N, R)` of the parts' up projections
 /// (zero outside each adapted part's rows and rank columns). The widened operands are built
 /// here (copies of x, u, W and B: no full-size `(M, N)` update pass) and dropped after the GEMM.
 fn forward<S>(
