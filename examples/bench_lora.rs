@@ -42,16 +42,21 @@ fn var(shape: (usize, usize), dev: &Device) -> Result<Var> {
     Ok(Var::from_tensor(&t.to_dtype(DType::BF16)?)?)
 }
 
+/// Flags.
+#[derive(clap::Parser, Debug)]
+struct Args {
+    /// Timed calls per measurement (after 3 warm-up calls).
+    #[arg(long, default_value_t = 50)]
+    iters: usize,
+    /// Use candle's `Device::new_cuda` as is (cudarc's per-allocation events on).
+    #[arg(long)]
+    event_tracking: bool,
+}
+
 fn main() -> Result<()> {
-    let args: Vec<String> = std::env::args().collect();
-    let iters = args
-        .iter()
-        .position(|a| a == "--iters")
-        .and_then(|i| args.get(i + 1))
-        .map(|s| s.parse())
-        .transpose()?
-        .unwrap_or(50);
-    let dev = if args.iter().any(|a| a == "--event-tracking") {
+    let a = <Args as clap::Parser>::parse();
+    let iters = a.iters.max(1);
+    let dev = if a.event_tracking {
         Device::new_cuda(0)?
     } else {
         wick::cuda::new_device(0)?
