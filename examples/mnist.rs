@@ -13,22 +13,17 @@
 //! Prints per-epoch train loss, test accuracy, samples/s and where the time went.
 
 use anyhow::{Context, Result};
-use candle_core::{DType, Device, Module, Tensor, D};
-use clap::{Parser, ValueEnum};
+use candle_core::{DType, Device, Tensor, D};
+use clap::Parser;
+#[path = "common/mnist_net.rs"]
+mod mnist_net;
+use mnist_net::{Arch, Net};
 use std::path::PathBuf;
 use wick::checkpoint::{self, Checkpointer};
 use wick::data::{DataLoader, LoaderConfig, LoaderState, TensorDataset};
 use wick::optim::LrSchedule;
 use wick::trainer::{Hooks, Metrics, Trainer, TrainerConfig};
-use wick::{loss, nn, Engine, EngineConfig, ParamStore, Precision};
-
-#[derive(Debug, Clone, Copy, ValueEnum)]
-enum Model {
-    /// 784-1024-1024-10, ReLU.
-    Mlp,
-    /// conv5x5(32) - pool - conv5x5(64) - pool - linear(1024, 10).
-    Cnn,
-}
+use wick::{loss, Engine, EngineConfig, ParamStore, Precision};
 
 #[derive(Parser, Debug)]
 #[command(about = "Train an MLP or a CNN on MNIST with wick")]
@@ -38,7 +33,7 @@ struct Args {
     precision: Precision,
     /// Model.
     #[arg(long, value_enum, default_value = "mlp")]
-    model: Model,
+    model: Arch,
     /// Passes over the 60,000 training images (>= 1; a resumed run counts the epochs it already
     /// did).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
@@ -88,47 +83,6 @@ struct Args {
     /// Seed for initialisation and shuffling.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-}
-
-enum Net {
-    Mlp(nn::Linear, nn::Linear, nn::Linear),
-    Cnn(nn::Conv2d, nn::Conv2d, nn::Linear),
-}
-
-impl Net {
-    fn new(kind: Model, store: &ParamStore) -> Result<Self> {
-        Ok(match kind {
-            Model::Mlp => Net::Mlp(
-                nn::Linear::new(store, "l1", 784, 1024, true)?,
-                nn::Linear::new(store, "l2", 1024, 1024, true)?,
-                nn::Linear::new(store, "l3", 1024, 10, true)?,
-            ),
-            Model::Cnn => {
-                let cfg = candle_nn::Conv2dConfig::default();
-                Net::Cnn(
-                    nn::Conv2d::new(store, "c1", 1, 32, 5, cfg, true)?,
-                    nn::Conv2d::new(store, "c2", 32, 64, 5, cfg, true)?,
-                    nn::Linear::new(store, "fc", 64 * 4 * 4, 10, true)?,
-                )
-            }
-        })
-    }
-
-    /// `x: (B, 784)` f32 → logits `(B, 10)`.
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        match self {
-            Net::Mlp(l1, l2, l3) => l3.forward(&l2.forward(&l1.forward(x)?.relu()?)?.relu()?),
-            Net::Cnn(c1, c2, fc) => {
-                let b = x.dim(0)?;
-                let h = c1
-                    .forward(&x.reshape((b, 1, 28, 28))?)?
-                    .relu()?
-                    .max_pool2d(2)?;
-                let h = c2.forward(&h)?.relu()?.max_pool2d(2)?;
-                fc.forward(&h.flatten_from(1)?)
-            }
-        }
-    }
 }
 
 /// Test-set loss and accuracy, in batches of 1000.
@@ -186,7 +140,7 @@ fn main() -> Result<()> {
     let data = wick::data::mnist::load_dir(&args.data_dir)?;
 
     let store = ParamStore::new(args.precision, dev.clone(), args.seed);
-    let net = Net::new(args.model, &store)?;
+    let net = Net::new(args.model, 1024, &store)?;
     let mut config = EngineConfig::adamw(args.lr);
     config.accumulation_steps = args.accum;
     config.max_grad_norm = args.clip;

@@ -20,6 +20,8 @@ mod http;
 mod llama;
 mod metrics;
 mod mnist;
+#[path = "../common/mnist_net.rs"]
+mod mnist_net;
 
 use anyhow::{Context, Result};
 use axum::extract::{DefaultBodyLimit, State};
@@ -195,8 +197,22 @@ struct Started {
     trainer: std::thread::JoinHandle<Result<wick::serve::OnlineSummary>>,
 }
 
-fn start(a: &Args, stop: Arc<AtomicBool>, m: Arc<metrics::Metrics>) -> Result<Started> {
-    let dev = wick::device_from_flag(&a.device)?;
+/// The trainer thread over `published`, with its bounded feedback queue, and the state the
+/// shared routes read.
+struct Trainer<E> {
+    handle: std::thread::JoinHandle<Result<wick::serve::OnlineSummary>>,
+    feedback: wick::serve::FeedbackSender<E>,
+    common: Common,
+}
+
+fn spawn_trainer<L: wick::serve::OnlineLearner>(
+    a: &Args,
+    model: &'static str,
+    (engine, learner): (wick::Engine, L),
+    published: Arc<wick::serve::Published<L::Snapshot>>,
+    stop: Arc<AtomicBool>,
+    metrics: Arc<metrics::Metrics>,
+) -> Result<Trainer<L::Example>> {
     let stats = Arc::new(OnlineStats::default());
     let online = OnlineConfig {
         batch_size: a.train_batch,
@@ -205,7 +221,31 @@ fn start(a: &Args, stop: Arc<AtomicBool>, m: Arc<metrics::Metrics>) -> Result<St
         train_share: a.train_share,
         poll: Duration::from_millis(20),
     };
-    let checkpointer = a.save_dir.as_ref().map(|d| Checkpointer::new(d, 3));
+    let (tx, rx) = wick::serve::feedback_queue(a.queue_capacity);
+    let parts = OnlineParts {
+        feedback: rx,
+        checkpointer: a.save_dir.as_ref().map(|d| Checkpointer::new(d, 3)),
+        stop,
+        stats: stats.clone(),
+    };
+    let handle = wick::serve::spawn(engine, learner, published.clone(), parts, online)?;
+    let q = tx.clone();
+    let common = Common {
+        model,
+        metrics,
+        stats,
+        version: Arc::new(move || published.version()),
+        depth: Arc::new(move || q.depth()),
+    };
+    Ok(Trainer {
+        handle,
+        feedback: tx,
+        common,
+    })
+}
+
+fn start(a: &Args, stop: Arc<AtomicBool>, m: Arc<metrics::Metrics>) -> Result<Started> {
+    let dev = wick::device_from_flag(&a.device)?;
     match a.model {
         ModelKind::Mnist => {
             let (engine, learner, first, version) = mnist::build(a, &dev)?;
@@ -215,58 +255,28 @@ fn start(a: &Args, stop: Arc<AtomicBool>, m: Arc<metrics::Metrics>) -> Result<St
                 version,
                 a.keep_versions,
             ));
-            let (tx, rx) = wick::serve::feedback_queue(a.queue_capacity);
-            let parts = OnlineParts {
-                feedback: rx,
-                checkpointer,
-                stop,
-                stats: stats.clone(),
-            };
-            let trainer = wick::serve::spawn(engine, learner, published.clone(), parts, online)?;
-            let (p, q) = (published.clone(), tx.clone());
-            let common = Common {
-                model: "mnist",
-                metrics: m,
-                stats,
-                version: Arc::new(move || p.version()),
-                depth: Arc::new(move || q.depth()),
-            };
+            let t = spawn_trainer(a, "mnist", (engine, learner), published.clone(), stop, m)?;
             let state = mnist::MnistState {
                 published,
-                feedback: tx,
+                feedback: t.feedback,
                 dev,
                 max_batch: a.max_batch,
             };
             Ok(Started {
                 router: mnist::router(state),
-                common,
-                trainer,
+                common: t.common,
+                trainer: t.handle,
             })
         }
         ModelKind::Llama => {
             let (engine, learner, state) = llama::build(a, &dev, m.clone())?;
             dev.synchronize()?; // CUDA: the threads below run on their own per-thread streams
-            let (tx, rx) = wick::serve::feedback_queue(a.queue_capacity);
-            let parts = OnlineParts {
-                feedback: rx,
-                checkpointer,
-                stop,
-                stats: stats.clone(),
-            };
-            let trainer =
-                wick::serve::spawn(engine, learner, state.published.clone(), parts, online)?;
-            let (p, q) = (state.published.clone(), tx.clone());
-            let common = Common {
-                model: "llama",
-                metrics: m,
-                stats,
-                version: Arc::new(move || p.version()),
-                depth: Arc::new(move || q.depth()),
-            };
+            let published = state.published.clone();
+            let t = spawn_trainer(a, "llama", (engine, learner), published, stop, m)?;
             Ok(Started {
-                router: llama::router(state, tx),
-                common,
-                trainer,
+                router: llama::router(state, t.feedback),
+                common: t.common,
+                trainer: t.handle,
             })
         }
     }

@@ -9,7 +9,7 @@ use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use candle_core::{DType, Device, Module, Tensor, D};
+use candle_core::{DType, Device, Tensor, D};
 use serde::Deserialize;
 use std::sync::Arc;
 use wick::serve::{
@@ -17,82 +17,31 @@ use wick::serve::{
 };
 use wick::{loss, nn, Engine, ParamStore, Precision};
 
-pub const PIXELS: usize = 784;
-pub const CLASSES: usize = 10;
+pub use crate::mnist_net::{Arch, Net, CLASSES, PIXELS};
 
-#[derive(Debug, Clone, Copy, clap::ValueEnum)]
-pub enum Arch {
-    /// 784-H-H-10, ReLU (H = --hidden).
-    Mlp,
-    /// conv5x5(32) - pool - conv5x5(64) - pool - linear(1024, 10), as examples/mnist.rs.
-    Cnn,
-}
-
-/// The network, over a training store or over a snapshot's tensors.
-pub enum Net {
-    Mlp(nn::Linear, nn::Linear, nn::Linear),
-    Cnn(nn::Conv2d, nn::Conv2d, nn::Linear),
-}
-
-impl Net {
-    pub fn new(arch: Arch, hidden: usize, store: &ParamStore) -> Result<Self> {
-        Ok(match arch {
-            Arch::Mlp => Net::Mlp(
-                nn::Linear::new(store, "l1", PIXELS, hidden, true)?,
-                nn::Linear::new(store, "l2", hidden, hidden, true)?,
-                nn::Linear::new(store, "l3", hidden, CLASSES, true)?,
-            ),
-            Arch::Cnn => {
-                let cfg = candle_nn::Conv2dConfig::default();
-                Net::Cnn(
-                    nn::Conv2d::new(store, "c1", 1, 32, 5, cfg, true)?,
-                    nn::Conv2d::new(store, "c2", 32, 64, 5, cfg, true)?,
-                    nn::Linear::new(store, "fc", 64 * 4 * 4, CLASSES, true)?,
-                )
-            }
-        })
-    }
-
-    /// The same layers over a snapshot's copies (no store, no gradients).
-    pub fn from_snapshot(arch: Arch, s: &ParamSnapshot, p: Precision) -> Result<Self> {
-        let t = |n: &str| -> Result<Tensor> { Ok(s.get(n)?.clone()) };
-        let lin = |n: &str| -> Result<nn::Linear> {
-            Ok(nn::Linear::from_tensors(
-                t(&format!("{n}.weight"))?,
-                Some(t(&format!("{n}.bias"))?),
-                p,
-            )?)
-        };
-        let conv = |n: &str| -> Result<nn::Conv2d> {
-            let cfg = candle_nn::Conv2dConfig::default();
-            Ok(nn::Conv2d::from_tensors(
-                t(&format!("{n}.weight"))?,
-                Some(t(&format!("{n}.bias"))?),
-                cfg,
-                p,
-            )?)
-        };
-        Ok(match arch {
-            Arch::Mlp => Net::Mlp(lin("l1")?, lin("l2")?, lin("l3")?),
-            Arch::Cnn => Net::Cnn(conv("c1")?, conv("c2")?, lin("fc")?),
-        })
-    }
-
-    /// `x: (B, 784)` f32 → logits `(B, 10)`.
-    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        match self {
-            Net::Mlp(l1, l2, l3) => l3.forward(&l2.forward(&l1.forward(x)?.relu()?)?.relu()?),
-            Net::Cnn(c1, c2, fc) => {
-                let b = x.dim(0)?;
-                let h = c1
-                    .forward(&x.reshape((b, 1, 28, 28))?)?
-                    .relu()?
-                    .max_pool2d(2)?;
-                let h = c2.forward(&h)?.relu()?.max_pool2d(2)?;
-                fc.forward(&h.flatten_from(1)?)
-            }
-        }
-    }
+/// The network's layers over a snapshot's copies (no store, no gradients).
+fn net_from_snapshot(arch: Arch, s: &ParamSnapshot, p: Precision) -> Result<Net> {
+    let t = |n: &str| -> Result<Tensor> { Ok(s.get(n)?.clone()) };
+    let lin = |n: &str| -> Result<nn::Linear> {
+        Ok(nn::Linear::from_tensors(
+            t(&format!("{n}.weight"))?,
+            Some(t(&format!("{n}.bias"))?),
+            p,
+        )?)
+    };
+    let conv = |n: &str| -> Result<nn::Conv2d> {
+        let cfg = candle_nn::Conv2dConfig::default();
+        Ok(nn::Conv2d::from_tensors(
+            t(&format!("{n}.weight"))?,
+            Some(t(&format!("{n}.bias"))?),
+            cfg,
+            p,
+        )?)
+    };
+    Ok(match arch {
+        Arch::Mlp => Net::Mlp(lin("l1")?, lin("l2")?, lin("l3")?),
+        Arch::Cnn => Net::Cnn(conv("c1")?, conv("c2")?, lin("fc")?),
+    })
 }
 
 /// One published version: the inference network and the tensors it runs on.
@@ -104,7 +53,7 @@ pub struct Snapshot {
 impl Snapshot {
     pub fn new(arch: Arch, weights: ParamSnapshot, p: Precision) -> Result<Self> {
         Ok(Self {
-            net: Net::from_snapshot(arch, &weights, p)?,
+            net: net_from_snapshot(arch, &weights, p)?,
             weights,
         })
     }
