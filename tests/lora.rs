@@ -83,10 +83,56 @@ fn lora_linear_matches_the_composition_on_cuda() {
     let dev = Device::new_cuda(0).unwrap();
     compare(&dev, DType::F32, 1e-3); // TF32 may be on for f32 GEMMs
     compare(&dev, DType::BF16, 2e-2);
-    // x in the compute dtype: the fused cuBLAS path (batched adjacent parts, saved u)
-    for k in [16, 8] {
-        grouped(&dev, DType::F32, 1e-3, k);
-        grouped(&dev, DType::BF16, 0.1, k);
+    // x in the compute dtype: the fused cuBLAS path (batched adjacent parts), with the
+    // unmerged forward (9 rows) and the merged one (40 rows >= 2 K)
+    for mk in [(9, 16), (9, 8), (40, 16), (40, 8)] {
+        grouped(&dev, DType::F32, 1e-3, mk);
+        grouped(&dev, DType::BF16, 0.1, mk);
+    }
+}
+
+/// A stack of 11 parts, 10 adapted (more blocks than one launch of the CUDA merge kernel
+/// takes) and one not: CUDA (merged forward, f32) against the CPU (widened GEMM), forward and
+/// every gradient.
+#[cfg(feature = "cuda")]
+#[test]
+fn lora_linear_with_many_parts_matches_the_cpu_on_cuda() {
+    let dev = Device::new_cuda(0).unwrap();
+    let (m, k, r, s) = (64, 8, 2, 0.75);
+    let mut parts = vec![(3, r); 10];
+    parts.insert(4, (5, 0));
+    let n: usize = parts.iter().map(|p| p.0).sum();
+    let run = |device: &Device| {
+        let x = Var::from_tensor(&values((m, k), 1.0, 0.3).to_device(device).unwrap()).unwrap();
+        let w = values((n, k), 0.2, 0.9).to_device(device).unwrap();
+        let a =
+            Var::from_tensor(&values((10 * r, k), 0.3, 1.7).to_device(device).unwrap()).unwrap();
+        let b = Var::from_tensor(&values((30, r), 0.3, 2.9).to_device(device).unwrap()).unwrap();
+        let y = wick::ops::lora_linear_grouped(
+            x.as_tensor(),
+            &w,
+            a.as_tensor(),
+            b.as_tensor(),
+            &parts,
+            s,
+        )
+        .unwrap();
+        let g = values((m, n), 1.0, 0.4).to_device(device).unwrap();
+        let grads = (&y * &g).unwrap().sum_all().unwrap().backward().unwrap();
+        let cpu = |t: &Tensor| t.to_device(&Device::Cpu).unwrap();
+        let mut out = vec![cpu(&y)];
+        for v in [&x, &a, &b] {
+            out.push(cpu(grads.get(v.as_tensor()).expect("grad")));
+        }
+        out
+    };
+    for (name, (ours, theirs)) in ["y", "dx", "dA", "dB"]
+        .iter()
+        .zip(run(&dev).iter().zip(&run(&Device::Cpu)))
+    {
+        let scale = max_abs(theirs, &theirs.zeros_like().unwrap()).max(1e-3);
+        let d = max_abs(ours, theirs) / scale;
+        assert!(d < 1e-3, "{name}: relative error {d}"); // TF32 may be on for f32 GEMMs
     }
 }
 
@@ -147,14 +193,16 @@ fn lora_config_targets_modules_as_peft_does() {
 /// GEMM path) against the per-module composition in f32 on the CPU from the same rounded
 /// values: forward and every gradient, relative to the reference's largest magnitude. The
 /// parts are `[(8, r), (4, 0), (6, r), (6, r)]`: an unadapted part between adapted ones, and
-/// two adjacent equal parts (one batched GEMM on CUDA), at input width `k`.
+/// two adjacent equal parts (one batched GEMM on CUDA), for `m` rows of input width `k` (on
+/// CUDA, `m >= 2 k` takes the forward that merges the adapters into W, fewer rows the unmerged
+/// one; the backward always uses the merged weight).
 fn grouped(
     device: &Device,
     dtype: DType,
     tol: f32,
-    k: usize,
+    (m, k): (usize, usize),
 ) -> (Var, Tensor, Tensor, Vec<(usize, usize)>) {
-    let (m, r, s) = (9, 3, 0.5);
+    let (r, s) = (3, 0.5);
     let on = |t: Tensor| t.to_dtype(dtype).unwrap().to_device(device).unwrap();
     let back = |t: &Tensor| {
         t.to_device(&Device::Cpu)
@@ -245,10 +293,10 @@ fn grouped(
 
 #[test]
 fn grouped_lora_linear_with_an_unadapted_part_matches_the_composition() {
-    let (x, w, a, _) = grouped(&Device::Cpu, DType::F32, 1e-5, 16);
+    let (x, w, a, _) = grouped(&Device::Cpu, DType::F32, 1e-5, (9, 16));
     // bf16: u (or du) is rounded before the second product, and these small sums cancel:
     // a few percent of the largest entry (7.4% for dA of the first part on the CPU)
-    grouped(&Device::Cpu, DType::BF16, 0.1, 16);
+    grouped(&Device::Cpu, DType::BF16, 0.1, (9, 16));
     let (r, s) = (3, 0.5);
     let b = Tensor::zeros((20, r), DType::F32, &Device::Cpu).unwrap();
     // parts that do not add up to w's rows are an error, not a panic

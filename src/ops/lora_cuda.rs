@@ -1,27 +1,32 @@
 //! The CUDA path of [`super::lora_linear_grouped`]: the forward and the backward as a few
 //! cuBLAS GEMMs on device addresses ([`crate::cuda::gemm`]), with no widened copies, no
 //! block-diagonal up projection and no elementwise passes. With `s` the scale, part `i` of the
-//! stack at output columns `c_i`, rank columns `q_i` of `u` and rows `r_i` of `b`:
+//! stack at output rows `c_i` of W, rank columns `q_i` of `u` and rows `r_i` of `b`:
 //!
 //! ```text
-//! forward    u = x A^T                      (M, R), kept for the backward
-//!            y[:, c_i] = s u[:, q_i] B_i^T  per adapted part
-//!            y += x W^T                     (M, N; beta = 1: no add pass)
-//! backward   du[:, q_i] = s dy[:, c_i] B_i  (M, R)
-//!            dA = du^T x                    (R, K)
+//! forward    W' = W + s B_bd A                 (N, K): the adapters merged into a copy of W
+//!            y = x W'^T                        (M, N): one GEMM, as for the frozen base alone
+//! backward   dx = dy W'                        (= dy W + s (dy B_bd) A)
+//!            u = x A^T                         (M, R)
+//!            g[:, q_i] = dy[:, c_i] B_i        (M, R)
+//!            dA = s g^T x                      (R, K)
 //!            dB_i = s dy[:, c_i]^T u[:, q_i]
-//!            dx = dy W, then dx += du A     (M, K)
 //! ```
-//!
-//! The base GEMM accumulates onto the rounded update in f32 and rounds the sum once (PEFT's
-//! `lora.Linear` rounds the base output, then adds `lora_B(lora_A(x)) * scaling`); with an
-//! unadapted part in the stack, the base goes first and the updates add into it. Adjacent parts of
-//! the same size (`k_proj`/`v_proj`, `gate_proj`/`up_proj`) share one strided batched GEMM per
-//! product. The backward's three results come back as views of one allocation.
+//! `B_bd` is the block-diagonal `(N, R)` up projection (part i's `B_i` at its output rows and
+//! rank columns, zeros elsewhere). The merge (`kernels/lora.cu`, one launch) reads W, A and B
+//! and writes W' once per call, independent of the M tokens, and it takes every `(M, N)` and
+//! `(M, K)` update pass off the token dimension: the forward and dx cost what the frozen base
+//! alone costs. W' is rounded once to the compute dtype (the merge accumulates in f32), as
+//! PEFT's `merge` does for bf16 weights; PEFT's unmerged `lora.Linear` instead rounds the base
+//! output and the update separately. With fewer than [`MERGE_MIN_ROWS`] tokens per input
+//! feature (decoding), the forward stays unmerged: the update GEMMs `s u B_i^T` are written
+//! first and the base GEMM accumulates onto them (beta = 1).
+//! Adjacent parts of the same size (`k_proj`/`v_proj`, `gate_proj`/`up_proj`) share one strided
+//! batched GEMM per product. The backward's three results come back as views of one allocation.
 
 use super::lora_linear::Block;
 use crate::cuda::gemm::{gemm, gemm_batched, Batch, Operand as Op};
-use crate::cuda::launch::{alloc, in_ptr, out_ptr};
+use crate::cuda::launch::{alloc, dtype_name, grid_stride_cfg, in_ptr, out_ptr};
 use candle_core::backend::BackendStorage;
 use candle_core::{
     bail, CpuStorage, CudaDevice, CudaStorage, CustomOp1, DType, Layout, Result, Shape, Storage,
@@ -70,6 +75,11 @@ impl Dims {
     }
 }
 
+/// The forward merges the adapters into W when there are at least this many tokens per input
+/// feature (`M >= 2 K`): the merge reads and writes about `4 N K` elements whatever M is, the
+/// unmerged update pass about `2 M N`.
+pub(super) const MERGE_MIN_ROWS: usize = 2;
+
 /// `u = x A^T`, `(M, R)` in the compute dtype.
 fn u_gemm(d: &Dims, dev: &CudaDevice, dtype: DType, px: u64, pa: u64, pu: u64) -> Result<()> {
     gemm(
@@ -85,15 +95,82 @@ fn u_gemm(d: &Dims, dev: &CudaDevice, dtype: DType, px: u64, pa: u64, pu: u64) -
     )
 }
 
+/// Blocks per launch of `kernels/lora.cu` (its `LORA_MAX_PARTS`).
+const MAX_PARTS: usize = 8;
+
+/// `kernels/lora.cu`'s `LoraParts`: the adapted blocks of one launch.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct Parts {
+    count: i32,
+    row: [i32; MAX_PARTS],
+    rows: [i32; MAX_PARTS],
+    q: [i32; MAX_PARTS],
+    b_row: [i32; MAX_PARTS],
+}
+
+// SAFETY: `#[repr(C)]` plain data laid out as the kernel's `LoraParts` (ints only).
+unsafe impl candle_core::cuda::cudarc::driver::DeviceRepr for Parts {}
+
+/// The merged weight `W' = W + s B_bd A`, `(N, K)` (`kernels/lora.cu`: r products per element
+/// in f32, one rounding to the compute dtype), one launch per [`MAX_PARTS`] blocks.
+fn merge(
+    d: &Dims,
+    (w, lw): (&CudaStorage, &Layout),
+    (a, la): (&CudaStorage, &Layout),
+    (b, lb): (&CudaStorage, &Layout),
+) -> Result<CudaStorage> {
+    use candle_core::cuda::cudarc::driver::PushKernelArg;
+    use candle_core::cuda::WrapErr;
+    let dev = w.device().clone();
+    let stream = dev.cuda_stream();
+    let name = format!("lora_merge_{}", dtype_name(OP, w.dtype())?);
+    let func = dev.get_or_load_custom_func(&name, "wick_ops_lora", crate::cuda::ptx::LORA)?;
+    let mut merged = alloc(&dev, w.dtype(), d.n * d.k)?;
+    let (pw, _gw) = in_ptr(OP, "w", w, lw, &stream)?;
+    let (pa, _ga) = in_ptr(OP, "a", a, la, &stream)?;
+    let (pb, _gb) = in_ptr(OP, "b", b, lb, &stream)?;
+    let (pm, _gm) = out_ptr(&mut merged, &stream)?;
+    let (n, k, r, scale) = (d.n as i64, d.k as i64, d.rank as i32, d.scale);
+    for (i, chunk) in d.blocks.chunks(MAX_PARTS).enumerate() {
+        let mut p = Parts {
+            count: chunk.len() as i32,
+            ..Parts::default()
+        };
+        for (j, bl) in chunk.iter().enumerate() {
+            (p.row[j], p.rows[j], p.q[j], p.b_row[j]) =
+                (bl.col as i32, bl.rows as i32, bl.q as i32, bl.b_row as i32);
+        }
+        let copy_rest = i32::from(i == 0);
+        let mut lb = func.builder();
+        lb.arg(&pw)
+            .arg(&pa)
+            .arg(&pb)
+            .arg(&pm)
+            .arg(&n)
+            .arg(&k)
+            .arg(&r)
+            .arg(&scale)
+            .arg(&p)
+            .arg(&copy_rest);
+        // SAFETY: W and the output hold N K elements, A R K and B N_adapted r, all of the kernel's
+        // dtype; every block lies inside them (the public function checked the parts).
+        unsafe { lb.launch(grid_stride_cfg(d.n * d.k)) }.w()?;
+    }
+    drop((_gw, _ga, _gb, _gm));
+    Ok(merged)
+}
+
 /// The forward: `(x, W, A, B)` contiguous (layouts give their offsets), all in W's dtype.
-/// Returns y `(M, N)` and u `(M, R)` (for the backward).
+/// Returns y `(M, N)` and, when it merged the adapters into W (`M >= MERGE_MIN_ROWS K`), the
+/// merged weight `(N, K)` for the backward.
 pub(super) fn forward(
     d: &Dims,
     (x, lx): (&CudaStorage, &Layout),
     (w, lw): (&CudaStorage, &Layout),
     (a, la): (&CudaStorage, &Layout),
     (b, lb): (&CudaStorage, &Layout),
-) -> Result<(CudaStorage, CudaStorage)> {
+) -> Result<(CudaStorage, Option<CudaStorage>)> {
     let dev = w.device().clone();
     let dtype = w.dtype();
     let stream = dev.cuda_stream();
@@ -102,33 +179,43 @@ pub(super) fn forward(
     let (pw, _gw) = in_ptr(OP, "w", w, lw, &stream)?;
     let (pa, _ga) = in_ptr(OP, "a", a, la, &stream)?;
     let (pb, _gb) = in_ptr(OP, "b", b, lb, &stream)?;
-    let mut u = alloc(&dev, dtype, d.m * d.r_sum)?;
-    let mut y = alloc(&dev, dtype, d.m * d.n)?;
+    let (m, n, k, r) = (d.m, d.n, d.k, d.r_sum);
+    let mut y = alloc(&dev, dtype, m * n)?;
+    // y (+)= x W^T for a W at pw with row stride ldw
+    let base = |pw: u64, ldw: usize, py: u64, beta: f32| {
+        gemm(
+            &dev,
+            dtype,
+            (m, n, k),
+            1.0,
+            Op::n(px, k),
+            Op::t(pw, ldw),
+            beta,
+            py,
+            n,
+        )
+    };
+    if m >= MERGE_MIN_ROWS * k {
+        let mut merged = merge(d, (w, lw), (a, la), (b, lb))?;
+        {
+            let (pm, _gm) = out_ptr(&mut merged, &stream)?;
+            let (py, _gy) = out_ptr(&mut y, &stream)?;
+            base(pm, k, py, 0.0)?;
+        }
+        return Ok((y, Some(merged)));
+    }
+    let mut u = alloc(&dev, dtype, m * r)?;
     {
         let (pu, _gu) = out_ptr(&mut u, &stream)?;
         let (py, _gy) = out_ptr(&mut y, &stream)?;
-        let (m, n, k, r) = (d.m, d.n, d.k, d.r_sum);
         u_gemm(d, &dev, dtype, px, pa, pu)?;
         // When the adapted parts cover every output column, the updates are written first and
         // the base GEMM adds itself into them in its epilogue (beta = 1): the (M, N) output is
-        // read once inside a compute-bound GEMM instead of read and written again by the small
-        // update GEMMs. Otherwise the base goes first and the updates add into it.
+        // read once inside the base GEMM instead of read and written again by the small update
+        // GEMMs. Otherwise the base goes first and the updates add into it.
         let updates_first = d.n_adapted() == n;
-        let base = |beta: f32| {
-            gemm(
-                &dev,
-                dtype,
-                (m, n, k),
-                1.0,
-                Op::n(px, k),
-                Op::t(pw, k),
-                beta,
-                py,
-                n,
-            )
-        };
         if !updates_first {
-            base(0.0)?;
+            base(pw, k, py, 0.0)?;
         }
         for (bl, count) in d.runs() {
             // y[:, c_j] (+)= s u_j B_j^T
@@ -152,14 +239,15 @@ pub(super) fn forward(
             )?;
         }
         if updates_first {
-            base(1.0)?;
+            base(pw, k, py, 1.0)?;
         }
     }
-    Ok((y, u))
+    Ok((y, None))
 }
 
-/// `(dx, dA, dB)` from `dy (M, N)`; dx is `None` when `want_dx` is false. Every tensor is on
-/// CUDA in W's dtype (the caller checks), x contiguous `(.., K)`.
+/// `(dx, dA, dB)` from `dy (M, N)`; dx is `None` when `want_dx` is false. `merged` is the
+/// forward's merged weight (merged again here when absent). Every tensor is on CUDA in W's
+/// dtype (the caller checks), x contiguous `(.., K)`.
 pub(super) fn backward(
     d: &Dims,
     x: &Tensor,
@@ -167,12 +255,12 @@ pub(super) fn backward(
     a: &Tensor,
     b: &Tensor,
     dy: &Tensor,
-    u: Option<CudaStorage>,
+    merged: Option<CudaStorage>,
     want_dx: bool,
 ) -> Result<(Option<Tensor>, Tensor, Tensor)> {
     let op = Backward {
         d: d.clone(),
-        u: Mutex::new(u),
+        merged: Mutex::new(merged),
         x: x.contiguous()?,
         w: w.clone(),
         a: a.contiguous()?,
@@ -197,8 +285,8 @@ pub(super) fn backward(
 /// The backward as an op on dy whose output is `[dx | dA | dB]` flattened.
 struct Backward {
     d: Dims,
-    /// The forward's `u = x A^T` (recomputed when absent).
-    u: Mutex<Option<CudaStorage>>,
+    /// The forward's merged weight `W + s B_bd A` (merged again when absent).
+    merged: Mutex<Option<CudaStorage>>,
     x: Tensor,
     w: Tensor,
     a: Tensor,
@@ -233,23 +321,27 @@ impl CustomOp1 for Backward {
             ptrs[i] = p;
             keep.push(g);
         }
-        let [px, pw, pa, pb] = ptrs;
+        let [px, _, pa, pb] = ptrs;
         let (pdy, _gdy) = in_ptr(OP, "dy", dy, ldy, &stream)?;
         let dx_len = if self.want_dx { m * k } else { 0 };
         let total = dx_len + r * k + d.n_adapted() * d.rank;
         let mut out = alloc(&dev, dtype, total)?;
-        let saved = self.u.lock().map(|mut u| u.take()).unwrap_or(None);
-        let mut u = match saved {
-            Some(u) => u,
-            None => {
-                let mut u = alloc(&dev, dtype, m * r)?;
-                let (pu, _gu) = out_ptr(&mut u, &stream)?;
-                u_gemm(d, &dev, dtype, px, pa, pu)?;
-                drop(_gu);
-                u
-            }
-        };
+        let mut u = alloc(&dev, dtype, m * r)?;
         let mut du = alloc(&dev, dtype, m * r)?;
+        let saved = self.merged.lock().map(|mut w| w.take()).unwrap_or(None);
+        let mut merged = match (saved, self.want_dx) {
+            (Some(w), true) => Some(w),
+            (None, true) => {
+                let [(_, wl), (_, a_l), (_, bl)] = [&held[1], &held[2], &held[3]];
+                let [Storage::Cuda(ws), Storage::Cuda(a_s), Storage::Cuda(bs)] =
+                    [&*held[1].0, &*held[2].0, &*held[3].0]
+                else {
+                    bail!("{OP}: w, a or b is not on CUDA like dy (internal error)")
+                };
+                Some(merge(d, (ws, wl), (a_s, a_l), (bs, bl))?)
+            }
+            (_, false) => None,
+        };
         {
             let (po, _go) = out_ptr(&mut out, &stream)?;
             let (pu, _gu) = out_ptr(&mut u, &stream)?;
@@ -259,12 +351,28 @@ impl CustomOp1 for Backward {
                 po + dx_len as u64 * es,
                 po + (dx_len + r * k) as u64 * es,
             );
+            if let Some(merged) = merged.as_mut() {
+                // dx = dy (W + s B_bd A) = dy W + s (dy B_bd) A
+                let (pm, _gm) = out_ptr(merged, &stream)?;
+                gemm(
+                    &dev,
+                    dtype,
+                    (m, k, n),
+                    1.0,
+                    Op::n(pdy, n),
+                    Op::n(pm, k),
+                    0.0,
+                    pdx,
+                    k,
+                )?;
+            }
+            u_gemm(d, &dev, dtype, px, pa, pu)?;
             for (bl, count) in d.runs() {
                 let (dy_i, b_i) = (
                     pdy + bl.col as u64 * es,
                     pb + (bl.b_row * d.rank) as u64 * es,
                 );
-                // du_j = s dy_j B_j
+                // g_j = dy_j B_j (unscaled: s goes into dA's GEMM)
                 let batch = Batch {
                     count,
                     sa: bl.rows,
@@ -275,7 +383,7 @@ impl CustomOp1 for Backward {
                     &dev,
                     dtype,
                     (m, d.rank, bl.rows),
-                    d.scale,
+                    1.0,
                     Op::n(dy_i, n),
                     Op::n(b_i, d.rank),
                     0.0,
@@ -303,44 +411,20 @@ impl CustomOp1 for Backward {
                     batch,
                 )?;
             }
-            // dA = du^T x
+            // dA = s g^T x
             gemm(
                 &dev,
                 dtype,
                 (r, k, m),
-                1.0,
+                d.scale,
                 Op::t(pdu, r),
                 Op::n(px, k),
                 0.0,
                 pda,
                 k,
             )?;
-            if self.want_dx {
-                gemm(
-                    &dev,
-                    dtype,
-                    (m, k, n),
-                    1.0,
-                    Op::n(pdy, n),
-                    Op::n(pw, k),
-                    0.0,
-                    pdx,
-                    k,
-                )?;
-                gemm(
-                    &dev,
-                    dtype,
-                    (m, k, r),
-                    1.0,
-                    Op::n(pdu, r),
-                    Op::n(pa, k),
-                    1.0,
-                    pdx,
-                    k,
-                )?;
-            }
         }
-        drop((u, du, keep));
+        drop((u, du, merged, keep));
         Ok((out, Shape::from(total)))
     }
 }

@@ -17,7 +17,9 @@
 //!
 //! That is the CPU path (and CUDA's when x is not in W's dtype). On CUDA with x in W's dtype,
 //! `lora_cuda` runs the forward and the backward as a few cuBLAS GEMMs on device addresses
-//! instead: no widened copies, u kept from the forward, the updates accumulated by `beta = 1`.
+//! instead: with many tokens, the adapters are merged into a copy of W once per call
+//! (`W + s B_bd A`, kept for the backward), so the forward and dx cost what the frozen base
+//! alone costs.
 
 use super::linear::cast_gemm;
 use super::{check_device, check_float};
@@ -118,7 +120,7 @@ pub fn lora_linear_grouped(
             rank: r,
             scale,
             #[cfg(feature = "cuda")]
-            saved_u: std::sync::Mutex::new(None),
+            merged: std::sync::Mutex::new(None),
         },
     )
 }
@@ -130,9 +132,10 @@ struct LoraLinear {
     parts: Vec<(usize, usize)>,
     rank: usize,
     scale: f64,
-    /// CUDA: the forward's `x A^T`, taken by the backward (which recomputes it if absent).
+    /// CUDA: the forward's merged weight `W + s B_bd A`, taken by the backward (which merges
+    /// again when absent).
     #[cfg(feature = "cuda")]
-    saved_u: std::sync::Mutex<Option<candle_core::CudaStorage>>,
+    merged: std::sync::Mutex<Option<candle_core::CudaStorage>>,
 }
 
 /// The block-diagonal `(N, R)` up projection of stacked parts: part `i`'s rows of `b` at its
@@ -297,10 +300,10 @@ impl CustomOp3 for LoraLinear {
             bail!("{OP}: w is not on CUDA like x")
         };
         if x.dtype() == w.dtype() {
-            let (y, u) =
+            let (y, merged) =
                 super::lora_cuda::forward(&self.dims(lx)?, (x, lx), (w, lw), (a, la), (b, lb))?;
-            if let Ok(mut saved) = self.saved_u.lock() {
-                *saved = Some(u);
+            if let Ok(mut saved) = self.merged.lock() {
+                *saved = merged;
             }
             let mut shape = lx.dims().to_vec();
             if let Some(d) = shape.last_mut() {
@@ -323,8 +326,9 @@ impl CustomOp3 for LoraLinear {
         #[cfg(feature = "cuda")]
         if super::lora_cuda::applies(x, w) {
             let d = self.dims(x.layout())?;
-            let u = self.saved_u.lock().map(|mut u| u.take()).unwrap_or(None);
-            let (dx, da, db) = super::lora_cuda::backward(&d, x, w, a, b, dy, u, x.track_op())?;
+            let merged = self.merged.lock().map(|mut w| w.take()).unwrap_or(None);
+            let (dx, da, db) =
+                super::lora_cuda::backward(&d, x, w, a, b, dy, merged, x.track_op())?;
             return Ok((dx, Some(da), Some(db)));
         }
         let (n, k) = w.dims2()?;
