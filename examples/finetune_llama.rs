@@ -407,7 +407,12 @@ fn main() -> Result<()> {
 
     if let Some(dir) = &a.save {
         match model.lora() {
-            Some(l) => lora::save_adapters(&store, l, "SmolLM2-135M-Instruct", dir)?,
+            Some(l) => lora::save_adapter_tensors(
+                model.adapter_masters(&store)?,
+                l,
+                "SmolLM2-135M-Instruct",
+                dir,
+            )?,
             None => llama_io::save_pretrained(&model.merged_weights(&store)?, dir)?,
         }
         println!("saved to {}", dir.display());

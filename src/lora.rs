@@ -125,10 +125,36 @@ impl LoraAdapter {
         out_dim: usize,
         r: usize,
     ) -> Result<Self> {
-        let bound = 1.0 / (in_dim.max(1) as f64).sqrt();
+        Self::new_stacked(store, module, in_dim, &[out_dim], r)
+    }
+
+    /// The adapters of several linears that read the same input (`q_proj`, `k_proj`, `v_proj`)
+    /// as one pair of parameters: A `(P r, in)` with module i's down projection at rows
+    /// `i r..(i + 1) r`, and B `(sum out_i, r)` with module i's up projection at its rows, in
+    /// order. Named `{name}.lora_A.weight` / `{name}.lora_B.weight`, where `name` is the
+    /// modules' brace list (`model.layers.0.self_attn.{q_proj,k_proj,v_proj}`, see
+    /// [`stacked_modules`]), and initialised as PEFT initialises each module's (A uniform in
+    /// `±1/sqrt(in)`, B zero). A stacked projection reads them as they are: no concatenation
+    /// per step, and one gradient and one optimizer entry per stack instead of per module.
+    /// [`LoraAdapter::part`] gives each module's views.
+    ///
+    /// Errors: no modules, a zero size, a parameter of that name with another shape.
+    pub fn new_stacked(
+        store: &ParamStore,
+        name: &str,
+        in_dim: usize,
+        outs: &[usize],
+        r: usize,
+    ) -> Result<Self> {
+        if outs.is_empty() || in_dim == 0 || r == 0 || outs.contains(&0) {
+            bail!(
+                "LoraAdapter {name}: in {in_dim}, outs {outs:?}, rank {r}: every size must be > 0"
+            );
+        }
+        let bound = 1.0 / (in_dim as f64).sqrt();
         let a = store.get_or_init(
-            &format!("{module}.lora_A.weight"),
-            (r, in_dim),
+            &format!("{name}.lora_A.weight"),
+            (outs.len() * r, in_dim),
             Init::Uniform {
                 lo: -bound,
                 up: bound,
@@ -136,12 +162,34 @@ impl LoraAdapter {
             Role::Matmul,
         )?;
         let b = store.get_or_init(
-            &format!("{module}.lora_B.weight"),
-            (out_dim, r),
+            &format!("{name}.lora_B.weight"),
+            (outs.iter().sum::<usize>(), r),
             Init::Const(0.0),
             Role::Matmul,
         )?;
         Ok(Self { a, b })
+    }
+
+    /// Module `i`'s adapter in a stack made by [`LoraAdapter::new_stacked`] with these `outs`:
+    /// views of the stacks (A rows `i r..`, B rows after the earlier modules' outputs) that
+    /// share their storage, so they follow the stacks' updates.
+    ///
+    /// Errors: `i` out of range, or stacks whose shapes do not match `outs`.
+    pub fn part(&self, outs: &[usize], i: usize) -> Result<LoraAdapter> {
+        let (pr, _) = self.a.dims2()?;
+        let (n, r) = self.b.dims2()?;
+        if i >= outs.len() || pr != outs.len() * r || n != outs.iter().sum::<usize>() {
+            bail!(
+                "LoraAdapter::part: module {i} of outs {outs:?} does not fit stacks A {:?}, B {:?}",
+                self.a.dims(),
+                self.b.dims()
+            );
+        }
+        let row: usize = outs[..i].iter().sum();
+        Ok(LoraAdapter {
+            a: self.a.narrow(0, i * r, r)?,
+            b: self.b.narrow(0, row, outs[i])?,
+        })
     }
 
     /// `scaling · B A` as an `(out, in)` f32 tensor: what merging adds to the base weight.
@@ -155,33 +203,13 @@ impl LoraAdapter {
 /// The prefix PEFT puts before module names in saved adapter files.
 pub const PEFT_PREFIX: &str = "base_model.model.";
 
-/// Writes the adapters of `store` (every parameter whose name contains `.lora_A.` or
-/// `.lora_B.`, fp32 masters) to `dir/adapter_model.safetensors` with PEFT's names
-/// (`base_model.model.{module}.lora_A.weight`) and `dir/adapter_config.json` (PEFT's LoRA
-/// fields, `task_type` `CAUSAL_LM`), each atomically. `base_model` names the base model in the
-/// config (`base_model_name_or_path`).
-///
-/// Errors: no adapter in the store, an I/O failure (naming the file).
-pub fn save_adapters(
-    store: &ParamStore,
-    config: &LoraConfig,
-    base_model: &str,
-    dir: &Path,
-) -> Result<()> {
-    let tensors: Vec<(String, Tensor)> = store
-        .masters()
-        .into_iter()
-        .filter(|(n, _)| is_adapter(n))
-        .collect();
-    if tensors.is_empty() {
-        bail!("save_adapters: the store has no LoRA parameters (*.lora_A.weight)");
-    }
-    save_adapter_tensors(tensors, config, base_model, dir)
-}
-
-/// [`save_adapters`] for given adapter tensors by wick's names (`{module}.lora_A.weight`,
-/// any float dtype and device, stored as they are), e.g. a served snapshot's
-/// ([`crate::models::Llama::adapter_tensors`]). Same files, each written atomically.
+/// Writes adapter tensors by wick's per-module names (`{module}.lora_A.weight`, any float
+/// dtype and device, stored as they are: e.g. the fp32 masters from
+/// [`crate::models::Llama::adapter_masters`], or a served snapshot's
+/// [`crate::models::Llama::adapter_tensors`]) to `dir/adapter_model.safetensors` with PEFT's
+/// names (`base_model.model.{module}.lora_A.weight`) and `dir/adapter_config.json` (PEFT's
+/// LoRA fields, `task_type` `CAUSAL_LM`), each atomically. `base_model` names the base model
+/// in the config (`base_model_name_or_path`).
 ///
 /// Errors: no tensors, a name that is not an adapter's, an I/O failure (naming the file).
 pub fn save_adapter_tensors(
@@ -222,7 +250,7 @@ pub fn save_adapter_tensors(
     )
 }
 
-/// Reads an adapter folder written by [`save_adapters`] (or by PEFT's `save_pretrained`):
+/// Reads an adapter folder written by [`save_adapter_tensors`] (or by PEFT's `save_pretrained`):
 /// its config and its tensors by wick's names (the `base_model.model.` prefix removed).
 ///
 /// Errors: unreadable or malformed files; a config without `r` or `lora_alpha`.
@@ -267,6 +295,35 @@ pub fn load_adapters(dir: &Path) -> Result<(LoraConfig, Vec<(String, Tensor)>)> 
         })
         .collect();
     Ok((config, tensors))
+}
+
+/// The module names a (possibly stacked) adapter name stands for: `prefix.{a,b}` gives
+/// `prefix.a`, `prefix.b`; a name without a brace list stands for itself.
+pub fn stacked_modules(name: &str) -> Vec<String> {
+    match (name.find('{'), name.strip_suffix('}')) {
+        (Some(open), Some(body)) => body[open + 1..]
+            .split(',')
+            .map(|m| format!("{}{m}", &name[..open]))
+            .collect(),
+        _ => vec![name.to_string()],
+    }
+}
+
+/// The brace-list name of a stack of modules that share a prefix up to their last `.`
+/// (`[p.q_proj, p.k_proj]` gives `p.{q_proj,k_proj}`); one module is named as it is.
+pub fn stacked_name(modules: &[String]) -> String {
+    match modules {
+        [one] => one.clone(),
+        _ => {
+            let split = |m: &String| match m.rfind('.') {
+                Some(i) => (m[..=i].to_string(), m[i + 1..].to_string()),
+                None => (String::new(), m.clone()),
+            };
+            let prefix = modules.first().map(|m| split(m).0).unwrap_or_default();
+            let names: Vec<String> = modules.iter().map(|m| split(m).1).collect();
+            format!("{prefix}{{{}}}", names.join(","))
+        }
+    }
 }
 
 /// Whether a parameter name is a LoRA tensor.

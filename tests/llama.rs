@@ -467,9 +467,12 @@ fn lora_freezes_the_base_and_matches_the_composition() {
     let weights = tiny();
     let cfg = LoraConfig::all_linear(4, 8.0);
     let (store, m) = model(&weights, Precision::Fp32, &FineTune::Lora(cfg.clone()));
-    // only adapters in the store: 7 modules x 2 blocks x (A, B)
-    assert_eq!(store.len(), 7 * 2 * 2);
+    // only adapters in the store: 4 stacks (qkv, o, gate/up, down) x 2 blocks x (A, B)
+    assert_eq!(store.len(), 4 * 2 * 2);
     assert!(store.params().iter().all(|p| lora::is_adapter(&p.name)));
+    assert!(store
+        .get("model.layers.1.self_attn.{q_proj,k_proj,v_proj}.lora_A.weight")
+        .is_some());
     let base_elems: usize = weights.tensors.values().map(Tensor::elem_count).sum();
     assert_eq!(m.frozen_bytes(), base_elems * 4); // f32 store: the base kept in f32
     let (ids, targets) = batch(2, 8, 4);
@@ -488,6 +491,8 @@ fn lora_freezes_the_base_and_matches_the_composition() {
     }
     let loss = m.loss(&ids, &targets).unwrap();
     let grads = loss.backward().unwrap();
+    // the reference differentiates one variable per stack, as the model does, and reads each
+    // module's adapter as rows of it (A: r rows per module, B: the module's output rows)
     let mut adapters = HashMap::new();
     let mut vars = HashMap::new();
     for p in store.params() {
@@ -495,11 +500,21 @@ fn lora_freezes_the_base_and_matches_the_composition() {
         vars.insert(p.name.clone(), v);
     }
     for p in store.params().iter().filter(|p| p.name.contains("lora_A")) {
-        let module = p.name.trim_end_matches(".lora_A.weight").to_string();
+        let stack = p.name.trim_end_matches(".lora_A.weight").to_string();
         let a = vars[&p.name].as_tensor().clone();
-        let b = vars[&format!("{module}.lora_B.weight")].as_tensor().clone();
-        adapters.insert(module, (a, b));
+        let b = vars[&format!("{stack}.lora_B.weight")].as_tensor().clone();
+        let mut row = 0;
+        for (i, module) in lora::stacked_modules(&stack).into_iter().enumerate() {
+            let out = weights.tensors[&format!("{module}.weight")].dims()[0];
+            let pair = (
+                a.narrow(0, i * 4, 4).unwrap(),
+                b.narrow(0, row, out).unwrap(),
+            );
+            row += out;
+            adapters.insert(module, pair);
+        }
     }
+    assert_eq!(adapters.len(), 7 * 2);
     let ref_loss = composed_loss(
         &weights.config,
         &weights.tensors,
@@ -544,20 +559,26 @@ fn lora_training_saves_peft_adapters_and_merges() -> Result<()> {
     assert!(last < first * 0.9, "LoRA did not learn: {first} -> {last}");
 
     let dir = tempdir("lora");
-    lora::save_adapters(&store, &cfg, "SmolLM2-135M-Instruct", &dir)?;
+    let masters = m.adapter_masters(&store)?;
+    lora::save_adapter_tensors(masters.clone(), &cfg, "SmolLM2-135M-Instruct", &dir)?;
     let (back_cfg, tensors) = lora::load_adapters(&dir)?;
     assert_eq!(back_cfg, cfg);
-    assert_eq!(tensors.len(), store.len());
+    assert_eq!(tensors.len(), 7 * 2 * 2);
     let raw = candle_core::safetensors::load(dir.join("adapter_model.safetensors"), &Device::Cpu)?;
     assert!(raw.contains_key("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"));
+    let masters: HashMap<String, Tensor> = masters.into_iter().collect();
     for (name, t) in &tensors {
-        let master = store
-            .get(name)
-            .expect("adapter")
-            .master
-            .as_detached_tensor();
-        assert_eq!(max_abs(t, &master), 0.0, "{name}");
+        assert_eq!(max_abs(t, &masters[name]), 0.0, "{name}");
     }
+    // the per-module masters are rows of the stacks: k_proj's B follows q_proj's 64 rows
+    let stack = store
+        .get("model.layers.0.self_attn.{q_proj,k_proj,v_proj}.lora_B.weight")
+        .expect("stack")
+        .master
+        .as_detached_tensor();
+    let k_b = &masters["model.layers.0.self_attn.k_proj.lora_B.weight"];
+    let rows = k_b.dims()[0];
+    assert_eq!(max_abs(k_b, &stack.narrow(0, 64, rows)?), 0.0);
 
     // merged weights: an HF folder that candle-transformers' llama and wick both read back
     let merged = m.merged_weights(&store)?;

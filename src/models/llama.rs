@@ -128,23 +128,50 @@ struct Proj {
     parts: Vec<Tensor>,
     /// The stacked weight, made once when the parts are frozen constants.
     stacked: Option<Tensor>,
-    /// Per part, its adapter (LoRA mode, targeted modules).
+    /// Per part, its adapter (LoRA mode, targeted modules): views of `lora`'s stacks.
     adapters: Vec<Option<LoraAdapter>>,
+    /// The adapted parts' adapters stacked (`A (P r, in)`, `B (sum out_i, r)`) under their
+    /// brace-list name: one store parameter each, read by the forward as they are.
+    lora: Option<(String, LoraAdapter)>,
     scaling: f64,
     dropout: f64,
 }
 
 impl Proj {
-    fn new(parts: Vec<Tensor>, frozen: bool, adapters: Vec<Option<LoraAdapter>>) -> Result<Self> {
+    /// `adapted[i]`: whether part i has an adapter in `lora`'s stacks (in order).
+    fn new(
+        parts: Vec<Tensor>,
+        frozen: bool,
+        lora: Option<(String, LoraAdapter)>,
+        adapted: &[bool],
+    ) -> Result<Self> {
         let stacked = if frozen && parts.len() > 1 {
             Some(Tensor::cat(&parts, 0)?)
         } else {
             None
         };
+        let outs: Vec<usize> = parts
+            .iter()
+            .zip(adapted)
+            .filter(|(_, &on)| on)
+            .map(|(w, _)| w.dims()[0])
+            .collect();
+        let mut adapters = Vec::with_capacity(parts.len());
+        let mut j = 0;
+        for &on in adapted {
+            adapters.push(match (&lora, on) {
+                (Some((_, stack)), true) => {
+                    j += 1;
+                    Some(stack.part(&outs, j - 1)?)
+                }
+                _ => None,
+            });
+        }
         Ok(Self {
             parts,
             stacked,
             adapters,
+            lora,
             scaling: 1.0,
             dropout: 0.0,
         })
@@ -166,31 +193,21 @@ impl Proj {
             (None, [w]) => w.clone(),
             (None, parts) => Tensor::cat(parts, 0)?,
         };
-        if self.adapters.iter().all(Option::is_none) {
+        let Some((_, LoraAdapter { a, b })) = &self.lora else {
             return Ok(ops::linear(x, &w, None)?);
-        }
-        let adapted: Vec<&LoraAdapter> = self.adapters.iter().flatten().collect();
-        let a = Tensor::cat(&adapted.iter().map(|ad| &ad.a).collect::<Vec<_>>(), 0)?;
-        let b = Tensor::cat(&adapted.iter().map(|ad| &ad.b).collect::<Vec<_>>(), 0)?;
+        };
         let parts = self.part_ranks();
         if train && self.dropout > 0.0 {
             // PEFT's order: dropout on the adapters' input only, so the updates are separate
             // nodes: u = dropout(x) [A_1; ..]^T, then u times the block-diagonal [B_1 0; 0 B_2]
-            let b_bd = ops::lora_block_diagonal(&b, &parts)?.affine(self.scaling, 0.0)?;
+            let b_bd = ops::lora_block_diagonal(b, &parts)?.affine(self.scaling, 0.0)?;
             let xd = candle_nn::ops::dropout(x, self.dropout as f32)?;
             let y = ops::linear(x, &w, None)?;
-            return Ok((y + ops::linear(&ops::linear(&xd, &a, None)?, &b_bd, None)?)?);
+            return Ok((y + ops::linear(&ops::linear(&xd, a, None)?, &b_bd, None)?)?);
         }
         // base GEMM and every part's update in one node: no (.., out) update tensor kept, and
-        // the adapters' tensors enter as two stacks rather than a block-diagonal built per step
-        Ok(ops::lora_linear_grouped(
-            x,
-            &w,
-            &a,
-            &b,
-            &parts,
-            self.scaling,
-        )?)
+        // the adapters' tensors enter as the two stacks they are stored as
+        Ok(ops::lora_linear_grouped(x, &w, a, b, &parts, self.scaling)?)
     }
 }
 
@@ -236,8 +253,8 @@ impl Block {
         let mut out = vec![self.attn_norm.clone(), self.mlp_norm.clone()];
         for p in [&self.qkv, &self.o, &self.gate_up, &self.down] {
             out.extend(p.parts.iter().cloned());
-            for ad in p.adapters.iter().flatten() {
-                out.extend([ad.a.clone(), ad.b.clone()]);
+            if let Some((_, stack)) = &p.lora {
+                out.extend([stack.a.clone(), stack.b.clone()]);
             }
         }
         out
@@ -320,23 +337,32 @@ impl Llama {
             let mlp_norm = take(&format!("{p}.post_attention_layernorm.weight"), Role::Fp32)?;
             let mut proj = |modules: &[&str]| -> Result<Proj> {
                 let mut parts = Vec::new();
-                let mut ads = Vec::new();
+                let mut adapted = Vec::new();
+                let mut targeted = Vec::new();
                 for m in modules {
                     let module = format!("{p}.{m}");
                     let w = take(&format!("{module}.weight"), Role::Matmul)?;
-                    let ad = match &lora {
-                        Some(l) if l.targets(&module) => {
-                            let (out, inp) = w.dims2()?;
-                            let ad = LoraAdapter::new(store, &module, inp, out, l.r)?;
-                            adapters.push((module.clone(), ad.clone()));
-                            Some(ad)
-                        }
-                        _ => None,
-                    };
+                    let on = lora.as_ref().is_some_and(|l| l.targets(&module));
+                    if on {
+                        targeted.push((module, w.dims2()?));
+                    }
                     parts.push(w);
-                    ads.push(ad);
+                    adapted.push(on);
                 }
-                let mut proj = Proj::new(parts, lora.is_some(), ads)?;
+                // the targeted modules' adapters as one stack (they read the same input)
+                let stack = match (&lora, targeted.first()) {
+                    (Some(l), Some(&(_, (_, inp)))) => {
+                        let names: Vec<String> = targeted.iter().map(|t| t.0.clone()).collect();
+                        let outs: Vec<usize> = targeted.iter().map(|t| t.1 .0).collect();
+                        let name = crate::lora::stacked_name(&names);
+                        let stack = LoraAdapter::new_stacked(store, &name, inp, &outs, l.r)?;
+                        Some((name, stack))
+                    }
+                    _ => None,
+                };
+                let mut proj = Proj::new(parts, lora.is_some(), stack, &adapted)?;
+                let modules = targeted.iter().map(|t| t.0.clone());
+                adapters.extend(modules.zip(proj.adapters.iter().flatten().cloned()));
                 if let Some(l) = &lora {
                     proj.scaling = l.scaling();
                     proj.dropout = l.dropout;
@@ -650,6 +676,48 @@ impl Llama {
         out
     }
 
+    /// The adapters' fp32 masters from `store` (the store the model was built on) by wick's
+    /// per-module names, as [`Llama::adapter_tensors`] names them: views of the stacked store
+    /// parameters (`{prefix}.{q_proj,k_proj,v_proj}.lora_A.weight`, see
+    /// [`crate::lora::LoraAdapter::new_stacked`]), for
+    /// [`crate::lora::save_adapter_tensors`]. Empty in full fine-tuning.
+    ///
+    /// Errors: a stack missing from `store` or of another shape (another store than the
+    /// model's).
+    pub fn adapter_masters(&self, store: &ParamStore) -> Result<Vec<(String, Tensor)>> {
+        let mut out = Vec::new();
+        for b in &self.blocks {
+            for p in [&b.qkv, &b.o, &b.gate_up, &b.down] {
+                let Some((name, _)) = &p.lora else { continue };
+                let master = |kind: &str| -> Result<Tensor> {
+                    let n = format!("{name}.lora_{kind}.weight");
+                    Ok(store
+                        .get(&n)
+                        .with_context(|| format!("adapter_masters: {n} is not in the store"))?
+                        .master
+                        .as_detached_tensor())
+                };
+                let stack = LoraAdapter {
+                    a: master("A")?,
+                    b: master("B")?,
+                };
+                let outs: Vec<usize> = p
+                    .parts
+                    .iter()
+                    .zip(&p.adapters)
+                    .filter(|(_, ad)| ad.is_some())
+                    .map(|(w, _)| w.dims()[0])
+                    .collect();
+                for (i, module) in crate::lora::stacked_modules(name).iter().enumerate() {
+                    let ad = stack.part(&outs, i)?;
+                    out.push((format!("{module}.lora_A.weight"), ad.a));
+                    out.push((format!("{module}.lora_B.weight"), ad.b));
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// An inference copy of this LoRA model with other adapters: `tensors` by parameter name
     /// (as [`crate::lora::load_adapters`] returns them: any float dtype, any device), cast to
     /// the compute dtype on the model's device. The base is shared. The scaling stays this
@@ -715,6 +783,7 @@ impl Llama {
         for b in &self.blocks {
             let mut proj = |p: &Proj| -> Result<Proj> {
                 let mut ads = Vec::with_capacity(p.adapters.len());
+                let mut stacked: Vec<LoraAdapter> = Vec::new();
                 for ad in &p.adapters {
                     ads.push(match ad {
                         None => None,
@@ -725,14 +794,30 @@ impl Llama {
                                 b: f(Some(&format!("{module}.lora_B.weight")), &ad.b)?,
                             };
                             adapters.push((module.to_string(), new.clone()));
+                            stacked.push(new.clone());
                             Some(new)
                         }
                     });
                 }
+                // the stacks the forward reads, from the new per-module tensors
+                let lora = match &p.lora {
+                    Some((name, _)) => {
+                        let cat = |f: fn(&LoraAdapter) -> &Tensor| {
+                            Tensor::cat(&stacked.iter().map(f).collect::<Vec<_>>(), 0)
+                        };
+                        let stack = LoraAdapter {
+                            a: cat(|ad| &ad.a)?,
+                            b: cat(|ad| &ad.b)?,
+                        };
+                        Some((name.clone(), stack))
+                    }
+                    None => None,
+                };
                 Ok(Proj {
                     parts: p.parts.iter().map(&base).collect::<Result<_>>()?,
                     stacked: p.stacked.clone(),
                     adapters: ads,
+                    lora,
                     scaling: p.scaling,
                     dropout: p.dropout,
                 })
