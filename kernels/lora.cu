@@ -1,8 +1,9 @@
 // The merged LoRA weight of a stack of parts (Hu et al. 2021, arXiv:2106.09685; PEFT's `merge`):
 // out = W + s B_bd A, with W (N, K), A (R, K) the stacked down projections, B (N_adapted, r) the
 // stacked up projections, and B_bd the block-diagonal (N, R) that puts part j's rows of B at its
-// output rows [row_j, row_j + rows_j) and rank columns [q_j, q_j + r). One thread per element:
-// r products in f32 (A and B are small and stay in cache), one rounding to T. Launcher:
+// output rows [row_j, row_j + rows_j) and rank columns [q_j, q_j + r). Blocks over rows
+// (blockIdx.y: one part and one row of B per block) and threads over columns; r products per
+// element in f32 (A and B are small and stay in cache), one rounding to T. Launcher:
 // src/ops/lora_cuda.rs.
 //
 // Entry points (TN = dtype of every operand):
@@ -27,21 +28,27 @@ __device__ __forceinline__ void lora_merge(const T* __restrict__ w, const T* __r
                                            const T* __restrict__ b, T* __restrict__ out, long n,
                                            long k, int r, float scale, const LoraParts& p,
                                            int copy_rest) {
-    const long total = n * k;
-    const long step = (long)gridDim.x * blockDim.x;
-    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += step) {
-        const long row = i / k, col = i - row * k;
+    // blockIdx.y walks the rows (the part and B's row are the same for the whole block),
+    // the threads of blockIdx.x the columns
+    const long col0 = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long cstep = (long)gridDim.x * blockDim.x;
+    for (long row = blockIdx.y; row < n; row += gridDim.y) {
         int j = 0;
         while (j < p.count && (row < p.row[j] || row >= p.row[j] + p.rows[j])) j++;
+        const T* wr = w + row * k;
+        T* orow = out + row * k;
         if (j == p.count) {
-            if (copy_rest) out[i] = w[i];
+            if (copy_rest)
+                for (long c = col0; c < k; c += cstep) orow[c] = wr[c];
             continue;
         }
         const T* bj = b + (long)(p.b_row[j] + (row - p.row[j])) * r;
-        const T* aj = a + (long)p.q[j] * k + col;
-        float d = 0.f;
-        for (int t = 0; t < r; t++) d += to_f32(bj[t]) * to_f32(aj[(long)t * k]);
-        out[i] = from_f32<T>(to_f32(w[i]) + scale * d);
+        const T* aj = a + (long)p.q[j] * k;
+        for (long c = col0; c < k; c += cstep) {
+            float d = 0.f;
+            for (int t = 0; t < r; t++) d += to_f32(bj[t]) * to_f32(aj[(long)t * k + c]);
+            orow[c] = from_f32<T>(to_f32(wr[c]) + scale * d);
+        }
     }
 }
 

@@ -10,10 +10,11 @@
 //! frozen and held outside the [`ParamStore`] (a constant in the compute dtype: no fp32 master,
 //! no moments, no gradient); `A` and `B` are store parameters with fp32 masters.
 //!
-//! Parameter names are PEFT's module names plus `.lora_A.weight` / `.lora_B.weight`
-//! (`model.layers.0.self_attn.q_proj.lora_A.weight`); [`save_adapters`] writes them with PEFT's
-//! `base_model.model.` prefix and an `adapter_config.json`, the layout
-//! `PeftModel.from_pretrained` reads.
+//! Tensor names are PEFT's module names plus `.lora_A.weight` / `.lora_B.weight`
+//! (`model.layers.0.self_attn.q_proj.lora_A.weight`). Modules that read the same input may
+//! share one stacked store parameter ([`LoraAdapter::new_stacked`], named by their brace list);
+//! [`save_adapter_tensors`] writes per-module tensors with PEFT's `base_model.model.` prefix and
+//! an `adapter_config.json`, the layout `PeftModel.from_pretrained` reads.
 
 use crate::params::{ParamStore, Role};
 use anyhow::{bail, Context, Result};

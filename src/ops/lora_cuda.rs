@@ -26,7 +26,7 @@
 
 use super::lora_linear::Block;
 use crate::cuda::gemm::{gemm, gemm_batched, Batch, Operand as Op};
-use crate::cuda::launch::{alloc, dtype_name, grid_stride_cfg, in_ptr, out_ptr};
+use crate::cuda::launch::{alloc, dtype_name, in_ptr, out_ptr};
 use candle_core::backend::BackendStorage;
 use candle_core::{
     bail, CpuStorage, CudaDevice, CudaStorage, CustomOp1, DType, Layout, Result, Shape, Storage,
@@ -112,6 +112,17 @@ struct Parts {
 // SAFETY: `#[repr(C)]` plain data laid out as the kernel's `LoraParts` (ints only).
 unsafe impl candle_core::cuda::cudarc::driver::DeviceRepr for Parts {}
 
+/// `kernels/lora.cu`'s launch shape: 256 threads over the columns, one block row per
+/// output row (up to the grid's limit; the kernel strides over the rest).
+fn merge_cfg(n: usize, k: usize) -> candle_core::cuda::cudarc::driver::LaunchConfig {
+    const THREADS: usize = 256;
+    candle_core::cuda::cudarc::driver::LaunchConfig {
+        grid_dim: (k.div_ceil(THREADS).max(1) as u32, n.clamp(1, 65_535) as u32, 1),
+        block_dim: (THREADS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 /// The merged weight `W' = W + s B_bd A`, `(N, K)` (`kernels/lora.cu`: r products per element
 /// in f32, one rounding to the compute dtype), one launch per [`MAX_PARTS`] blocks.
 fn merge(
@@ -155,7 +166,7 @@ fn merge(
             .arg(&copy_rest);
         // SAFETY: W and the output hold N K elements, A R K and B N_adapted r, all of the kernel's
         // dtype; every block lies inside them (the public function checked the parts).
-        unsafe { lb.launch(grid_stride_cfg(d.n * d.k)) }.w()?;
+        unsafe { lb.launch(merge_cfg(d.n, d.k)) }.w()?;
     }
     drop((_gw, _ga, _gb, _gm));
     Ok(merged)
