@@ -360,6 +360,10 @@ impl Engine {
         let grads = scaled
             .backward()
             .map_err(|e| anyhow::Error::from(e).context("backward failed"))?;
+        // from here on nothing holds the forward graph: its activations are freed before the
+        // optimizer runs (and allocates its moments on the first step), as PyTorch frees saved
+        // tensors during the backward
+        let (loss, scaled) = (loss.detach(), scaled.detach());
         let m2 = Mark::now(&device)?;
 
         // accumulate; every `accumulation_steps` micro-batches (or when asked): the boundary

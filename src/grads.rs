@@ -155,7 +155,8 @@ impl GradBuffers {
     /// Records this micro-batch's scaled loss (a scalar f32 tensor): a window in which one is
     /// inf or NaN is skipped whatever its gradients. No device read.
     pub fn note_scaled_loss(&mut self, scaled_loss: &Tensor) -> Result<()> {
-        let z = scaled_loss.affine(0.0, 0.0)?.reshape(1)?;
+        // detached, so the probe does not keep the forward graph alive across the window
+        let z = scaled_loss.detach().affine(0.0, 0.0)?.reshape(1)?;
         self.loss_probe = Some(match self.loss_probe.take() {
             Some(p) => (p + z)?,
             None => z,
@@ -206,7 +207,9 @@ impl GradBuffers {
                 if p.options.frozen {
                     None
                 } else {
-                    grads.get(p.differentiated()).cloned()
+                    // detached: a gradient's op history reaches back into the forward graph
+                    // (dW = dy^T x holds x), which must not outlive the backward
+                    grads.get(p.differentiated()).map(Tensor::detach)
                 }
             })
             .collect();
