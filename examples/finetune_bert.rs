@@ -20,7 +20,8 @@
 //! order) and the hyper-parameters as JSON, for scripts/torch_bert_genre.py, the PyTorch
 //! reference that trains on exactly the same batches. `--save DIR` writes the fine-tuned
 //! encoder as transformers' safetensors (+ config.json, tokenizer.json) and the head as
-//! DIR/head.safetensors.
+//! DIR/head.safetensors. `--checkpointing` turns on per-layer activation checkpointing
+//! ([`Bert::set_checkpointing`]): less memory, one more forward of each layer per step.
 
 use anyhow::{Context, Result};
 use candle_core::{Device, Module, Tensor, D};
@@ -106,6 +107,10 @@ struct Args {
     /// Skip the bag-of-bytes baseline.
     #[arg(long)]
     skip_baselines: bool,
+    /// Per-layer activation checkpointing: keep only each encoder layer's input and recompute
+    /// the layer in the backward (less memory, one more forward per layer; same results).
+    #[arg(long)]
+    checkpointing: bool,
 }
 
 /// A seeded sample of at most `n` lines, in their original order.
@@ -385,7 +390,8 @@ fn main() -> Result<()> {
         config.max_position_embeddings
     );
     let store = ParamStore::new(args.precision, dev.clone(), args.seed);
-    let bert = Bert::new(&store, config.clone())?;
+    let mut bert = Bert::new(&store, config.clone())?;
+    bert.set_checkpointing(args.checkpointing);
     let head = ClassifierHead::new(&store, "head", config.hidden_size, data.classes.len())?;
     let report = bert_io::load_pretrained(&store, &args.model_dir.join("model.safetensors"))?;
     println!(
@@ -456,8 +462,8 @@ fn main() -> Result<()> {
     };
     let mut engine = Engine::new(store.clone(), ec)?;
     println!(
-        "training: {} steps of {} lines, {} on {:?}, lr {} (head {}), warmup {warmup}, clip {}",
-        total, args.batch_size, args.precision, dev, args.lr, args.head_lr, args.clip
+        "training: {} steps of {} lines, {} on {:?}, lr {} (head {}), warmup {warmup}, clip {}, checkpointing {}",
+        total, args.batch_size, args.precision, dev, args.lr, args.head_lr, args.clip, args.checkpointing
     );
     wick::cuda::reset_peak_memory(&dev)?;
     let (mut timed_examples, mut t_start, mut recent) = (0usize, None, Vec::new());
@@ -522,7 +528,7 @@ fn main() -> Result<()> {
             "train_wall_s": train_s, "test_examples_per_s": test_rate, "peak_memory_gb": peak,
             "accuracy": after.accuracy, "macro_f1": after.macro_f1,
             "val_accuracy": val.as_ref().map(|v| v.accuracy), "val_macro_f1": val.as_ref().map(|v| v.macro_f1),
-            "lr": args.lr, "head_lr": args.head_lr, "epochs": args.epochs,
+            "lr": args.lr, "head_lr": args.head_lr, "epochs": args.epochs, "checkpointing": args.checkpointing,
             "majority_accuracy": majority_report.accuracy, "majority_macro_f1": majority_report.macro_f1,
         })
     );

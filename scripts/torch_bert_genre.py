@@ -5,7 +5,7 @@ genre of Shakespeare play a line comes from, on exactly the batches wick trained
 Usage:
     python3 scripts/torch_bert_genre.py --model data/minilm --batches batches.json \
         [--mode eager|compile|both] [--device cuda] [--warmup-steps 20] \
-        [--compile-shapes dynamic|static] [--losses-out losses.json]
+        [--compile-shapes dynamic|static] [--losses-out losses.json] [--checkpointing]
 
 The batches file is the one the wick example writes: "classes", "pad_id", "config" (batch_size,
 lr, head_lr, weight_decay, warmup, total_steps, clip, beta1, beta2, eps, precision) and the lists
@@ -38,6 +38,17 @@ dynamic (the default) marks the batch and sequence dimensions dynamic, so one gr
 one for evaluation serve every padded length; static (dynamic=False) compiles one graph per shape.
 compile_s depends on whether inductor's on-disk cache is warm (a second run compiles much faster).
 Peak memory is torch.cuda.max_memory_allocated over the whole mode (train + test), in GiB.
+
+--checkpointing turns on transformers' per-layer activation checkpointing
+(model.encoder.gradient_checkpointing_enable), the configuration of the wick example's
+--checkpointing: each BertLayer keeps only its input and is recomputed in the backward. It uses
+torch.utils.checkpoint with use_reentrant=False, PyTorch's recommended variant: dynamo traces it
+(no graph break per layer under torch.compile), it does not need the layer's input to require
+grad, and it recomputes a layer when the backward first needs one of its saved tensors. Either
+variant keeps each layer's input; wick's wick::recompute follows the reentrant one (the whole
+layer is re-run, then backpropagated). Checkpointing acts in training only (transformers checks
+module.training), so evaluation is unchanged, and the losses equal those without it up to the
+GPU kernels' own run-to-run differences (no dropout: the recomputation is the same forward).
 
 Macro-F1 is the mean over all n_classes of per-class F1 = 2TP / (2TP + FP + FN); a class that has
 neither predictions nor labels in the test set gets F1 = 0 (sklearn's zero_division=0) and still
@@ -153,6 +164,9 @@ def run_mode(mode, args, data, device):
         torch.cuda.reset_peak_memory_stats(device)
     torch.manual_seed(0)  # nothing is random (zero head, no dropout); set for good measure
     model = GenreClassifier(args.model, n_classes).to(device)
+    if args.checkpointing:
+        model.encoder.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     attn = model.encoder.config._attn_implementation
     opt, sched = make_optimizer(model, cfg, device)
@@ -238,6 +252,7 @@ def run_mode(mode, args, data, device):
     tail = losses[-50:]
     result = {
         "mode": mode, "attn_implementation": attn, "precision": "bf16-mixed" if bf16 else "fp32",
+        "checkpointing": args.checkpointing,
         "compile_shapes": args.compile_shapes if mode == "compile" else None,
         "distinct_shapes": n_shapes, "graphs_compiled": graphs_compiled,
         "graphs_compiled_in_timed_loops": graphs_in_timed, "train_steps": len(train),
@@ -266,6 +281,9 @@ def main():
     ap.add_argument("--warmup-steps", type=int, default=20)
     ap.add_argument("--compile-shapes", choices=["dynamic", "static"], default="dynamic")
     ap.add_argument("--losses-out", help="write every mode's per-step train losses here (JSON)")
+    ap.add_argument("--checkpointing", action="store_true",
+                    help="per-layer activation checkpointing (gradient_checkpointing_enable, "
+                         "use_reentrant=False)")
     args = ap.parse_args()
     transformers.logging.set_verbosity_error()  # the unused pooler weights are expected
     transformers.logging.disable_progress_bar()

@@ -85,6 +85,11 @@ impl Linear {
         &self.weight
     }
 
+    /// The bias tensor that autograd differentiates, `(out,)`, if the layer has one.
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
+    }
+
     /// A layer over given tensors (e.g. an inference copy of a trained layer's, from
     /// [`crate::serve::copy_params`]): `weight (out, in)` and `bias (out,)`, in the compute
     /// dtype of `precision`, on one device.
@@ -303,6 +308,16 @@ impl LayerNorm {
             Role::Fp32,
         )?;
         Ok(Self { weight, bias, eps })
+    }
+
+    /// The gain `(dim,)` f32 (an fp32 master), the tensor autograd differentiates.
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    /// The bias `(dim,)` f32 (an fp32 master), the tensor autograd differentiates.
+    pub fn bias(&self) -> &Tensor {
+        &self.bias
     }
 }
 

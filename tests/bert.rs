@@ -508,9 +508,21 @@ fn train_tiny(
     path: wick::optim::OptimPath,
     steps: usize,
 ) -> Result<Vec<(String, Tensor)>> {
+    train_tiny_with(dev, precision, path, steps, false)
+}
+
+/// [`train_tiny`] with per-layer activation checkpointing on or off.
+fn train_tiny_with(
+    dev: &Device,
+    precision: Precision,
+    path: wick::optim::OptimPath,
+    steps: usize,
+    checkpointing: bool,
+) -> Result<Vec<(String, Tensor)>> {
     let config = BertConfig::tiny();
     let store = ParamStore::new(precision, dev.clone(), 3);
-    let bert = Bert::new(&store, config.clone())?;
+    let mut bert = Bert::new(&store, config.clone())?;
+    bert.set_checkpointing(checkpointing);
     let head = ClassifierHead::new(&store, "head", config.hidden_size, 4)?;
     store.set_lr_scale("head.*", 10.0)?;
     store.set_weight_decay("*LayerNorm*", false)?;
@@ -620,5 +632,95 @@ fn a_bert_for_classification_checkpoint_loads_through_its_prefix() -> Result<()>
         .flatten_all()?
         .to_vec1::<f32>()?;
     assert_eq!(got, want);
+    Ok(())
+}
+
+/// The loss and every parameter's gradient (by name, f32) of a tiny BERT + head on a fixed
+/// batch, with or without per-layer activation checkpointing.
+fn loss_and_grads(
+    precision: Precision,
+    checkpointing: bool,
+) -> Result<(f32, Vec<(String, Tensor)>)> {
+    let config = BertConfig::tiny();
+    let store = ParamStore::new(precision, Device::Cpu, 21);
+    let mut bert = Bert::new(&store, config.clone())?;
+    bert.set_checkpointing(checkpointing);
+    assert_eq!(bert.checkpointing(), checkpointing);
+    let head = ClassifierHead::new(&store, "head", config.hidden_size, 4)?;
+    // a non-zero head, so that the encoder's gradients are not all zero
+    let hw = store.get("head.weight").unwrap();
+    let pattern = Tensor::arange(0f32, (4 * 32) as f32, &Device::Cpu)?
+        .affine(0.61, 0.0)?
+        .sin()?
+        .reshape((4, 32))?;
+    hw.master.set(&pattern)?;
+    store.refresh_working_copies()?;
+    let rows: Vec<Vec<u32>> = vec![
+        (1..12).collect(),
+        (20..25).collect(),
+        vec![3, 4],
+        (30..46).collect(),
+    ];
+    let batch = PaddedBatch::new(&rows, 0, 8, &Device::Cpu)?;
+    let h = bert.forward(&batch)?;
+    let logits = head.forward(&mean_pool(&h, &batch.lengths)?)?;
+    let loss = wick::models::bert::classification_loss(&logits, &[0, 1, 2, 3])?;
+    let grads = loss.backward()?;
+    let mut out = Vec::new();
+    for p in store.params() {
+        let g = grads.get(p.differentiated()).unwrap_or_else(|| {
+            panic!(
+                "{}: no gradient (checkpointing {checkpointing}, {precision})",
+                p.name
+            )
+        });
+        out.push((p.name.clone(), g.to_dtype(DType::F32)?));
+    }
+    Ok((loss.to_scalar::<f32>()?, out))
+}
+
+#[test]
+fn checkpointing_gives_the_same_loss_and_every_gradient() -> Result<()> {
+    for (precision, bound) in [(Precision::Fp32, 1e-6f32), (Precision::Bf16Mixed, 1e-6)] {
+        let (l0, g0) = loss_and_grads(precision, false)?;
+        let (l1, g1) = loss_and_grads(precision, true)?;
+        assert!(
+            (l0 - l1).abs() <= bound * l0.abs(),
+            "{precision}: loss {l0} without checkpointing, {l1} with"
+        );
+        // 16 per layer, 5 for the embeddings, 2 for the head
+        assert_eq!(g0.len(), 5 + 16 * 2 + 2);
+        assert_eq!(g1.len(), g0.len());
+        let mut worst = 0f32;
+        for ((n, a), (_, b)) in g1.iter().zip(&g0) {
+            let scale = max_abs(b, &b.zeros_like()?)?;
+            assert!(
+                scale > 0.0 || n.ends_with("key.bias"),
+                "{precision}: {n}: zero gradient"
+            );
+            let e = max_abs(a, b)? / scale.max(1e-6);
+            worst = worst.max(e);
+            assert!(e <= bound, "{precision}: {n}: relative error {e}");
+        }
+        println!("{precision}: loss {l0}, worst relative gradient error {worst:e}");
+    }
+    Ok(())
+}
+
+#[test]
+fn engine_steps_with_checkpointing_match_those_without() -> Result<()> {
+    use wick::optim::OptimPath;
+    for (precision, bound) in [(Precision::Fp32, 1e-5f32), (Precision::Bf16Mixed, 1e-5)] {
+        let init = train_tiny_with(&Device::Cpu, precision, OptimPath::Fused, 0, false)?;
+        let plain = train_tiny_with(&Device::Cpu, precision, OptimPath::Fused, 4, false)?;
+        let ckpt = train_tiny_with(&Device::Cpu, precision, OptimPath::Fused, 4, true)?;
+        compare_masters(
+            &ckpt,
+            &plain,
+            &init,
+            bound,
+            &format!("{precision}: checkpointing vs not"),
+        )?;
+    }
     Ok(())
 }

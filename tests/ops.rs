@@ -2254,3 +2254,48 @@ fn nn_linear_is_one_graph_node() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn linear_split_heads_equals_linear_then_split_heads_with_every_gradient() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    for (dtype, x_dtype) in [(DType::F32, DType::F32), (DType::BF16, DType::F32)] {
+        let (b, t, k, h, dh) = (2, 5, 12, 3, 4);
+        let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (b, t, k), &dev)?.to_dtype(x_dtype)?)?;
+        let w =
+            Var::from_tensor(&Tensor::randn(0f32, 1.0, (3 * h * dh, k), &dev)?.to_dtype(dtype)?)?;
+        let bias = Var::new(&[0.1f32; 36], &dev)?;
+        let r = Tensor::randn(0f32, 1.0, (3, b, h, t, dh), &dev)?.to_dtype(dtype)?;
+        let fused = ops::linear_split_heads(x.as_tensor(), w.as_tensor(), bias.as_tensor(), h)?;
+        let composed = ops::split_heads(
+            &ops::linear(x.as_tensor(), w.as_tensor(), Some(bias.as_tensor()))?,
+            h,
+        )?;
+        assert_eq!(fused.dims(), &[3, b, h, t, dh]);
+        let diff = |a: &Tensor, c: &Tensor| -> anyhow::Result<f32> {
+            Ok((a.to_dtype(DType::F32)? - c.to_dtype(DType::F32)?)?
+                .abs()?
+                .flatten_all()?
+                .max(0)?
+                .to_scalar::<f32>()?)
+        };
+        assert_eq!(diff(&fused, &composed)?, 0.0, "{dtype:?} forward");
+        let g1 = (fused * &r)?.sum_all()?.backward()?;
+        let g2 = (composed * &r)?.sum_all()?.backward()?;
+        for (name, v) in [
+            ("x", x.as_tensor()),
+            ("w", w.as_tensor()),
+            ("b", bias.as_tensor()),
+        ] {
+            let (a, c) = (g1.get(v).expect("gradient"), g2.get(v).expect("gradient"));
+            assert_eq!(diff(a, c)?, 0.0, "{dtype:?} d{name}");
+        }
+    }
+    let x = Tensor::zeros((2, 5, 12), DType::F32, &dev)?;
+    let w = Tensor::zeros((36, 12), DType::F32, &dev)?;
+    let bias = Tensor::zeros(36, DType::F32, &dev)?;
+    assert!(ops::linear_split_heads(&x, &w, &bias, 5).is_err());
+    assert!(ops::linear_split_heads(&x.flatten_to(1)?, &w, &bias, 3).is_err());
+    assert!(ops::linear_split_heads(&x, &w.narrow(1, 0, 6)?, &bias, 3).is_err());
+    assert!(ops::linear_split_heads(&x, &w, &bias.narrow(0, 0, 30)?, 3).is_err());
+    Ok(())
+}

@@ -25,9 +25,10 @@ use crate::ops;
 use crate::params::{ParamStore, Role};
 use crate::precision::to_f32;
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Module, Tensor, D};
+use candle_core::{Module, Tensor, D};
 use candle_nn::Init;
 use std::path::Path;
+use std::sync::Arc;
 
 /// The fields of a BERT `config.json` that the encoder uses (transformers' `BertConfig`
 /// names); unknown fields are ignored.
@@ -181,6 +182,8 @@ impl PaddedBatch {
 }
 
 struct Layer {
+    /// attention heads
+    heads: usize,
     /// query, key, value weights `(C, C)` and biases `(C,)`: three parameters each (the
     /// checkpoint's names), concatenated in the forward into one `(3C, C)` GEMM
     qkv_weights: Vec<Tensor>,
@@ -205,7 +208,9 @@ pub struct Bert {
     position: Tensor,
     token_type: Tensor,
     embed_norm: LayerNorm,
-    layers: Vec<Layer>,
+    /// shared with the checkpointed segments' closures ([`Bert::set_checkpointing`])
+    layers: Vec<Arc<Layer>>,
+    checkpointing: bool,
 }
 
 /// A parameter drawn from BERT's initialisation, `N(0, 0.02)`.
@@ -254,7 +259,8 @@ impl Bert {
                 qkv_weights.push(normal(store, &name, (c, c), Role::Matmul)?);
                 qkv_biases.push(bias(store, format!("{p}.attention.self.{n}.bias"), c)?);
             }
-            layers.push(Layer {
+            layers.push(Arc::new(Layer {
+                heads: config.num_attention_heads,
                 qkv_weights,
                 qkv_biases,
                 attn_out: lin("attention.output.dense", c, c)?,
@@ -267,7 +273,7 @@ impl Bert {
                 ffn_in: lin("intermediate.dense", c, config.intermediate_size)?,
                 ffn_out: lin("output.dense", config.intermediate_size, c)?,
                 ffn_norm: LayerNorm::new(store, &format!("{p}.output.LayerNorm"), c, eps)?,
-            });
+            }));
         }
         Ok(Self {
             config,
@@ -276,6 +282,7 @@ impl Bert {
             token_type,
             embed_norm,
             layers,
+            checkpointing: false,
         })
     }
 
@@ -284,54 +291,109 @@ impl Bert {
         &self.config
     }
 
+    /// Per-layer activation checkpointing (Chen et al. 2016, "Training Deep Nets with Sublinear
+    /// Memory Cost", arXiv:1604.06174; [`crate::recompute`]). Off by default.
+    ///
+    /// On, the forward keeps only each encoder layer's input `(B, T, C)` f32 (and its output,
+    /// the next layer's input) for the backward, instead of all the layer's intermediates: the
+    /// fused qkv projection and its head split, the attention scores and probabilities
+    /// `(B, H, T, T)`, the attention output, both LayerNorms' inputs and outputs and the
+    /// feed-forward activations `(B, T, intermediate_size)`. The backward runs each layer's
+    /// forward again, recording a graph, and backpropagates through it, so at most one layer's
+    /// intermediates are alive at a time. Cost: one more forward of every encoder layer per
+    /// step (about a third more matmul work). The results are the same: the recomputation runs
+    /// the same ops on the same inputs (the encoder has no dropout), and every parameter gets
+    /// the same gradient as without checkpointing. The embeddings are not checkpointed.
+    pub fn set_checkpointing(&mut self, on: bool) {
+        self.checkpointing = on;
+    }
+
+    /// Whether per-layer activation checkpointing is on ([`Self::set_checkpointing`]).
+    pub fn checkpointing(&self) -> bool {
+        self.checkpointing
+    }
+
     /// The last hidden states `(B, T, C)` f32 of `batch` (transformers' `last_hidden_state`).
     /// Rows at padded positions are computed but meaningless (their keys are masked for every
     /// query; pool with [`mean_pool`]).
     ///
     /// Errors: `T` above `max_position_embeddings`, ids not u32, lengths outside `1..=T`.
     pub fn forward(&self, batch: &PaddedBatch) -> Result<Tensor> {
-        let (b, t) = batch.ids.dims2()?;
+        let (_, t) = batch.ids.dims2()?;
         if t > self.config.max_position_embeddings {
             bail!(
                 "Bert::forward: {t} positions, the model has {}; truncate the inputs",
                 self.config.max_position_embeddings
             );
         }
-        let dev = batch.ids.device();
-        let positions = Tensor::arange(0u32, t as u32, dev)?
-            .unsqueeze(0)?
-            .repeat((b, 1))?;
-        let types = Tensor::zeros((b, t), DType::U32, dev)?;
-        let mut x = ops::embedding(&batch.ids, &self.word)?;
-        x = ops::residual_add(&x, &ops::embedding(&positions, &self.position)?)?;
-        x = ops::residual_add(&x, &ops::embedding(&types, &self.token_type)?)?;
+        // positions 0..T and token type 0 are the same for every row: one (T, C) table
+        // broadcast over the batch, so the graph keeps no (B, T, C) position and type lookups
+        let pos_type = self
+            .position
+            .narrow(0, 0, t)?
+            .broadcast_add(&self.token_type.narrow(0, 0, 1)?)?;
+        let mut x = ops::embedding(&batch.ids, &self.word)?.broadcast_add(&pos_type)?;
         x = self.embed_norm.forward(&x)?;
         for layer in &self.layers {
-            x = self.layer(layer, &x, &batch.lengths)?;
+            x = if self.checkpointing {
+                let (l, lengths) = (layer.clone(), batch.lengths.clone());
+                let segment: crate::recompute::SegmentFn = Arc::new(move |x: &Tensor| {
+                    l.forward(x, &lengths)
+                        .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
+                });
+                crate::recompute::checkpoint(&x, &layer.tensors(), segment)?
+            } else {
+                layer.forward(&x, &batch.lengths)?
+            };
         }
         Ok(x)
     }
+}
 
-    fn layer(&self, l: &Layer, x: &Tensor, lengths: &[usize]) -> Result<Tensor> {
-        let heads = self.config.num_attention_heads;
-        let dh = self.config.hidden_size / heads;
-        let (w, b) = (
-            Tensor::cat(&l.qkv_weights, 0)?,
-            Tensor::cat(&l.qkv_biases, 0)?,
-        );
-        let qkv = ops::linear(x, &w, Some(&b))?; // (B, T, 3C)
-        let qkv = ops::split_heads(&qkv, heads)?; // (3, B, H, T, Dh)
-        let q = qkv.get(0)?.affine(1.0 / (dh as f64).sqrt(), 0.0)?;
-        let (k, v) = (qkv.get(1)?, qkv.get(2)?);
+impl Layer {
+    /// Every tensor the layer's forward reads (for [`crate::recompute::checkpoint`]: one left
+    /// out would get no gradient under checkpointing).
+    fn tensors(&self) -> Vec<Tensor> {
+        let mut out = self.qkv_weights.clone();
+        out.extend(self.qkv_biases.iter().cloned());
+        for lin in [&self.attn_out, &self.ffn_in, &self.ffn_out] {
+            out.push(lin.weight().clone());
+            out.extend(lin.bias().cloned());
+        }
+        for norm in [&self.attn_norm, &self.ffn_norm] {
+            out.extend([norm.weight().clone(), norm.bias().clone()]);
+        }
+        out
+    }
+
+    /// `x: (B, T, C)` f32 → `(B, T, C)` f32, contiguous.
+    fn forward(&self, x: &Tensor, lengths: &[usize]) -> Result<Tensor> {
+        let heads = self.heads;
+        let dh = x.dim(D::Minus1)? / heads;
+        // 1/sqrt(Dh) folded into the query weight and bias: q comes out of the projection
+        // scaled, with no scaled (B, H, T, Dh) copy kept for the backward
+        let scale = 1.0 / (dh as f64).sqrt();
+        let [wq, wk, wv] = &self.qkv_weights[..] else {
+            bail!("BERT layer: expected query, key and value weights (internal error)")
+        };
+        let [bq, bk, bv] = &self.qkv_biases[..] else {
+            bail!("BERT layer: expected query, key and value biases (internal error)")
+        };
+        let w = Tensor::cat(&[&wq.affine(scale, 0.0)?, wk, wv], 0)?;
+        let b = Tensor::cat(&[&bq.affine(scale, 0.0)?, bk, bv], 0)?;
+        // the projection straight into heads: its (B, T, 3C) output is not kept either
+        let qkv = ops::linear_split_heads(x, &w, &b, heads)?; // (3, B, H, T, Dh)
+        let (q, k, v) = (qkv.get(0)?, qkv.get(1)?, qkv.get(2)?);
         let scores = q.matmul(&k.t()?)?; // (B, H, T, T)
         let probs = ops::key_padding_softmax_last_dim(&scores, lengths)?;
         let y = ops::merge_heads(&probs.matmul(&v)?)?; // (B, T, C)
-        let a = l
+        let a = self
             .attn_norm
-            .forward(&ops::residual_add(x, &l.attn_out.forward(&y)?)?)?;
-        let h = ops::gelu_erf(&l.ffn_in.forward(&a)?)?;
-        Ok(l.ffn_norm
-            .forward(&ops::residual_add(&a, &l.ffn_out.forward(&h)?)?)?)
+            .forward(&ops::residual_add(x, &self.attn_out.forward(&y)?)?)?;
+        let h = ops::gelu_erf(&self.ffn_in.forward(&a)?)?;
+        Ok(self
+            .ffn_norm
+            .forward(&ops::residual_add(&a, &self.ffn_out.forward(&h)?)?)?)
     }
 }
 

@@ -170,7 +170,7 @@ fn cast_bias<'a, S: BackendStorage>(
 
 /// The forward on either backend: the cast GEMM, then (with a bias) `add_bias` of the bias in
 /// w's dtype. `add_bias` is bias_add's CPU or CUDA kernel.
-fn forward<S: BackendStorage>(
+pub(super) fn forward<S: BackendStorage>(
     x: (&S, &Layout),
     w: (&S, &Layout),
     b: Option<(&S, &Layout)>,
@@ -272,7 +272,7 @@ impl CustomOp3 for Linear {
 /// that autograd does not track (a frozen base weight held as a constant, the ids-derived
 /// input of a first layer) gets no gradient and costs no GEMM: a LoRA step skips `dW` of every
 /// frozen base linear, as PyTorch does for `requires_grad=False`.
-fn grads(
+pub(super) fn grads(
     x: &Tensor,
     w: &Tensor,
     b: Option<&Tensor>,
