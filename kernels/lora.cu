@@ -46,6 +46,9 @@ __device__ __forceinline__ void lora_merge(const T* __restrict__ w, const T* __r
         const T* aj = a + (long)p.q[j] * k;
         for (long c = col0; c < k; c += cstep) {
             float d = 0.f;
+            // unrolled so that eight independent loads of A are in flight at once: one thread's
+            // products are otherwise a chain of cache latencies (the kernel is latency-bound)
+#pragma unroll 8
             for (int t = 0; t < r; t++) d += to_f32(bj[t]) * to_f32(aj[(long)t * k + c]);
             orow[c] = from_f32<T>(to_f32(wr[c]) + scale * d);
         }
