@@ -107,6 +107,11 @@ struct Args {
     /// Skip the bag-of-bytes baseline.
     #[arg(long)]
     skip_baselines: bool,
+    /// Keep BERT's random initialisation instead of loading model.safetensors (config.json and
+    /// tokenizer.json are still read): for timing and memory, which do not depend on the
+    /// weights' values; the accuracy is then meaningless.
+    #[arg(long)]
+    random_init: bool,
     /// Per-layer activation checkpointing: keep only each encoder layer's input and recompute
     /// the layer in the backward (less memory, one more forward per layer; same results).
     #[arg(long)]
@@ -393,14 +398,21 @@ fn main() -> Result<()> {
     let mut bert = Bert::new(&store, config.clone())?;
     bert.set_checkpointing(args.checkpointing);
     let head = ClassifierHead::new(&store, "head", config.hidden_size, data.classes.len())?;
-    let report = bert_io::load_pretrained(&store, &args.model_dir.join("model.safetensors"))?;
-    println!(
-        "loaded {} encoder tensors ({} parameters); ignored {:?}; unexpected {:?}",
-        report.loaded,
-        store.num_elements(),
-        report.ignored,
-        report.unexpected
-    );
+    if args.random_init {
+        println!(
+            "random initialisation ({} parameters): --random-init, the weights are not loaded",
+            store.num_elements()
+        );
+    } else {
+        let report = bert_io::load_pretrained(&store, &args.model_dir.join("model.safetensors"))?;
+        println!(
+            "loaded {} encoder tensors ({} parameters); ignored {:?}; unexpected {:?}",
+            report.loaded,
+            store.num_elements(),
+            report.ignored,
+            report.unexpected
+        );
+    }
     store.set_lr_scale("head.*", args.head_lr / args.lr)?;
     store.set_weight_decay("*.bias", false)?;
     store.set_weight_decay("*LayerNorm*", false)?;
@@ -528,7 +540,7 @@ fn main() -> Result<()> {
             "train_wall_s": train_s, "test_examples_per_s": test_rate, "peak_memory_gb": peak,
             "accuracy": after.accuracy, "macro_f1": after.macro_f1,
             "val_accuracy": val.as_ref().map(|v| v.accuracy), "val_macro_f1": val.as_ref().map(|v| v.macro_f1),
-            "lr": args.lr, "head_lr": args.head_lr, "epochs": args.epochs, "checkpointing": args.checkpointing,
+            "lr": args.lr, "head_lr": args.head_lr, "epochs": args.epochs, "random_init": args.random_init, "checkpointing": args.checkpointing,
             "majority_accuracy": majority_report.accuracy, "majority_macro_f1": majority_report.macro_f1,
         })
     );

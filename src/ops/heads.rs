@@ -87,8 +87,8 @@ pub fn linear_split_heads(x: &Tensor, w: &Tensor, b: &Tensor, n_head: usize) -> 
     if x.elem_count() == 0 || w.elem_count() == 0 {
         return split_heads(&super::linear(x, w, Some(b))?, n_head);
     }
-    // the checks of linear (dtypes, devices, in, b's shape) on a zero-row view: no GEMM runs
-    super::linear(&x.narrow(0, 0, 0)?, w, Some(b))?;
+    // linear's checks (dtypes, devices, in, b's shape); nothing runs on the device
+    super::linear::check_args(x, w, Some(b))?;
     let x = if x.dtype() == w.dtype() {
         x.contiguous()?
     } else {

@@ -38,6 +38,35 @@ const OP: &str = "linear";
 /// Errors (no panics): a scalar x; w not 2-D; x's last dimension not w's `in`; b not `(out,)`;
 /// a dtype other than f32/bf16/f16; arguments on different devices.
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    let (n, k) = check_args(x, w, b)?;
+    let rows: usize = x.dims()[..x.rank() - 1].iter().product();
+    if rows == 0 || n == 0 || k == 0 {
+        return composed(x, w, b, rows);
+    }
+    // The op casts a strided x itself (the cast writes a contiguous copy); an x already in w's
+    // dtype goes to the GEMM as is and must be contiguous.
+    let x = if x.dtype() == w.dtype() {
+        x.contiguous()?
+    } else {
+        x.clone()
+    };
+    // cuBLAS takes w or w^T contiguous (a transposed operand); anything else is copied once.
+    let w = if w.is_contiguous() || w.t()?.is_contiguous() {
+        w.clone()
+    } else {
+        w.contiguous()?
+    };
+    match b {
+        Some(b) => x.apply_op3(&w, &b.contiguous()?, Linear),
+        None => x.apply_op2(&w, Linear),
+    }
+}
+
+/// The unfused ops, for the empty shapes that candle's matmul special-cases (as before the
+/// fused op: with no rows, b is left out of the graph, like candle's own empty binary ops).
+/// The argument checks of [`linear`] (dtypes, devices, shapes), without running anything;
+/// returns w's `(out, in)`.
+pub(super) fn check_args(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<(usize, usize)> {
     check_float(OP, "x", x.dtype())?;
     check_float(OP, "w", w.dtype())?;
     check_device(OP, "w", x, w)?;
@@ -70,31 +99,9 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
             )
         }
     }
-    let rows: usize = x.dims()[..x.rank() - 1].iter().product();
-    if rows == 0 || n == 0 || k == 0 {
-        return composed(x, w, b, rows);
-    }
-    // The op casts a strided x itself (the cast writes a contiguous copy); an x already in w's
-    // dtype goes to the GEMM as is and must be contiguous.
-    let x = if x.dtype() == w.dtype() {
-        x.contiguous()?
-    } else {
-        x.clone()
-    };
-    // cuBLAS takes w or w^T contiguous (a transposed operand); anything else is copied once.
-    let w = if w.is_contiguous() || w.t()?.is_contiguous() {
-        w.clone()
-    } else {
-        w.contiguous()?
-    };
-    match b {
-        Some(b) => x.apply_op3(&w, &b.contiguous()?, Linear),
-        None => x.apply_op2(&w, Linear),
-    }
+    Ok((n, k))
 }
 
-/// The unfused ops, for the empty shapes that candle's matmul special-cases (as before the
-/// fused op: with no rows, b is left out of the graph, like candle's own empty binary ops).
 fn composed(x: &Tensor, w: &Tensor, b: Option<&Tensor>, rows: usize) -> Result<Tensor> {
     let (n, k) = w.dims2()?;
     let mut out = x.dims().to_vec();

@@ -117,7 +117,11 @@ unsafe impl candle_core::cuda::cudarc::driver::DeviceRepr for Parts {}
 fn merge_cfg(n: usize, k: usize) -> candle_core::cuda::cudarc::driver::LaunchConfig {
     const THREADS: usize = 256;
     candle_core::cuda::cudarc::driver::LaunchConfig {
-        grid_dim: (k.div_ceil(THREADS).max(1) as u32, n.clamp(1, 65_535) as u32, 1),
+        grid_dim: (
+            k.div_ceil(THREADS).max(1) as u32,
+            n.clamp(1, 65_535) as u32,
+            1,
+        ),
         block_dim: (THREADS as u32, 1, 1),
         shared_mem_bytes: 0,
     }
