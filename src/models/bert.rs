@@ -25,7 +25,7 @@ use crate::ops;
 use crate::params::{ParamStore, Role};
 use crate::precision::to_f32;
 use anyhow::{bail, Context, Result};
-use candle_core::{Module, Tensor, D};
+use candle_core::{DType, Module, Tensor, D};
 use candle_nn::Init;
 use std::path::Path;
 use std::sync::Arc;
@@ -319,20 +319,21 @@ impl Bert {
     ///
     /// Errors: `T` above `max_position_embeddings`, ids not u32, lengths outside `1..=T`.
     pub fn forward(&self, batch: &PaddedBatch) -> Result<Tensor> {
-        let (_, t) = batch.ids.dims2()?;
+        let (b, t) = batch.ids.dims2()?;
         if t > self.config.max_position_embeddings {
             bail!(
                 "Bert::forward: {t} positions, the model has {}; truncate the inputs",
                 self.config.max_position_embeddings
             );
         }
-        // positions 0..T and token type 0 are the same for every row: one (T, C) table
-        // broadcast over the batch, so the graph keeps no (B, T, C) position and type lookups
-        let pos_type = self
-            .position
-            .narrow(0, 0, t)?
-            .broadcast_add(&self.token_type.narrow(0, 0, 1)?)?;
-        let mut x = ops::embedding(&batch.ids, &self.word)?.broadcast_add(&pos_type)?;
+        let dev = batch.ids.device();
+        let positions = Tensor::arange(0u32, t as u32, dev)?
+            .unsqueeze(0)?
+            .repeat((b, 1))?;
+        let types = Tensor::zeros((b, t), DType::U32, dev)?;
+        let mut x = ops::embedding(&batch.ids, &self.word)?;
+        x = ops::residual_add(&x, &ops::embedding(&positions, &self.position)?)?;
+        x = ops::residual_add(&x, &ops::embedding(&types, &self.token_type)?)?;
         x = self.embed_norm.forward(&x)?;
         for layer in &self.layers {
             x = if self.checkpointing {
@@ -370,20 +371,14 @@ impl Layer {
     fn forward(&self, x: &Tensor, lengths: &[usize]) -> Result<Tensor> {
         let heads = self.heads;
         let dh = x.dim(D::Minus1)? / heads;
-        // 1/sqrt(Dh) folded into the query weight and bias: q comes out of the projection
-        // scaled, with no scaled (B, H, T, Dh) copy kept for the backward
-        let scale = 1.0 / (dh as f64).sqrt();
-        let [wq, wk, wv] = &self.qkv_weights[..] else {
-            bail!("BERT layer: expected query, key and value weights (internal error)")
-        };
-        let [bq, bk, bv] = &self.qkv_biases[..] else {
-            bail!("BERT layer: expected query, key and value biases (internal error)")
-        };
-        let w = Tensor::cat(&[&wq.affine(scale, 0.0)?, wk, wv], 0)?;
-        let b = Tensor::cat(&[&bq.affine(scale, 0.0)?, bk, bv], 0)?;
-        // the projection straight into heads: its (B, T, 3C) output is not kept either
-        let qkv = ops::linear_split_heads(x, &w, &b, heads)?; // (3, B, H, T, Dh)
-        let (q, k, v) = (qkv.get(0)?, qkv.get(1)?, qkv.get(2)?);
+        let (w, b) = (
+            Tensor::cat(&self.qkv_weights, 0)?,
+            Tensor::cat(&self.qkv_biases, 0)?,
+        );
+        let qkv = ops::linear(x, &w, Some(&b))?; // (B, T, 3C)
+        let qkv = ops::split_heads(&qkv, heads)?; // (3, B, H, T, Dh)
+        let q = qkv.get(0)?.affine(1.0 / (dh as f64).sqrt(), 0.0)?;
+        let (k, v) = (qkv.get(1)?, qkv.get(2)?);
         let scores = q.matmul(&k.t()?)?; // (B, H, T, T)
         let probs = ops::key_padding_softmax_last_dim(&scores, lengths)?;
         let y = ops::merge_heads(&probs.matmul(&v)?)?; // (B, T, C)

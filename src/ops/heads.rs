@@ -35,12 +35,6 @@ pub fn split_heads(qkv: &Tensor, n_head: usize) -> Result<Tensor> {
     let h = n_head;
     let dh = c3 / 3 / h;
     // rows of Dh elements: input rows (B, T, 3, H), output rows (3, B, H, T)
-    let (fwd, bwd) = split_maps(b, t, h, dh);
-    apply(qkv, fwd, bwd, Shape::from((3, b, h, t, dh)))
-}
-
-/// The row maps of [`split_heads`] for `(B, T, 3 * H * Dh)`: forward and backward.
-fn split_maps(b: usize, t: usize, h: usize, dh: usize) -> (Map, Map) {
     let fwd = Map {
         dims: [3, b, h, t],
         strides: [h, t * 3 * h, 1, 3 * h],
@@ -51,128 +45,7 @@ fn split_maps(b: usize, t: usize, h: usize, dh: usize) -> (Map, Map) {
         strides: [h * t, 1, b * h * t, t],
         row: dh,
     };
-    (fwd, bwd)
-}
-
-/// `split_heads(linear(x, w, Some(b)), n_head)` as one graph node: the fused qkv projection
-/// of an attention layer straight into heads, `(B, T, in) → (3, B, H, T, Dh)`, with the
-/// numerics of the two ops (the same GEMM, bias add and row copy, bit for bit). The
-/// projection's `(B, T, 3C)` output is a temporary of the forward, not a tensor of the graph:
-/// the backward needs only x, w, b and the gradient (it copies the gradient back to
-/// `(B, T, 3C)` and runs [`super::linear`]'s backward), so the two-op version keeps one
-/// `(B, T, 3C)` activation more per layer until the end of the backward.
-///
-/// - `x: (B, T, in)` f32, bf16 or f16 (cast to w's dtype as [`super::linear`] does);
-/// - `w: (3C, in)`, `b: (3C,)` as for [`super::linear`], `C = n_head * Dh`.
-///
-/// Returns `(3, B, H, T, Dh)` in w's dtype: index 0 the queries, 1 the keys, 2 the values.
-/// Not twice differentiable.
-///
-/// Errors (no panics): x not rank 3; `3C` not divisible by 3 or `C` not by `n_head`;
-/// `n_head == 0`; the errors of [`super::linear`] (dtypes, shapes, devices).
-pub fn linear_split_heads(x: &Tensor, w: &Tensor, b: &Tensor, n_head: usize) -> Result<Tensor> {
-    const OP: &str = "linear_split_heads";
-    let (bs, t, _) = match x.dims() {
-        &[bs, t, k] => (bs, t, k),
-        d => bail!("{OP}: x must be (B, T, in), found shape {d:?}"),
-    };
-    let c3 = match w.dims() {
-        &[c3, _] => c3,
-        d => bail!("{OP}: w must be (3C, in), found shape {d:?}"),
-    };
-    if n_head == 0 || c3 % 3 != 0 || (c3 / 3) % n_head != 0 {
-        bail!("{OP}: w's {c3} rows must be 3 * n_head * head_dim with n_head = {n_head}")
-    }
-    let dh = c3 / 3 / n_head;
-    if x.elem_count() == 0 || w.elem_count() == 0 {
-        return split_heads(&super::linear(x, w, Some(b))?, n_head);
-    }
-    // linear's checks (dtypes, devices, in, b's shape); nothing runs on the device
-    super::linear::check_args(x, w, Some(b))?;
-    let x = if x.dtype() == w.dtype() {
-        x.contiguous()?
-    } else {
-        x.clone()
-    };
-    let w = if w.is_contiguous() || w.t()?.is_contiguous() {
-        w.clone()
-    } else {
-        w.contiguous()?
-    };
-    let (fwd, bwd) = split_maps(bs, t, n_head, dh);
-    x.apply_op3(
-        &w,
-        &b.contiguous()?,
-        LinearSplitHeads {
-            fwd,
-            bwd,
-            out: Shape::from((3, bs, n_head, t, dh)),
-            proj: Shape::from((bs, t, c3)),
-        },
-    )
-}
-
-/// The op of [`linear_split_heads`].
-struct LinearSplitHeads {
-    fwd: Map,
-    bwd: Map,
-    out: Shape,
-    proj: Shape,
-}
-
-impl candle_core::CustomOp3 for LinearSplitHeads {
-    fn name(&self) -> &'static str {
-        "linear_split_heads"
-    }
-
-    fn cpu_fwd(
-        &self,
-        x: &CpuStorage,
-        lx: &Layout,
-        w: &CpuStorage,
-        lw: &Layout,
-        b: &CpuStorage,
-        lb: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let (y, shape) =
-            super::linear::forward((x, lx), (w, lw), Some((b, lb)), super::bias::add_cpu)?;
-        let ly = Layout::contiguous(shape);
-        Ok((permute_cpu_storage(&y, &ly, &self.fwd)?, self.out.clone()))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        x: &candle_core::CudaStorage,
-        lx: &Layout,
-        w: &candle_core::CudaStorage,
-        lw: &Layout,
-        b: &candle_core::CudaStorage,
-        lb: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (y, shape) =
-            super::linear::forward((x, lx), (w, lw), Some((b, lb)), super::bias::add_cuda)?;
-        let ly = Layout::contiguous(shape);
-        Ok((cuda::permute(&y, &ly, &self.fwd)?, self.out.clone()))
-    }
-
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        b: &Tensor,
-        _y: &Tensor,
-        dy: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let back = RowPermute {
-            fwd: self.bwd,
-            bwd: self.fwd,
-            out: self.proj.clone(),
-            input: self.out.clone(),
-        };
-        let dproj = dy.detach().contiguous()?.apply_op1_no_bwd(&back)?;
-        super::linear::grads(x, w, Some(b), &dproj)
-    }
+    apply(qkv, fwd, bwd, Shape::from((3, b, h, t, dh)))
 }
 
 /// Merges heads `y: (B, H, T, Dh)` into `(B, T, H * Dh)` (head `h` at columns
@@ -254,35 +127,31 @@ fn permute_cpu<T: Copy + Default>(src: &[T], map: &Map) -> Vec<T> {
     out
 }
 
-/// [`permute_cpu`] on a contiguous CPU storage of any dtype.
-fn permute_cpu_storage(s: &CpuStorage, l: &Layout, map: &Map) -> Result<CpuStorage> {
-    let Some((o1, o2)) = l.contiguous_offsets() else {
-        bail!("row_permute: input must be contiguous (internal error)")
-    };
-    macro_rules! run {
-        ($v:expr, $w:ident) => {
-            CpuStorage::$w(permute_cpu(&$v[o1..o2], map))
-        };
-    }
-    Ok(match s {
-        CpuStorage::F32(v) => run!(v, F32),
-        CpuStorage::BF16(v) => run!(v, BF16),
-        CpuStorage::F16(v) => run!(v, F16),
-        CpuStorage::F64(v) => run!(v, F64),
-        CpuStorage::U32(v) => run!(v, U32),
-        CpuStorage::U8(v) => run!(v, U8),
-        CpuStorage::I64(v) => run!(v, I64),
-        _ => bail!("row_permute: dtype {:?} is not supported", s.dtype()),
-    })
-}
-
 impl CustomOp1 for RowPermute {
     fn name(&self) -> &'static str {
         "row_permute"
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        Ok((permute_cpu_storage(s, l, &self.fwd)?, self.out.clone()))
+        let Some((o1, o2)) = l.contiguous_offsets() else {
+            bail!("row_permute: input must be contiguous (internal error)")
+        };
+        macro_rules! run {
+            ($v:expr, $w:ident) => {
+                CpuStorage::$w(permute_cpu(&$v[o1..o2], &self.fwd))
+            };
+        }
+        let out = match s {
+            CpuStorage::F32(v) => run!(v, F32),
+            CpuStorage::BF16(v) => run!(v, BF16),
+            CpuStorage::F16(v) => run!(v, F16),
+            CpuStorage::F64(v) => run!(v, F64),
+            CpuStorage::U32(v) => run!(v, U32),
+            CpuStorage::U8(v) => run!(v, U8),
+            CpuStorage::I64(v) => run!(v, I64),
+            _ => bail!("row_permute: dtype {:?} is not supported", s.dtype()),
+        };
+        Ok((out, self.out.clone()))
     }
 
     #[cfg(feature = "cuda")]

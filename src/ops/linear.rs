@@ -38,35 +38,6 @@ const OP: &str = "linear";
 /// Errors (no panics): a scalar x; w not 2-D; x's last dimension not w's `in`; b not `(out,)`;
 /// a dtype other than f32/bf16/f16; arguments on different devices.
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
-    let (n, k) = check_args(x, w, b)?;
-    let rows: usize = x.dims()[..x.rank() - 1].iter().product();
-    if rows == 0 || n == 0 || k == 0 {
-        return composed(x, w, b, rows);
-    }
-    // The op casts a strided x itself (the cast writes a contiguous copy); an x already in w's
-    // dtype goes to the GEMM as is and must be contiguous.
-    let x = if x.dtype() == w.dtype() {
-        x.contiguous()?
-    } else {
-        x.clone()
-    };
-    // cuBLAS takes w or w^T contiguous (a transposed operand); anything else is copied once.
-    let w = if w.is_contiguous() || w.t()?.is_contiguous() {
-        w.clone()
-    } else {
-        w.contiguous()?
-    };
-    match b {
-        Some(b) => x.apply_op3(&w, &b.contiguous()?, Linear),
-        None => x.apply_op2(&w, Linear),
-    }
-}
-
-/// The unfused ops, for the empty shapes that candle's matmul special-cases (as before the
-/// fused op: with no rows, b is left out of the graph, like candle's own empty binary ops).
-/// The argument checks of [`linear`] (dtypes, devices, shapes), without running anything;
-/// returns w's `(out, in)`.
-pub(super) fn check_args(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<(usize, usize)> {
     check_float(OP, "x", x.dtype())?;
     check_float(OP, "w", w.dtype())?;
     check_device(OP, "w", x, w)?;
@@ -99,9 +70,31 @@ pub(super) fn check_args(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<(
             )
         }
     }
-    Ok((n, k))
+    let rows: usize = x.dims()[..x.rank() - 1].iter().product();
+    if rows == 0 || n == 0 || k == 0 {
+        return composed(x, w, b, rows);
+    }
+    // The op casts a strided x itself (the cast writes a contiguous copy); an x already in w's
+    // dtype goes to the GEMM as is and must be contiguous.
+    let x = if x.dtype() == w.dtype() {
+        x.contiguous()?
+    } else {
+        x.clone()
+    };
+    // cuBLAS takes w or w^T contiguous (a transposed operand); anything else is copied once.
+    let w = if w.is_contiguous() || w.t()?.is_contiguous() {
+        w.clone()
+    } else {
+        w.contiguous()?
+    };
+    match b {
+        Some(b) => x.apply_op3(&w, &b.contiguous()?, Linear),
+        None => x.apply_op2(&w, Linear),
+    }
 }
 
+/// The unfused ops, for the empty shapes that candle's matmul special-cases (as before the
+/// fused op: with no rows, b is left out of the graph, like candle's own empty binary ops).
 fn composed(x: &Tensor, w: &Tensor, b: Option<&Tensor>, rows: usize) -> Result<Tensor> {
     let (n, k) = w.dims2()?;
     let mut out = x.dims().to_vec();
@@ -177,7 +170,7 @@ fn cast_bias<'a, S: BackendStorage>(
 
 /// The forward on either backend: the cast GEMM, then (with a bias) `add_bias` of the bias in
 /// w's dtype. `add_bias` is bias_add's CPU or CUDA kernel.
-pub(super) fn forward<S: BackendStorage>(
+fn forward<S: BackendStorage>(
     x: (&S, &Layout),
     w: (&S, &Layout),
     b: Option<(&S, &Layout)>,
@@ -279,7 +272,7 @@ impl CustomOp3 for Linear {
 /// that autograd does not track (a frozen base weight held as a constant, the ids-derived
 /// input of a first layer) gets no gradient and costs no GEMM: a LoRA step skips `dW` of every
 /// frozen base linear, as PyTorch does for `requires_grad=False`.
-pub(super) fn grads(
+fn grads(
     x: &Tensor,
     w: &Tensor,
     b: Option<&Tensor>,

@@ -14,7 +14,6 @@
 //! | [`gelu_tanh`] | `y = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))` (elementwise) | f32, bf16, f16 | x's |
 //! | [`gelu_erf`] | `y = 0.5 x (1 + erf(x / sqrt(2)))` (elementwise, BERT's) | f32, bf16, f16 | x's |
 //! | [`split_heads`] / [`merge_heads`] | `(B, T, 3C) → (3, B, H, T, Dh)` / `(B, H, T, Dh) → (B, T, C)` row copies | any | x's |
-//! | [`linear_split_heads`] | `split_heads(linear(x, w, b))` in one node: the `(B, T, 3C)` projection not kept for the backward | x: f32, bf16, f16; w: the compute dtype | w's |
 //! | [`causal_attention`] | `y = softmax(q k^T / sqrt(Dh) + causal mask) v` per head, `(B, T, 3C) → (B, T, C)` (flash attention on CUDA) | f32, bf16, f16 | x's |
 //! | [`grouped_causal_attention`] | the same with `Hkv` key/value heads shared by `H / Hkv` query heads each (GQA), `(B, T, (H + 2Hkv) Dh) → (B, T, H Dh)`, K/V never repeated on CUDA | f32, bf16, f16 | x's |
 //! | [`rotary_qkv`] | RoPE (`rotate_half` form) on the q and k heads of `(B, T, (H + 2Hkv) Dh)`, v copied; tables from [`rotary_tables`] | f32, bf16, f16 (tables f32) | x's |
@@ -93,7 +92,7 @@ pub use bias::bias_add;
 pub use cross_entropy::cross_entropy_rows;
 pub use embedding::embedding;
 pub use gelu::{gelu_erf, gelu_tanh};
-pub use heads::{linear_split_heads, merge_heads, split_heads};
+pub use heads::{merge_heads, split_heads};
 pub use layer_norm::{layer_norm, layer_norm_with_dtype};
 pub use linear::linear;
 pub use linear_cross_entropy::linear_cross_entropy_rows;
