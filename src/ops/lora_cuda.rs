@@ -1,6 +1,6 @@
-//! The CUDA path of [`super::lora_linear_grouped`]: the forward and the backward as a few
-//! cuBLAS GEMMs on device addresses ([`crate::cuda::gemm`]), with no widened copies, no
-//! block-diagonal up projection and no elementwise passes. With `s` the scale, part `i` of the
+//! The CUDA path of [`super::lora_linear_grouped`]: the forward and the backward as one small
+//! kernel and a few cuBLAS GEMMs on device addresses ([`crate::cuda::gemm`]), with no widened
+//! copies and no passes over the tokens besides the GEMMs. With `s` the scale, part `i` of the
 //! stack at output rows `c_i` of W, rank columns `q_i` of `u` and rows `r_i` of `b`:
 //!
 //! ```text
@@ -196,15 +196,15 @@ pub(super) fn forward(
     let (pb, _gb) = in_ptr(OP, "b", b, lb, &stream)?;
     let (m, n, k, r) = (d.m, d.n, d.k, d.r_sum);
     let mut y = alloc(&dev, dtype, m * n)?;
-    // y (+)= x W^T for a W at pw with row stride ldw
-    let base = |pw: u64, ldw: usize, py: u64, beta: f32| {
+    // y (+)= x W^T for the (N, K) weight at pw
+    let base = |pw: u64, py: u64, beta: f32| {
         gemm(
             &dev,
             dtype,
             (m, n, k),
             1.0,
             Op::n(px, k),
-            Op::t(pw, ldw),
+            Op::t(pw, k),
             beta,
             py,
             n,
@@ -215,7 +215,7 @@ pub(super) fn forward(
         {
             let (pm, _gm) = out_ptr(&mut merged, &stream)?;
             let (py, _gy) = out_ptr(&mut y, &stream)?;
-            base(pm, k, py, 0.0)?;
+            base(pm, py, 0.0)?;
         }
         return Ok((y, Some(merged)));
     }
@@ -230,7 +230,7 @@ pub(super) fn forward(
         // GEMMs. Otherwise the base goes first and the updates add into it.
         let updates_first = d.n_adapted() == n;
         if !updates_first {
-            base(pw, k, py, 0.0)?;
+            base(pw, py, 0.0)?;
         }
         for (bl, count) in d.runs() {
             // y[:, c_j] (+)= s u_j B_j^T
@@ -254,7 +254,7 @@ pub(super) fn forward(
             )?;
         }
         if updates_first {
-            base(pw, k, py, 1.0)?;
+            base(pw, py, 1.0)?;
         }
     }
     Ok((y, None))
@@ -326,12 +326,16 @@ impl CustomOp1 for Backward {
         let es = dtype.size_in_bytes() as u64;
         let (m, n, k, r) = (d.m, d.n, d.k, d.r_sum);
         let held = [&self.x, &self.w, &self.a, &self.b].map(|t| t.storage_and_layout());
-        let mut ptrs = [0u64; 4];
-        let mut keep = Vec::with_capacity(4);
-        for (i, ((s, l), what)) in held.iter().zip(["x", "w", "a", "b"]).enumerate() {
+        let mut cuda: Vec<(&CudaStorage, &Layout)> = Vec::with_capacity(4);
+        for ((s, l), what) in held.iter().zip(["x", "w", "a", "b"]) {
             let Storage::Cuda(s) = &**s else {
                 bail!("{OP}: {what} is not on CUDA like dy (internal error)")
             };
+            cuda.push((s, l));
+        }
+        let mut ptrs = [0u64; 4];
+        let mut keep = Vec::with_capacity(4);
+        for (i, (&(s, l), what)) in cuda.iter().zip(["x", "w", "a", "b"]).enumerate() {
             let (p, g) = in_ptr(OP, what, s, l, &stream)?;
             ptrs[i] = p;
             keep.push(g);
@@ -346,15 +350,7 @@ impl CustomOp1 for Backward {
         let saved = self.merged.lock().map(|mut w| w.take()).unwrap_or(None);
         let mut merged = match (saved, self.want_dx) {
             (Some(w), true) => Some(w),
-            (None, true) => {
-                let [(_, wl), (_, a_l), (_, bl)] = [&held[1], &held[2], &held[3]];
-                let [Storage::Cuda(ws), Storage::Cuda(a_s), Storage::Cuda(bs)] =
-                    [&*held[1].0, &*held[2].0, &*held[3].0]
-                else {
-                    bail!("{OP}: w, a or b is not on CUDA like dy (internal error)")
-                };
-                Some(merge(d, (ws, wl), (a_s, a_l), (bs, bl))?)
-            }
+            (None, true) => Some(merge(d, cuda[1], cuda[2], cuda[3])?),
             (_, false) => None,
         };
         {
