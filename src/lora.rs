@@ -310,21 +310,28 @@ pub fn stacked_modules(name: &str) -> Vec<String> {
     }
 }
 
-/// The brace-list name of a stack of modules that share a prefix up to their last `.`
-/// (`[p.q_proj, p.k_proj]` gives `p.{q_proj,k_proj}`); one module is named as it is.
+/// The brace-list name of a stack of modules: `[p.q_proj, p.k_proj]` gives `p.{q_proj,k_proj}`
+/// (the prefix up to the last `.` when every module shares it, else none); one module is named
+/// as it is. [`stacked_modules`] inverts it.
 pub fn stacked_name(modules: &[String]) -> String {
-    match modules {
-        [one] => one.clone(),
-        _ => {
-            let split = |m: &String| match m.rfind('.') {
-                Some(i) => (m[..=i].to_string(), m[i + 1..].to_string()),
-                None => (String::new(), m.clone()),
-            };
-            let prefix = modules.first().map(|m| split(m).0).unwrap_or_default();
-            let names: Vec<String> = modules.iter().map(|m| split(m).1).collect();
-            format!("{prefix}{{{}}}", names.join(","))
-        }
+    if let [one] = modules {
+        return one.clone();
     }
+    let prefix_of = |m: &String| m.rfind('.').map_or("", |i| &m[..=i]).to_string();
+    let prefix = modules.first().map(prefix_of).unwrap_or_default();
+    let shared = modules.iter().all(|m| prefix_of(m) == prefix);
+    let names: Vec<&str> = modules
+        .iter()
+        .map(|m| {
+            if shared {
+                &m[prefix.len()..]
+            } else {
+                m.as_str()
+            }
+        })
+        .collect();
+    let prefix = if shared { prefix.as_str() } else { "" };
+    format!("{prefix}{{{}}}", names.join(","))
 }
 
 /// Whether a parameter name is a LoRA tensor.

@@ -304,3 +304,22 @@ fn grouped_lora_linear_with_an_unadapted_part_matches_the_composition() {
         wick::ops::lora_linear_grouped(x.as_tensor(), &w, &a, &b, &[(8, r), (6, r)], s).is_err()
     );
 }
+
+#[test]
+fn stacked_adapter_names_round_trip() {
+    use wick::lora::{stacked_modules, stacked_name};
+    let qkv: Vec<String> = ["q_proj", "k_proj", "v_proj"]
+        .iter()
+        .map(|m| format!("model.layers.3.self_attn.{m}"))
+        .collect();
+    let name = stacked_name(&qkv);
+    assert_eq!(name, "model.layers.3.self_attn.{q_proj,k_proj,v_proj}");
+    assert_eq!(stacked_modules(&name), qkv);
+    let one = vec!["model.layers.3.mlp.down_proj".to_string()];
+    assert_eq!(stacked_name(&one), one[0]);
+    assert_eq!(stacked_modules(&one[0]), one);
+    // modules without a shared prefix keep their full names inside the braces
+    let mixed = vec!["a.x".to_string(), "b.y".to_string()];
+    assert_eq!(stacked_name(&mixed), "{a.x,b.y}");
+    assert_eq!(stacked_modules(&stacked_name(&mixed)), mixed);
+}

@@ -165,7 +165,7 @@ pub fn run(args: &StepArgs) -> Result<()> {
                 .map(|(i, &(a, b))| crate::nn::Linear::new(&store, &format!("l{i}"), a, b, true))
                 .collect::<candle_core::Result<_>>()?,
         ),
-        BenchModel::Gpt(c) => Net::Gpt(Gpt::new(&store, c.clone())?),
+        BenchModel::Gpt(c) => Net::Gpt(Gpt::new(&store, *c)?),
     };
     let params = store.num_elements();
     let mut ec = EngineConfig::adamw(1e-3);

@@ -129,7 +129,7 @@ impl BertConfig {
                 self.hidden_act
             );
         }
-        if !(self.layer_norm_eps > 0.0) {
+        if self.layer_norm_eps.is_nan() || self.layer_norm_eps <= 0.0 {
             bail!(
                 "BertConfig: layer_norm_eps {} must be > 0",
                 self.layer_norm_eps

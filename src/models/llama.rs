@@ -150,12 +150,7 @@ impl Proj {
         } else {
             None
         };
-        let outs: Vec<usize> = parts
-            .iter()
-            .zip(adapted)
-            .filter(|(_, &on)| on)
-            .map(|(w, _)| w.dims()[0])
-            .collect();
+        let outs = adapted_outs(&parts, adapted.iter().copied());
         let mut adapters = Vec::with_capacity(parts.len());
         let mut j = 0;
         for &on in adapted {
@@ -209,6 +204,16 @@ impl Proj {
         // the adapters' tensors enter as the two stacks they are stored as
         Ok(ops::lora_linear_grouped(x, &w, a, b, &parts, self.scaling)?)
     }
+}
+
+/// The output rows of the adapted parts, in order: the `outs` of their adapter stack.
+fn adapted_outs(parts: &[Tensor], adapted: impl Iterator<Item = bool>) -> Vec<usize> {
+    parts
+        .iter()
+        .zip(adapted)
+        .filter(|(_, on)| *on)
+        .map(|(w, _)| w.dims()[0])
+        .collect()
 }
 
 struct Block {
@@ -701,13 +706,7 @@ impl Llama {
                     a: master("A")?,
                     b: master("B")?,
                 };
-                let outs: Vec<usize> = p
-                    .parts
-                    .iter()
-                    .zip(&p.adapters)
-                    .filter(|(_, ad)| ad.is_some())
-                    .map(|(w, _)| w.dims()[0])
-                    .collect();
+                let outs = adapted_outs(&p.parts, p.adapters.iter().map(Option::is_some));
                 for (i, module) in crate::lora::stacked_modules(name).iter().enumerate() {
                     let ad = stack.part(&outs, i)?;
                     out.push((format!("{module}.lora_A.weight"), ad.a));
