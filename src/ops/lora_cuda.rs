@@ -327,18 +327,16 @@ impl CustomOp1 for Backward {
         let (m, n, k, r) = (d.m, d.n, d.k, d.r_sum);
         let held = [&self.x, &self.w, &self.a, &self.b].map(|t| t.storage_and_layout());
         let mut cuda: Vec<(&CudaStorage, &Layout)> = Vec::with_capacity(4);
-        for ((s, l), what) in held.iter().zip(["x", "w", "a", "b"]) {
+        let mut ptrs = [0u64; 4];
+        let mut keep = Vec::with_capacity(4);
+        for (i, ((s, l), what)) in held.iter().zip(["x", "w", "a", "b"]).enumerate() {
             let Storage::Cuda(s) = &**s else {
                 bail!("{OP}: {what} is not on CUDA like dy (internal error)")
             };
-            cuda.push((s, l));
-        }
-        let mut ptrs = [0u64; 4];
-        let mut keep = Vec::with_capacity(4);
-        for (i, (&(s, l), what)) in cuda.iter().zip(["x", "w", "a", "b"]).enumerate() {
             let (p, g) = in_ptr(OP, what, s, l, &stream)?;
             ptrs[i] = p;
             keep.push(g);
+            cuda.push((s, l));
         }
         let [px, _, pa, pb] = ptrs;
         let (pdy, _gdy) = in_ptr(OP, "dy", dy, ldy, &stream)?;
