@@ -78,7 +78,7 @@ impl Dims {
 /// The forward merges the adapters into W when there are at least this many tokens per input
 /// feature (`M >= 2 K`): the merge reads and writes about `4 N K` elements whatever M is, the
 /// unmerged update pass about `2 M N`.
-pub(super) const MERGE_MIN_ROWS: usize = 2;
+const MERGE_MIN_ROWS: usize = 2;
 
 /// `u = x A^T`, `(M, R)` in the compute dtype.
 fn u_gemm(d: &Dims, dev: &CudaDevice, dtype: DType, px: u64, pa: u64, pu: u64) -> Result<()> {
