@@ -7,10 +7,17 @@
 //! stage direction (a line in `_italics_`), with the Markdown hard break (two trailing spaces)
 //! removed, and with at least [`MIN_WORDS`] words.
 //!
-//! The split: within each genre the plays sorted by file name, the plays at positions
-//! `i % 5 == 2` are test plays (one in five, at least one for genres of three or more plays):
-//! 8 of the 38 plays. With a validation split (for choosing hyper-parameters without looking
-//! at the test plays), the plays at `i % 5 == 4` are validation plays: 5 of the 30 others.
+//! The split: within each genre the plays sorted by file name, play `i` belongs to fold
+//! `i % 5` ([`FOLDS`] folds). The plays of one fold, the test fold, are the test plays; the
+//! others are train plays. With a validation split (for choosing hyper-parameters without
+//! looking at the test plays), the plays of fold `(test_fold + 2) % 5` are validation plays.
+//!
+//! [`load`] uses the default test fold [`DEFAULT_TEST_FOLD`] (2, with validation fold 4): 8 of
+//! the 38 plays are test plays and 5 of the 30 others validation plays. [`load_fold`] takes
+//! the test fold as a parameter, for k-fold cross-validation by play: over the five test folds
+//! every play is a test play exactly once. The folds differ in size and mix (a genre of four
+//! plays has none in fold 4), so the majority class's share of the test lines moves from fold
+//! to fold.
 
 use anyhow::{bail, Context, Result};
 use std::path::Path;
@@ -18,6 +25,12 @@ use std::path::Path;
 /// Shortest line kept, in whitespace-separated words (one-word lines such as "He." carry no
 /// genre signal).
 pub const MIN_WORDS: usize = 2;
+
+/// Number of folds: play `i` of a genre (sorted by file name) is in fold `i % FOLDS`.
+pub const FOLDS: usize = 5;
+
+/// The test fold of [`load`] (validation fold `(2 + 2) % 5 = 4`).
+pub const DEFAULT_TEST_FOLD: usize = 2;
 
 /// One labelled line.
 #[derive(Debug, Clone, PartialEq)]
@@ -71,11 +84,30 @@ pub fn spoken_lines(markdown: &str) -> Vec<String> {
         .collect()
 }
 
-/// Reads `dir/<genre>/<play>.md` and splits it as the module describes, with validation
-/// plays when `validation` is set.
+/// Reads `dir/<genre>/<play>.md` and splits it as the module describes, with the default
+/// test fold [`DEFAULT_TEST_FOLD`] and validation plays when `validation` is set: the same as
+/// `load_fold(dir, DEFAULT_TEST_FOLD, validation)`.
 ///
 /// Errors: an unreadable folder or file, no genre folder, or a genre without plays.
 pub fn load(dir: &Path, validation: bool) -> Result<GenreLines> {
+    load_fold(dir, DEFAULT_TEST_FOLD, validation)
+}
+
+/// Reads `dir/<genre>/<play>.md` with the plays of fold `test_fold` (play `i` of each genre,
+/// sorted by file name, with `i % FOLDS == test_fold`) as test plays and, when `validation` is
+/// set, those of fold `(test_fold + 2) % FOLDS` as validation plays; all others are train
+/// plays.
+///
+/// Errors: `test_fold >= FOLDS`, an unreadable folder or file, no genre folder, or a genre
+/// without plays.
+pub fn load_fold(dir: &Path, test_fold: usize, validation: bool) -> Result<GenreLines> {
+    if test_fold >= FOLDS {
+        bail!(
+            "test fold {test_fold} does not exist: the folds are 0..{FOLDS} (0 to {})",
+            FOLDS - 1
+        );
+    }
+    let val_fold = (test_fold + 2) % FOLDS;
     let sorted_entries = |d: &Path| -> Result<Vec<std::path::PathBuf>> {
         let mut v = std::fs::read_dir(d)
             .with_context(|| format!("reading {} (run scripts/fetch_shakespeare.sh)", d.display()))?
@@ -127,10 +159,13 @@ pub fn load(dir: &Path, validation: bool) -> Result<GenreLines> {
                 text,
                 label: label as u32,
             });
-            let (side, names) = match i % 5 {
-                2 => (&mut out.test, &mut out.test_plays),
-                4 if validation => (&mut out.val, &mut out.val_plays),
-                _ => (&mut out.train, &mut out.train_plays),
+            let fold = i % FOLDS;
+            let (side, names) = if fold == test_fold {
+                (&mut out.test, &mut out.test_plays)
+            } else if validation && fold == val_fold {
+                (&mut out.val, &mut out.val_plays)
+            } else {
+                (&mut out.train, &mut out.train_plays)
             };
             side.extend(lines);
             names.push(name);
@@ -156,5 +191,87 @@ mod tests {
                 "And I am sick at heart."
             ]
         );
+    }
+
+    /// A folder of fake plays: genres of 6, 7 and 9 plays, each play two spoken lines that
+    /// name it (and a heading, a speaker and a stage direction, which are dropped).
+    fn fake_plays(tag: &str) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("wick-plays-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        for (genre, n) in [("alpha", 6), ("beta", 7), ("gamma", 9)] {
+            std::fs::create_dir_all(dir.join(genre)).unwrap();
+            for p in 0..n {
+                let md = format!(
+                    "# {genre} {p}\n\n_Enter A_\n\n**A**  \nfirst line of {genre}/p{p}  \n\
+                     second line of {genre}/p{p}\n"
+                );
+                std::fs::write(dir.join(genre).join(format!("p{p}.md")), md).unwrap();
+            }
+        }
+        dir
+    }
+
+    #[test]
+    fn the_folds_partition_the_plays() {
+        let dir = fake_plays("folds");
+        let all: Vec<String> = [("alpha", 6), ("beta", 7), ("gamma", 9)]
+            .iter()
+            .flat_map(|&(g, n)| (0..n).map(move |p| format!("{g}/p{p}")))
+            .collect();
+        let mut tested = Vec::new();
+        for fold in 0..FOLDS {
+            for validation in [false, true] {
+                let d = load_fold(&dir, fold, validation).unwrap();
+                assert_eq!(d.classes, ["alpha", "beta", "gamma"]);
+                let (tr, te, va) = (&d.train_plays, &d.test_plays, &d.val_plays);
+                for p in te {
+                    assert!(!tr.contains(p) && !va.contains(p), "fold {fold}: {p} leaks");
+                }
+                for p in va {
+                    assert!(!tr.contains(p), "fold {fold}: validation play {p} in train");
+                }
+                assert_eq!(tr.len() + te.len() + va.len(), all.len(), "fold {fold}");
+                assert_eq!(va.is_empty(), !validation, "fold {fold}");
+                // every line belongs to its play's side and carries its genre's label
+                for (lines, plays) in [(&d.train, tr), (&d.test, te), (&d.val, va)] {
+                    assert_eq!(lines.len(), 2 * plays.len());
+                    for l in lines.iter() {
+                        let play = l.text.rsplit(' ').next().unwrap();
+                        assert!(plays.iter().any(|p| p == play), "{play} on the wrong side");
+                        assert_eq!(d.classes[l.label as usize], play.split('/').next().unwrap());
+                    }
+                }
+                if !validation {
+                    tested.extend(te.iter().cloned());
+                }
+            }
+        }
+        tested.sort();
+        let mut want = all.clone();
+        want.sort();
+        assert_eq!(tested, want, "each play is a test play exactly once");
+
+        let (a, b) = (load(&dir, true).unwrap(), load_fold(&dir, 2, true).unwrap());
+        assert_eq!((&a.train, &a.test, &a.val), (&b.train, &b.test, &b.val));
+        assert_eq!(
+            (&a.train_plays, &a.test_plays, &a.val_plays),
+            (&b.train_plays, &b.test_plays, &b.val_plays)
+        );
+        assert_eq!(a.val_plays, ["alpha/p4", "beta/p4", "gamma/p4"]);
+        let c = load(&dir, false).unwrap();
+        assert_eq!(
+            c.test_plays,
+            load_fold(&dir, DEFAULT_TEST_FOLD, false)
+                .unwrap()
+                .test_plays
+        );
+        assert_eq!(
+            c.test_plays,
+            ["alpha/p2", "beta/p2", "gamma/p2", "gamma/p7"]
+        );
+
+        let e = load_fold(&dir, FOLDS, false).unwrap_err().to_string();
+        assert!(e.contains("test fold 5") && e.contains("0..5"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
