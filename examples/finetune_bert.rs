@@ -15,7 +15,18 @@
 //! scripts/fetch_minilm.sh && scripts/fetch_shakespeare.sh
 //! cargo run --release --example finetune_bert -- --device cuda
 //! cargo run --release --example finetune_bert -- --max-train 2000 --max-test 1000   # CPU-sized
+//! cargo run --release --example finetune_bert -- --device cuda --cv   # 5-fold cross-validation
 //! ```
+//! The split is by play ([`wick::data::plays`]): play `i` of each genre (sorted by file name)
+//! is in fold `i % 5`, and `--test-fold K` (default 2) makes fold K the test plays. One fold
+//! is only 5 to 10 plays, so one split's scores are noisy: the majority class alone takes
+//! between a quarter and two fifths of the test lines depending on the fold. `--cv` runs all
+//! five folds in one process, each with fresh parameters (the pretrained weights loaded
+//! again), the same settings and its own baselines (majority class of its train lines,
+//! bag-of-bytes trained on them), prints each fold's scores, then pools the five folds'
+//! predictions (every line of every play predicted once, by a model that never trained on
+//! that play) into one accuracy and macro-F1 per method; its RESULT line holds the pooled and
+//! per-fold figures and the settings. `--max-train`/`--max-test` sample each fold.
 //! `--export-batches FILE` writes every train and test batch (ids, lengths, labels, in step
 //! order) and the hyper-parameters as JSON, for scripts/torch_bert_genre.py, the PyTorch
 //! reference that trains on exactly the same batches. `--save DIR` writes the fine-tuned
@@ -97,6 +108,15 @@ struct Args {
     /// report the scores on them, for choosing hyper-parameters without the test plays.
     #[arg(long)]
     val_plays: bool,
+    /// Which fold of plays is the test split, 0 to 4 (play i of each genre, sorted by file
+    /// name, is in fold i % 5); default 2. Validation plays (--val-plays) are fold K + 2 mod 5.
+    #[arg(long)]
+    test_fold: Option<usize>,
+    /// Cross-validation by play: train and score one model per fold (0 to 4), each tested on
+    /// plays it never saw, then pool the five folds' predictions into one score per method.
+    /// Not with --test-fold, --val-plays, --export-batches or --save.
+    #[arg(long)]
+    cv: bool,
     /// Optimizer implementation: fused (one pass per element; multi-tensor kernels on CUDA),
     /// reference (plain candle ops) or auto (fused where available).
     #[arg(long, default_value = "auto", value_parser = ["auto", "fused", "reference"])]
@@ -183,8 +203,13 @@ impl Model {
     }
 }
 
-/// Scores the model on `batches` of `split` (each prediction against its own line's label);
-/// also returns the examples/s.
+/// Labels of `lines`, in their order.
+fn labels(lines: &[Line]) -> Vec<u32> {
+    lines.iter().map(|l| l.label).collect()
+}
+
+/// Scores the model on `batches` of `split`, which must cover every line of the split once:
+/// the report, the predictions in the split's line order, and the examples/s.
 fn evaluate(
     model: &Model,
     split: &Split,
@@ -192,33 +217,31 @@ fn evaluate(
     pad: u32,
     dev: &Device,
     classes: usize,
-) -> Result<(ClassificationReport, f64)> {
-    let (mut pred, mut truth) = (Vec::new(), Vec::new());
+) -> Result<(ClassificationReport, Vec<u32>, f64)> {
+    let mut pred = vec![0u32; split.lines.len()];
     sync(dev)?;
     let t0 = Instant::now();
     for idx in batches {
-        let (b, labels) = split.batch(idx, pad, dev)?;
+        let (b, _) = split.batch(idx, pad, dev)?;
         let p = model
             .logits(&b)?
             .detach()
             .argmax(D::Minus1)?
             .to_vec1::<u32>()?;
-        pred.extend(p);
-        truth.extend(labels);
+        for (&i, p) in idx.iter().zip(p) {
+            pred[i] = p;
+        }
     }
-    let rate = truth.len() as f64 / t0.elapsed().as_secs_f64();
-    Ok((ClassificationReport::new(&pred, &truth, classes)?, rate))
+    let rate = split.lines.len() as f64 / t0.elapsed().as_secs_f64();
+    let report = ClassificationReport::new(&pred, &labels(split.lines), classes)?;
+    Ok((report, pred, rate))
 }
 
 /// Bag-of-bytes logistic regression: byte frequencies (256, standardised with the train
 /// split's mean and deviation) → linear → softmax, trained with wick's engine (fp32, AdamW
-/// lr 1e-2, 5 epochs of batches of 256, at least 200 steps).
-fn bag_of_bytes(
-    data: &GenreLines,
-    train: &[Line],
-    test: &[Line],
-    seed: u64,
-) -> Result<ClassificationReport> {
+/// lr 1e-2, 5 epochs of batches of 256, at least 200 steps). Returns the predicted class of
+/// each test line, in order.
+fn bag_of_bytes(classes: usize, train: &[Line], test: &[Line], seed: u64) -> Result<Vec<u32>> {
     let feats = |lines: &[Line]| -> Result<Tensor> {
         let mut v = vec![0f32; lines.len() * 256];
         for (r, l) in lines.iter().enumerate() {
@@ -236,7 +259,7 @@ fn bag_of_bytes(
     let (xtr, xte) = (standardise(&xtr)?, standardise(&xte)?);
     let ytr: Vec<u32> = train.iter().map(|l| l.label).collect();
     let store = ParamStore::new(Precision::Fp32, Device::Cpu, seed);
-    let lin = wick::nn::Linear::new(&store, "bytes", 256, data.classes.len(), true)?;
+    let lin = wick::nn::Linear::new(&store, "bytes", 256, classes, true)?;
     let mut engine = Engine::new(store, EngineConfig::adamw(1e-2))?;
     let bs = 256;
     let epochs = 5u64.max(200 * bs as u64 / train.len().max(1) as u64);
@@ -258,9 +281,7 @@ fn bag_of_bytes(
             })?;
         }
     }
-    let pred = lin.forward(&xte)?.argmax(D::Minus1)?.to_vec1::<u32>()?;
-    let truth: Vec<u32> = test.iter().map(|l| l.label).collect();
-    ClassificationReport::new(&pred, &truth, data.classes.len())
+    Ok(lin.forward(&xte)?.argmax(D::Minus1)?.to_vec1::<u32>()?)
 }
 
 fn print_report(name: &str, r: &ClassificationReport) {
@@ -314,36 +335,121 @@ fn export(
     Ok(())
 }
 
-fn main() -> Result<()> {
-    let args = Args::parse();
-    anyhow::ensure!(
-        args.batch_size >= 1 && args.epochs >= 1,
-        "--batch-size and --epochs must be >= 1"
-    );
-    anyhow::ensure!(
-        args.lr > 0.0 && args.head_lr > 0.0 && args.lr.is_finite() && args.head_lr.is_finite(),
-        "--lr and --head-lr must be finite and > 0"
-    );
-    anyhow::ensure!(
-        (0.0..1.0).contains(&args.warmup_frac),
-        "--warmup-frac must be in [0, 1)"
-    );
-    let dev = wick::device_from_flag(&args.device)?;
+/// What every fold shares: the tokenizer, its padding id, the model's config and the device.
+struct Setup {
+    tok: tokenizers::Tokenizer,
+    pad: u32,
+    config: BertConfig,
+    dev: Device,
+}
 
-    // data: lines by genre, split by play, tokenized
-    let data = plays::load(&args.plays, args.val_plays)?;
+impl Setup {
+    /// Reads the tokenizer (with truncation at `--max-len`) and config.json of `--model-dir`.
+    fn new(args: &Args, dev: Device) -> Result<Self> {
+        let path = args.model_dir.join("tokenizer.json");
+        let mut tok = tokenizers::Tokenizer::from_file(&path)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        tok.with_padding(None);
+        tok.with_truncation(Some(tokenizers::TruncationParams {
+            max_length: args.max_len,
+            ..Default::default()
+        }))
+        .map_err(|e| anyhow::anyhow!("tokenizer truncation: {e}"))?;
+        let pad = tok.token_to_id("[PAD]").unwrap_or(0);
+        let config = BertConfig::from_json_file(&args.model_dir.join("config.json"))?;
+        anyhow::ensure!(
+            (2..=config.max_position_embeddings).contains(&args.max_len),
+            "--max-len {} must be in 2..={} (the model's max_position_embeddings)",
+            args.max_len,
+            config.max_position_embeddings
+        );
+        Ok(Self {
+            tok,
+            pad,
+            config,
+            dev,
+        })
+    }
+}
+
+/// One fold's outcome: the scores of the three methods on its test lines, their predictions
+/// (in test-line order, for pooling) and the training figures.
+struct FoldRun {
+    test_fold: usize,
+    test_plays: Vec<String>,
+    train_lines: usize,
+    /// Labels of the test lines.
+    truth: Vec<u32>,
+    wick_pred: Vec<u32>,
+    wick: ClassificationReport,
+    majority_class: u32,
+    majority: ClassificationReport,
+    /// Predictions and report of the bag-of-bytes baseline (None with --skip-baselines).
+    bytes: Option<(Vec<u32>, ClassificationReport)>,
+    val: Option<ClassificationReport>,
+    steps: u64,
+    applied: u64,
+    /// Examples and seconds of the timed steps (after --timing-warmup).
+    timed_examples: usize,
+    timed_s: f64,
+    train_s: f64,
+    test_rate: f64,
+    peak_gb: Option<f64>,
+}
+
+impl FoldRun {
+    fn train_rate(&self) -> f64 {
+        self.timed_examples as f64 / self.timed_s
+    }
+}
+
+fn peak_text(peak: Option<f64>) -> String {
+    peak.map_or("n/a (CPU)".to_string(), |g| format!("{g:.2} GB"))
+}
+
+/// Accuracy and macro-F1 as JSON.
+fn scores(r: &ClassificationReport) -> serde_json::Value {
+    serde_json::json!({ "accuracy": r.accuracy, "macro_f1": r.macro_f1 })
+}
+
+/// The flags that do not go with `--cv`, as one error naming them all.
+fn check_cv_flags(args: &Args) -> Result<()> {
+    let mut clash = Vec::new();
+    if args.test_fold.is_some() {
+        clash.push("--test-fold (--cv already tests every fold, 0 to 4)");
+    }
+    if args.val_plays {
+        clash.push("--val-plays (choose settings on one fold's validation plays, without --cv)");
+    }
+    if args.export_batches.is_some() {
+        clash.push("--export-batches (it writes the batches of one split)");
+    }
+    if args.save.is_some() {
+        clash.push("--save (--cv trains five models and keeps none)");
+    }
+    anyhow::ensure!(
+        clash.is_empty(),
+        "--cv cannot be used with {}; leave those out, or run one fold without --cv \
+         (--test-fold K)",
+        clash.join(", ")
+    );
+    Ok(())
+}
+
+/// Trains a fresh model (pretrained weights loaded again unless --random-init) on the train
+/// lines of `data` (one fold's split) and scores it and the two baselines on its test lines,
+/// printing as it goes. Writes the batches when --export-batches is set. Returns the outcome
+/// and the trained parameters (for --save).
+fn run_fold(
+    args: &Args,
+    setup: &Setup,
+    data: &GenreLines,
+    test_fold: usize,
+) -> Result<(FoldRun, ParamStore)> {
+    let (tok, pad, config, dev) = (&setup.tok, setup.pad, &setup.config, &setup.dev);
     let train_lines = sample(data.train.clone(), args.max_train, args.seed);
     let test_lines = sample(data.test.clone(), args.max_test, args.seed + 1);
-    let mut tok = tokenizers::Tokenizer::from_file(args.model_dir.join("tokenizer.json"))
-        .map_err(|e| anyhow::anyhow!("{}: {e}", args.model_dir.join("tokenizer.json").display()))?;
-    tok.with_padding(None);
-    tok.with_truncation(Some(tokenizers::TruncationParams {
-        max_length: args.max_len,
-        ..Default::default()
-    }))
-    .map_err(|e| anyhow::anyhow!("tokenizer truncation: {e}"))?;
-    let pad = tok.token_to_id("[PAD]").unwrap_or(0);
-    let (train_ids, test_ids) = (tokenize(&tok, &train_lines)?, tokenize(&tok, &test_lines)?);
+    let (train_ids, test_ids) = (tokenize(tok, &train_lines)?, tokenize(tok, &test_lines)?);
     println!(
         "{} classes {:?}; train {} lines from {} plays, test {} lines from {} plays ({:?})",
         data.classes.len(),
@@ -366,38 +472,33 @@ fn main() -> Result<()> {
         data.class_counts(&train_lines),
         data.class_counts(&test_lines)
     );
+    let classes = data.classes.len();
 
     // baselines on the same split
-    let truth: Vec<u32> = test_lines.iter().map(|l| l.label).collect();
+    let truth = labels(&test_lines);
     let train_counts = data.class_counts(&train_lines);
-    let majority = (0..train_counts.len())
+    let majority_class = (0..train_counts.len())
         .max_by_key(|&c| train_counts[c])
         .unwrap_or(0) as u32;
-    let majority_report =
-        ClassificationReport::new(&vec![majority; truth.len()], &truth, data.classes.len())?;
+    let majority = ClassificationReport::new(&vec![majority_class; truth.len()], &truth, classes)?;
     print_report(
-        &format!("majority ({})", data.classes[majority as usize]),
-        &majority_report,
+        &format!("majority ({})", data.classes[majority_class as usize]),
+        &majority,
     );
-    if !args.skip_baselines {
-        print_report(
-            "bag-of-bytes logistic reg.",
-            &bag_of_bytes(&data, &train_lines, &test_lines, args.seed)?,
-        );
-    }
+    let bytes = if args.skip_baselines {
+        None
+    } else {
+        let pred = bag_of_bytes(classes, &train_lines, &test_lines, args.seed)?;
+        let report = ClassificationReport::new(&pred, &truth, classes)?;
+        print_report("bag-of-bytes logistic reg.", &report);
+        Some((pred, report))
+    };
 
     // model: pretrained encoder + head, parameter groups by name
-    let config = BertConfig::from_json_file(&args.model_dir.join("config.json"))?;
-    anyhow::ensure!(
-        (2..=config.max_position_embeddings).contains(&args.max_len),
-        "--max-len {} must be in 2..={} (the model's max_position_embeddings)",
-        args.max_len,
-        config.max_position_embeddings
-    );
     let store = ParamStore::new(args.precision, dev.clone(), args.seed);
     let mut bert = Bert::new(&store, config.clone())?;
     bert.set_checkpointing(args.checkpointing);
-    let head = ClassifierHead::new(&store, "head", config.hidden_size, data.classes.len())?;
+    let head = ClassifierHead::new(&store, "head", config.hidden_size, classes)?;
     if args.random_init {
         println!(
             "random initialisation ({} parameters): --random-init, the weights are not loaded",
@@ -430,9 +531,13 @@ fn main() -> Result<()> {
     let schedule_batches: Vec<Vec<usize>> = (0..args.epochs as u64)
         .flat_map(|e| length_grouped_batches(&train_lengths, args.batch_size, 50, args.seed, e))
         .collect();
+    anyhow::ensure!(
+        !schedule_batches.is_empty(),
+        "fold {test_fold} has no train lines to train on (check --plays and --max-train)"
+    );
     let test_batches = sorted_batches(&test_ids);
     let val_lines = sample(data.val.clone(), args.max_test, args.seed + 2);
-    let val_ids = tokenize(&tok, &val_lines)?;
+    let val_ids = tokenize(tok, &val_lines)?;
     let val_split = Split {
         ids: &val_ids,
         lines: &val_lines,
@@ -442,8 +547,8 @@ fn main() -> Result<()> {
     if let Some(p) = &args.export_batches {
         export(
             p,
-            &args,
-            &data,
+            args,
+            data,
             pad,
             warmup,
             total,
@@ -452,8 +557,7 @@ fn main() -> Result<()> {
         )?;
     }
 
-    let classes = data.classes.len();
-    let (before, _) = evaluate(&model, &test_split, &test_batches, pad, &dev, classes)?;
+    let (before, _, _) = evaluate(&model, &test_split, &test_batches, pad, dev, classes)?;
     print_report("before fine-tuning", &before);
 
     let mut ec = EngineConfig::adamw(args.lr);
@@ -477,15 +581,15 @@ fn main() -> Result<()> {
         "training: {} steps of {} lines, {} on {:?}, lr {} (head {}), warmup {warmup}, clip {}, checkpointing {}",
         total, args.batch_size, args.precision, dev, args.lr, args.head_lr, args.clip, args.checkpointing
     );
-    wick::cuda::reset_peak_memory(&dev)?;
-    let (mut timed_examples, mut t_start, mut recent) = (0usize, None, Vec::new());
+    wick::cuda::reset_peak_memory(dev)?;
+    let (mut timed_examples, mut t_start) = (0usize, None);
     let t_all = Instant::now();
     for (step, idx) in schedule_batches.iter().enumerate() {
         if step == args.timing_warmup.min(schedule_batches.len() - 1) {
-            sync(&dev)?;
+            sync(dev)?;
             t_start = Some(Instant::now());
         }
-        let (b, labels) = train_split.batch(idx, pad, &dev)?;
+        let (b, labels) = train_split.batch(idx, pad, dev)?;
         let r = engine.step(|_| {
             classification_loss(&model.logits(&b)?, &labels).map_err(candle_core::Error::wrap)
         })?;
@@ -493,61 +597,89 @@ fn main() -> Result<()> {
             timed_examples += idx.len();
         }
         if step % args.log_every.max(1) == 0 || step + 1 == schedule_batches.len() {
-            let loss = r.loss()?;
-            recent.push(loss);
             println!(
-                "step {step:>5}  loss {loss:.4}  lr {:.2e}",
+                "step {step:>5}  loss {:.4}  lr {:.2e}",
+                r.loss()?,
                 engine.config().schedule.lr(step as u64)
             );
         }
     }
-    sync(&dev)?;
+    sync(dev)?;
     let train_s = t_all.elapsed().as_secs_f64();
-    let rate = timed_examples as f64 / t_start.map_or(f64::NAN, |t| t.elapsed().as_secs_f64());
-    let peak = wick::cuda::peak_memory_gb(&dev);
+    let timed_s = t_start.map_or(f64::NAN, |t| t.elapsed().as_secs_f64());
+    let peak_gb = wick::cuda::peak_memory_gb(dev);
     let applied = engine.optimizer_steps()?;
     println!("applied {applied} of {total} optimizer steps (a step with non-finite gradients is skipped)");
-    let (after, test_rate) = evaluate(&model, &test_split, &test_batches, pad, &dev, classes)?;
-    print_report("wick fine-tuned", &after);
+    let (wick, wick_pred, test_rate) =
+        evaluate(&model, &test_split, &test_batches, pad, dev, classes)?;
+    print_report("wick fine-tuned", &wick);
     let val = if val_lines.is_empty() {
         None
     } else {
-        let (v, _) = evaluate(
+        let (v, _, _) = evaluate(
             &model,
             &val_split,
             &sorted_batches(&val_ids),
             pad,
-            &dev,
+            dev,
             classes,
         )?;
         print_report(&format!("validation ({} plays)", data.val_plays.len()), &v);
         Some(v)
     };
+    let run = FoldRun {
+        test_fold,
+        test_plays: data.test_plays.clone(),
+        train_lines: train_lines.len(),
+        truth,
+        wick_pred,
+        wick,
+        majority_class,
+        majority,
+        bytes,
+        val,
+        steps: total,
+        applied,
+        timed_examples,
+        timed_s,
+        train_s,
+        test_rate,
+        peak_gb,
+    };
     println!(
         "train: {:.1} examples/s (steps {}.., {} examples), {:.1} s in all; test {:.1} examples/s; peak memory {}",
-        rate,
+        run.train_rate(),
         args.timing_warmup,
         timed_examples,
         train_s,
         test_rate,
-        peak.map_or("n/a (CPU)".to_string(), |g| format!("{g:.2} GB"))
+        peak_text(peak_gb)
     );
+    Ok((run, store))
+}
+
+/// One split (`--test-fold`, default 2): the report, the RESULT line, and --save.
+fn single(args: &Args, setup: Setup) -> Result<()> {
+    let test_fold = args.test_fold.unwrap_or(plays::DEFAULT_TEST_FOLD);
+    let data = plays::load_fold(&args.plays, test_fold, args.val_plays)?;
+    let (run, store) = run_fold(args, &setup, &data, test_fold)?;
     println!(
         "RESULT {}",
         serde_json::json!({
             "impl": "wick", "device": args.device, "precision": args.precision.to_string(),
-            "steps": total, "applied_steps": applied, "batch_size": args.batch_size, "train_examples_per_s": rate,
-            "train_wall_s": train_s, "test_examples_per_s": test_rate, "peak_memory_gb": peak,
-            "accuracy": after.accuracy, "macro_f1": after.macro_f1,
-            "val_accuracy": val.as_ref().map(|v| v.accuracy), "val_macro_f1": val.as_ref().map(|v| v.macro_f1),
+            "steps": run.steps, "applied_steps": run.applied, "batch_size": args.batch_size, "train_examples_per_s": run.train_rate(),
+            "train_wall_s": run.train_s, "test_examples_per_s": run.test_rate, "peak_memory_gb": run.peak_gb,
+            "accuracy": run.wick.accuracy, "macro_f1": run.wick.macro_f1,
+            "val_accuracy": run.val.as_ref().map(|v| v.accuracy), "val_macro_f1": run.val.as_ref().map(|v| v.macro_f1),
             "lr": args.lr, "head_lr": args.head_lr, "epochs": args.epochs, "random_init": args.random_init, "checkpointing": args.checkpointing,
-            "majority_accuracy": majority_report.accuracy, "majority_macro_f1": majority_report.macro_f1,
+            "majority_accuracy": run.majority.accuracy, "majority_macro_f1": run.majority.macro_f1,
+            "test_fold": test_fold,
         })
     );
     if let Some(dir) = &args.save {
         bert_io::save_pretrained(
             &store,
-            &config,
+            &setup.config,
             dir,
             Some(&args.model_dir.join("tokenizer.json")),
         )?;
@@ -560,4 +692,175 @@ fn main() -> Result<()> {
         println!("saved the encoder and head to {}", dir.display());
     }
     Ok(())
+}
+
+/// Cross-validation by play: one fresh model per fold, then each method's predictions of all
+/// folds pooled into one report, and the RESULT line.
+fn cross_validate(args: &Args, setup: Setup) -> Result<()> {
+    // every fold's split first, so that a data error stops the run before any training
+    let folds: Vec<GenreLines> = (0..plays::FOLDS)
+        .map(|k| plays::load_fold(&args.plays, k, false))
+        .collect::<Result<_>>()?;
+    let classes = folds[0].classes.clone();
+    let mut runs = Vec::new();
+    for (k, data) in folds.iter().enumerate() {
+        println!(
+            "\n=== fold {k} (folds 0 to {}): test plays {:?} ===",
+            plays::FOLDS - 1,
+            data.test_plays
+        );
+        let (run, store) = run_fold(args, &setup, data, k)?;
+        drop(store); // the next fold starts from fresh parameters; free these first
+        runs.push(run);
+    }
+
+    // per-fold table
+    let bytes_cell = |r: &FoldRun| {
+        r.bytes
+            .as_ref()
+            .map_or("     -       -".to_string(), |(_, b)| {
+                format!("{:.4}  {:.4}", b.accuracy, b.macro_f1)
+            })
+    };
+    println!(
+        "\ncross-validation by play, {} folds (accuracy, macro-F1):",
+        plays::FOLDS
+    );
+    println!(
+        "{:<6} {:>10}  {:<14}  {:<26}  {:<14}  {:>12}  peak memory",
+        "fold", "test lines", "wick", "majority", "bag-of-bytes", "train ex/s"
+    );
+    for r in &runs {
+        let maj = format!(
+            "{:.4}  {:.4} ({})",
+            r.majority.accuracy, r.majority.macro_f1, classes[r.majority_class as usize]
+        );
+        println!(
+            "fold {} {:>10}  {:.4}  {:.4}  {:<26}  {:<14}  {:>12.1}  {}",
+            r.test_fold,
+            r.truth.len(),
+            r.wick.accuracy,
+            r.wick.macro_f1,
+            maj,
+            bytes_cell(r),
+            r.train_rate(),
+            peak_text(r.peak_gb)
+        );
+    }
+
+    // pooled: every fold's predictions and truths concatenated
+    let truth: Vec<u32> = runs.iter().flat_map(|r| r.truth.iter().copied()).collect();
+    let pool = |pred: Vec<u32>| ClassificationReport::new(&pred, &truth, classes.len());
+    let wick = pool(runs.iter().flat_map(|r| r.wick_pred.clone()).collect())?;
+    let majority = pool(
+        runs.iter()
+            .flat_map(|r| vec![r.majority_class; r.truth.len()])
+            .collect(),
+    )?;
+    let bytes = if args.skip_baselines {
+        None
+    } else {
+        let pred: Option<Vec<u32>> = runs
+            .iter()
+            .map(|r| r.bytes.as_ref().map(|(p, _)| p.clone()))
+            .collect::<Option<Vec<_>>>()
+            .map(|v| v.concat());
+        pred.map(pool).transpose()?
+    };
+    let (timed_examples, timed_s) = runs.iter().fold((0usize, 0.0), |(e, s), r| {
+        (e + r.timed_examples, s + r.timed_s)
+    });
+    let rate = timed_examples as f64 / timed_s;
+    let peak = runs.iter().filter_map(|r| r.peak_gb).reduce(f64::max);
+    let sampled = if args.max_test.is_some() {
+        " (a --max-test sample of each fold)"
+    } else {
+        ", every line of every play once"
+    };
+    println!(
+        "\npooled over {} folds: {} test lines{sampled}",
+        plays::FOLDS,
+        truth.len()
+    );
+    print_report("wick fine-tuned (pooled)", &wick);
+    print_report("majority (pooled)", &majority);
+    if let Some(b) = &bytes {
+        print_report("bag-of-bytes (pooled)", b);
+    }
+    println!(
+        "train: {rate:.1} examples/s over all folds' timed steps; peak memory {}",
+        peak_text(peak)
+    );
+
+    let per_fold: Vec<serde_json::Value> = runs
+        .iter()
+        .map(|r| {
+            serde_json::json!({
+                "test_fold": r.test_fold, "test_plays": r.test_plays,
+                "train_lines": r.train_lines, "test_lines": r.truth.len(),
+                "steps": r.steps, "applied_steps": r.applied,
+                "train_examples_per_s": r.train_rate(), "train_wall_s": r.train_s,
+                "test_examples_per_s": r.test_rate, "peak_memory_gb": r.peak_gb,
+                "wick": scores(&r.wick),
+                "majority": scores(&r.majority),
+                "majority_class": classes[r.majority_class as usize],
+                "bag_of_bytes": r.bytes.as_ref().map(|(_, b)| scores(b)),
+            })
+        })
+        .collect();
+    println!(
+        "RESULT {}",
+        serde_json::json!({
+            "impl": "wick", "mode": "cv", "folds": plays::FOLDS,
+            "device": args.device, "precision": args.precision.to_string(),
+            "batch_size": args.batch_size, "epochs": args.epochs, "lr": args.lr, "head_lr": args.head_lr,
+            "weight_decay": args.weight_decay, "warmup_frac": args.warmup_frac, "clip": args.clip,
+            "max_len": args.max_len, "max_train": args.max_train, "max_test": args.max_test,
+            "seed": args.seed, "random_init": args.random_init, "checkpointing": args.checkpointing,
+            "optimizer_path": args.optimizer_path,
+            "pooled": {
+                "test_lines": truth.len(),
+                "wick": scores(&wick),
+                "majority": scores(&majority),
+                "bag_of_bytes": bytes.as_ref().map(scores),
+                "train_examples_per_s": rate, "peak_memory_gb": peak,
+            },
+            "per_fold": per_fold,
+        })
+    );
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    anyhow::ensure!(
+        args.batch_size >= 1 && args.epochs >= 1,
+        "--batch-size and --epochs must be >= 1"
+    );
+    anyhow::ensure!(
+        args.lr > 0.0 && args.head_lr > 0.0 && args.lr.is_finite() && args.head_lr.is_finite(),
+        "--lr and --head-lr must be finite and > 0"
+    );
+    anyhow::ensure!(
+        (0.0..1.0).contains(&args.warmup_frac),
+        "--warmup-frac must be in [0, 1)"
+    );
+    if let Some(k) = args.test_fold {
+        anyhow::ensure!(
+            k < plays::FOLDS,
+            "--test-fold {k} is out of range: the folds are 0 to {} (default {})",
+            plays::FOLDS - 1,
+            plays::DEFAULT_TEST_FOLD
+        );
+    }
+    if args.cv {
+        check_cv_flags(&args)?;
+    }
+    let dev = wick::device_from_flag(&args.device)?;
+    let setup = Setup::new(&args, dev)?;
+    if args.cv {
+        cross_validate(&args, setup)
+    } else {
+        single(&args, setup)
+    }
 }

@@ -372,6 +372,113 @@ fn finetune_bert_trains_exports_and_saves_on_a_cpu_sample() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Fake plays for `--plays`: three genres of 6, 7 and 8 plays whose plays have 2 to 9 lines,
+/// so that the folds' test sets differ in size. Returns the folder and the number of lines.
+fn fake_plays(dir: &Path) -> usize {
+    let mut lines = 0;
+    for (genre, plays) in [("comic", 6), ("royal", 7), ("tragic", 8)] {
+        std::fs::create_dir_all(dir.join(genre)).unwrap();
+        for p in 0..plays {
+            let mut md = format!("# {genre} {p}\n\n**SPEAKER**  \n");
+            for l in 0..2 + (p * 3 + genre.len()) % 8 {
+                md.push_str(&format!("the {genre} line {l} of play {p} goes here  \n"));
+                lines += 1;
+            }
+            std::fs::write(dir.join(genre).join(format!("play{p}.md")), md).unwrap();
+        }
+    }
+    lines
+}
+
+/// finetune_bert --cv on fake plays (the real tokenizer and weights): five folds, each play a
+/// test play once, and pooled accuracies equal to the line-weighted means of the folds'.
+#[test]
+fn finetune_bert_cross_validates_by_play() {
+    let dir = tmp("bert-cv");
+    let total_lines = fake_plays(&dir);
+    let o = run(
+        "finetune_bert",
+        &[
+            "--cv",
+            "--plays",
+            dir.to_str().unwrap(),
+            "--max-train",
+            "48",
+            "--batch-size",
+            "16",
+            "--precision",
+            "fp32",
+            "--timing-warmup",
+            "0",
+        ],
+    );
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    for k in 0..5 {
+        assert!(
+            out.contains(&format!("=== fold {k} ")),
+            "no fold {k} in\n{out}"
+        );
+        let rows = out
+            .lines()
+            .filter(|l| l.starts_with(&format!("fold {k} ")))
+            .count();
+        assert_eq!(rows, 1, "fold {k} in the table\n{out}");
+    }
+    for want in [
+        "pooled over 5 folds",
+        "wick fine-tuned (pooled)",
+        "majority (pooled)",
+        "bag-of-bytes (pooled)",
+    ] {
+        assert!(out.contains(want), "missing {want:?} in\n{out}");
+    }
+    let r: serde_json::Value = serde_json::from_str(
+        out.lines()
+            .find_map(|l| l.strip_prefix("RESULT "))
+            .expect("RESULT line"),
+    )
+    .unwrap();
+    assert_eq!(r["mode"], "cv");
+    let folds = r["per_fold"].as_array().unwrap();
+    assert_eq!(folds.len(), 5);
+    // every play is a test play exactly once
+    let mut plays: Vec<&str> = folds
+        .iter()
+        .flat_map(|f| f["test_plays"].as_array().unwrap())
+        .map(|p| p.as_str().unwrap())
+        .collect();
+    plays.sort();
+    let n = plays.len();
+    plays.dedup();
+    assert_eq!((n, plays.len()), (21, 21), "{plays:?}");
+    // pooled = line-weighted mean of the folds, recomputed here; every line scored once
+    let lines: Vec<f64> = folds
+        .iter()
+        .map(|f| f["test_lines"].as_f64().unwrap())
+        .collect();
+    assert_eq!(lines.iter().sum::<f64>() as usize, total_lines);
+    assert_eq!(r["pooled"]["test_lines"], total_lines);
+    assert!(
+        lines.iter().any(|&l| l != lines[0]),
+        "the folds should differ in size: {lines:?}"
+    );
+    for method in ["wick", "majority", "bag_of_bytes"] {
+        let weighted: f64 = folds
+            .iter()
+            .zip(&lines)
+            .map(|(f, n)| f[method]["accuracy"].as_f64().unwrap() * n)
+            .sum::<f64>()
+            / lines.iter().sum::<f64>();
+        let pooled = r["pooled"][method]["accuracy"].as_f64().unwrap();
+        assert!(
+            (pooled - weighted).abs() < 1e-9,
+            "{method}: pooled {pooled} vs weighted mean {weighted}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn finetune_bert_flag_errors_are_plain() {
     let o = run("finetune_bert", &["--model-dir", "/nonexistent"]);
@@ -382,6 +489,20 @@ fn finetune_bert_flag_errors_are_plain() {
     assert!(text(&o)
         .1
         .contains("--lr and --head-lr must be finite and > 0"));
+    // --cv refuses the single-split flags before any work (nothing on stdout)
+    let o = run("finetune_bert", &["--cv", "--save", "x"]);
+    let (out, err) = text(&o);
+    assert!(!o.status.success());
+    assert!(out.is_empty(), "{out}");
+    assert!(
+        err.contains("--cv cannot be used with --save") && err.contains("--test-fold K"),
+        "{err}"
+    );
+    assert!(!Path::new("x").exists());
+    let o = run("finetune_bert", &["--test-fold", "5"]);
+    assert!(text(&o)
+        .1
+        .contains("--test-fold 5 is out of range: the folds are 0 to 4"));
 }
 
 /// finetune_llama on the CPU (scripts/fetch_smollm2.sh and scripts/fetch_shakespeare.sh,
