@@ -31,8 +31,9 @@
 //! order) and the hyper-parameters as JSON, for scripts/torch_bert_genre.py, the PyTorch
 //! reference that trains on exactly the same batches. `--save DIR` writes the fine-tuned
 //! encoder as transformers' safetensors (+ config.json, tokenizer.json) and the head as
-//! DIR/head.safetensors. `--checkpointing` turns on per-layer activation checkpointing
-//! ([`Bert::set_checkpointing`]): less memory, one more forward of each layer per step.
+//! DIR/head.safetensors. `--checkpointing` says what the backward recomputes
+//! ([`Bert::set_recompute`]): `attention` (the default: each layer's attention sub-block),
+//! `layer` (whole layers; `--checkpointing` alone) or `off` (keep every activation).
 
 use anyhow::{Context, Result};
 use candle_core::{Device, Module, Tensor, D};
@@ -42,7 +43,7 @@ use std::time::Instant;
 use wick::classify::ClassificationReport;
 use wick::data::buckets::length_grouped_batches;
 use wick::data::plays::{self, GenreLines, Line};
-use wick::models::bert::{classification_loss, mean_pool, ClassifierHead, PaddedBatch};
+use wick::models::bert::{classification_loss, mean_pool, ClassifierHead, PaddedBatch, Recompute};
 use wick::models::{bert_io, Bert, BertConfig};
 use wick::optim::{LrSchedule, OptimPath};
 use wick::{Engine, EngineConfig, ParamStore, Precision};
@@ -132,10 +133,12 @@ struct Args {
     /// weights' values; the accuracy is then meaningless.
     #[arg(long)]
     random_init: bool,
-    /// Per-layer activation checkpointing: keep only each encoder layer's input and recompute
-    /// the layer in the backward (less memory, one more forward per layer; same results).
-    #[arg(long)]
-    checkpointing: bool,
+    /// What the backward recomputes instead of keeping (activation checkpointing; the same
+    /// results either way): `attention` recomputes each layer's attention sub-block (about a
+    /// third of the forward GEMMs once more), `layer` each whole layer (one more forward;
+    /// `--checkpointing` alone), `off` keeps every activation.
+    #[arg(long, default_value = "attention", num_args = 0..=1, default_missing_value = "layer")]
+    checkpointing: Recompute,
 }
 
 /// A seeded sample of at most `n` lines, in their original order.
@@ -497,7 +500,7 @@ fn run_fold(
     // model: pretrained encoder + head, parameter groups by name
     let store = ParamStore::new(args.precision, dev.clone(), args.seed);
     let mut bert = Bert::new(&store, config.clone())?;
-    bert.set_checkpointing(args.checkpointing);
+    bert.set_recompute(args.checkpointing);
     let head = ClassifierHead::new(&store, "head", config.hidden_size, classes)?;
     if args.random_init {
         println!(
@@ -671,7 +674,7 @@ fn single(args: &Args, setup: Setup) -> Result<()> {
             "train_wall_s": run.train_s, "test_examples_per_s": run.test_rate, "peak_memory_gb": run.peak_gb,
             "accuracy": run.wick.accuracy, "macro_f1": run.wick.macro_f1,
             "val_accuracy": run.val.as_ref().map(|v| v.accuracy), "val_macro_f1": run.val.as_ref().map(|v| v.macro_f1),
-            "lr": args.lr, "head_lr": args.head_lr, "epochs": args.epochs, "random_init": args.random_init, "checkpointing": args.checkpointing,
+            "lr": args.lr, "head_lr": args.head_lr, "epochs": args.epochs, "random_init": args.random_init, "checkpointing": args.checkpointing.to_string(),
             "majority_accuracy": run.majority.accuracy, "majority_macro_f1": run.majority.macro_f1,
             "test_fold": test_fold,
         })
@@ -816,7 +819,7 @@ fn cross_validate(args: &Args, setup: Setup) -> Result<()> {
             "batch_size": args.batch_size, "epochs": args.epochs, "lr": args.lr, "head_lr": args.head_lr,
             "weight_decay": args.weight_decay, "warmup_frac": args.warmup_frac, "clip": args.clip,
             "max_len": args.max_len, "max_train": args.max_train, "max_test": args.max_test,
-            "seed": args.seed, "random_init": args.random_init, "checkpointing": args.checkpointing,
+            "seed": args.seed, "random_init": args.random_init, "checkpointing": args.checkpointing.to_string(),
             "optimizer_path": args.optimizer_path,
             "pooled": {
                 "test_lines": truth.len(),

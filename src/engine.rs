@@ -357,8 +357,7 @@ impl Engine {
         // scale the loss, backward
         let loss_scale = self.amp.loss_scale()?;
         let scaled = loss_scale.scale_loss(&loss)?;
-        let grads = scaled
-            .backward()
+        let grads = crate::grad_sink::backward(&scaled)
             .map_err(|e| anyhow::Error::from(e).context("backward failed"))?;
         // from here on nothing holds the forward graph: its activations are freed before the
         // optimizer runs (and allocates its moments on the first step), as PyTorch frees saved

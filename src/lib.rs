@@ -55,6 +55,7 @@ pub mod data;
 pub mod dist;
 pub mod doctor;
 pub mod engine;
+pub mod grad_sink;
 pub mod grads;
 pub mod lora;
 pub mod loss;

@@ -10,7 +10,7 @@ use candle_transformers::models::bert as ct;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use wick::coverage::Coverage;
-use wick::models::bert::{l2_normalize, mean_pool, ClassifierHead, PaddedBatch};
+use wick::models::bert::{l2_normalize, mean_pool, ClassifierHead, PaddedBatch, Recompute};
 use wick::models::{bert_io, Bert, BertConfig};
 use wick::{Engine, EngineConfig, ParamStore, Precision};
 
@@ -508,21 +508,21 @@ fn train_tiny(
     path: wick::optim::OptimPath,
     steps: usize,
 ) -> Result<Vec<(String, Tensor)>> {
-    train_tiny_with(dev, precision, path, steps, false)
+    train_tiny_with(dev, precision, path, steps, Recompute::Off)
 }
 
-/// [`train_tiny`] with per-layer activation checkpointing on or off.
+/// [`train_tiny`] with what the backward recomputes.
 fn train_tiny_with(
     dev: &Device,
     precision: Precision,
     path: wick::optim::OptimPath,
     steps: usize,
-    checkpointing: bool,
+    recompute: Recompute,
 ) -> Result<Vec<(String, Tensor)>> {
     let config = BertConfig::tiny();
     let store = ParamStore::new(precision, dev.clone(), 3);
     let mut bert = Bert::new(&store, config.clone())?;
-    bert.set_checkpointing(checkpointing);
+    bert.set_recompute(recompute);
     let head = ClassifierHead::new(&store, "head", config.hidden_size, 4)?;
     store.set_lr_scale("head.*", 10.0)?;
     store.set_weight_decay("*LayerNorm*", false)?;
@@ -636,16 +636,16 @@ fn a_bert_for_classification_checkpoint_loads_through_its_prefix() -> Result<()>
 }
 
 /// The loss and every parameter's gradient (by name, f32) of a tiny BERT + head on a fixed
-/// batch, with or without per-layer activation checkpointing.
+/// batch, with what the backward recomputes.
 fn loss_and_grads(
     precision: Precision,
-    checkpointing: bool,
+    recompute: Recompute,
 ) -> Result<(f32, Vec<(String, Tensor)>)> {
     let config = BertConfig::tiny();
     let store = ParamStore::new(precision, Device::Cpu, 21);
     let mut bert = Bert::new(&store, config.clone())?;
-    bert.set_checkpointing(checkpointing);
-    assert_eq!(bert.checkpointing(), checkpointing);
+    bert.set_recompute(recompute);
+    assert_eq!(bert.recompute(), recompute);
     let head = ClassifierHead::new(&store, "head", config.hidden_size, 4)?;
     // a non-zero head, so that the encoder's gradients are not all zero
     let hw = store.get("head.weight").unwrap();
@@ -670,7 +670,7 @@ fn loss_and_grads(
     for p in store.params() {
         let g = grads.get(p.differentiated()).unwrap_or_else(|| {
             panic!(
-                "{}: no gradient (checkpointing {checkpointing}, {precision})",
+                "{}: no gradient (recompute {recompute}, {precision})",
                 p.name
             )
         });
@@ -680,47 +680,54 @@ fn loss_and_grads(
 }
 
 #[test]
-fn checkpointing_gives_the_same_loss_and_every_gradient() -> Result<()> {
+fn recomputation_gives_the_same_loss_and_every_gradient() -> Result<()> {
     for (precision, bound) in [(Precision::Fp32, 1e-6f32), (Precision::Bf16Mixed, 1e-6)] {
-        let (l0, g0) = loss_and_grads(precision, false)?;
-        let (l1, g1) = loss_and_grads(precision, true)?;
-        assert!(
-            (l0 - l1).abs() <= bound * l0.abs(),
-            "{precision}: loss {l0} without checkpointing, {l1} with"
-        );
-        // 16 per layer, 5 for the embeddings, 2 for the head
-        assert_eq!(g0.len(), 5 + 16 * 2 + 2);
-        assert_eq!(g1.len(), g0.len());
-        let mut worst = 0f32;
-        for ((n, a), (_, b)) in g1.iter().zip(&g0) {
-            let scale = max_abs(b, &b.zeros_like()?)?;
+        let (l0, g0) = loss_and_grads(precision, Recompute::Off)?;
+        for recompute in [Recompute::Attention, Recompute::Layer] {
+            let (l1, g1) = loss_and_grads(precision, recompute)?;
             assert!(
-                scale > 0.0 || n.ends_with("key.bias"),
-                "{precision}: {n}: zero gradient"
+                (l0 - l1).abs() <= bound * l0.abs(),
+                "{precision}: loss {l0} without recomputation, {l1} with {recompute}"
             );
-            let e = max_abs(a, b)? / scale.max(1e-6);
-            worst = worst.max(e);
-            assert!(e <= bound, "{precision}: {n}: relative error {e}");
+            // 16 per layer, 5 for the embeddings, 2 for the head
+            assert_eq!(g0.len(), 5 + 16 * 2 + 2);
+            assert_eq!(g1.len(), g0.len());
+            let mut worst = 0f32;
+            for ((n, a), (_, b)) in g1.iter().zip(&g0) {
+                let scale = max_abs(b, &b.zeros_like()?)?;
+                assert!(
+                    scale > 0.0 || n.ends_with("key.bias"),
+                    "{precision}: {n}: zero gradient"
+                );
+                let e = max_abs(a, b)? / scale.max(1e-6);
+                worst = worst.max(e);
+                assert!(
+                    e <= bound,
+                    "{precision} {recompute}: {n}: relative error {e}"
+                );
+            }
+            println!("{precision} {recompute}: loss {l0}, worst relative gradient error {worst:e}");
         }
-        println!("{precision}: loss {l0}, worst relative gradient error {worst:e}");
     }
     Ok(())
 }
 
 #[test]
-fn engine_steps_with_checkpointing_match_those_without() -> Result<()> {
+fn engine_steps_with_recomputation_match_those_without() -> Result<()> {
     use wick::optim::OptimPath;
     for (precision, bound) in [(Precision::Fp32, 1e-5f32), (Precision::Bf16Mixed, 1e-5)] {
-        let init = train_tiny_with(&Device::Cpu, precision, OptimPath::Fused, 0, false)?;
-        let plain = train_tiny_with(&Device::Cpu, precision, OptimPath::Fused, 4, false)?;
-        let ckpt = train_tiny_with(&Device::Cpu, precision, OptimPath::Fused, 4, true)?;
-        compare_masters(
-            &ckpt,
-            &plain,
-            &init,
-            bound,
-            &format!("{precision}: checkpointing vs not"),
-        )?;
+        let init = train_tiny_with(&Device::Cpu, precision, OptimPath::Fused, 0, Recompute::Off)?;
+        let plain = train_tiny_with(&Device::Cpu, precision, OptimPath::Fused, 4, Recompute::Off)?;
+        for recompute in [Recompute::Attention, Recompute::Layer] {
+            let ckpt = train_tiny_with(&Device::Cpu, precision, OptimPath::Fused, 4, recompute)?;
+            compare_masters(
+                &ckpt,
+                &plain,
+                &init,
+                bound,
+                &format!("{precision}: recompute {recompute} vs off"),
+            )?;
+        }
     }
     Ok(())
 }

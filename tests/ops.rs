@@ -495,6 +495,37 @@ fn embedding_matches_index_select_on_cpu() -> Result<()> {
     Ok(())
 }
 
+/// `wick::grad_sink::backward` (the engine's backward) gives every leaf the gradient candle's
+/// own backward gives: a table both looked up and tied to an output matmul (its two
+/// contributions summed), an untied table, and a weight no embedding touches; the table
+/// looked up twice sums both lookups.
+#[test]
+fn grad_sink_backward_equals_candles_backward() -> Result<()> {
+    let dev = Device::Cpu;
+    let ids = Tensor::new(&[[3u32, 1, 3, 0], [2, 4, 4, 1]], &dev)?;
+    let tied = Var::from_tensor(&rand_t(&[5, 8], -1.0, 1.0, 1300, DType::F32, &dev))?;
+    let pos = Var::from_tensor(&rand_t(&[5, 8], -1.0, 1.0, 1301, DType::F32, &dev))?;
+    let w = Var::from_tensor(&rand_t(&[8, 8], -1.0, 1.0, 1302, DType::F32, &dev))?;
+    let r = rand_t(&[2, 4, 5], -1.0, 1.0, 1303, DType::F32, &dev);
+    let loss = || -> Result<Tensor> {
+        let p_ids = Tensor::new(&[[0u32, 1, 2, 3], [0, 1, 2, 3]], &dev)?;
+        let x = (ops::embedding(&ids, tied.as_tensor())?
+            + ops::embedding(&p_ids, pos.as_tensor())?
+            + ops::embedding(&ids, pos.as_tensor())?)?;
+        let h = x.broadcast_matmul(w.as_tensor())?.tanh()?;
+        let logits = h.broadcast_matmul(&tied.as_tensor().t()?)?;
+        (logits * &r)?.sum_all()
+    };
+    let want = loss()?.backward()?;
+    let got = wick::grad_sink::backward(&loss()?)?;
+    for (name, v) in [("tied", &tied), ("pos", &pos), ("w", &w)] {
+        let (a, b) = (want.get(v).unwrap(), got.get(v).expect(name));
+        let d = (a - b)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(d <= 1e-6, "{name}: max |diff| {d}");
+    }
+    Ok(())
+}
+
 /// candle's composition for the heads: narrow, reshape, transpose, contiguous.
 fn split_ref(qkv: &Tensor, h: usize) -> Result<Tensor> {
     let (b, t, c3) = qkv.dims3()?;

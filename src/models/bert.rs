@@ -208,9 +208,58 @@ pub struct Bert {
     position: Tensor,
     token_type: Tensor,
     embed_norm: LayerNorm,
-    /// shared with the checkpointed segments' closures ([`Bert::set_checkpointing`])
+    /// shared with the recomputed segments' closures ([`Bert::set_recompute`])
     layers: Vec<Arc<Layer>>,
-    checkpointing: bool,
+    recompute: Recompute,
+}
+
+/// What the encoder recomputes in the backward instead of keeping from the forward
+/// (activation checkpointing, [`crate::recompute`]). Either way the loss and every gradient are
+/// the same: the recomputation runs the same ops on the same inputs (the encoder has no
+/// dropout). Memory figures are for all-MiniLM-L6-v2 at batch 64 x 32 tokens, bf16-mixed,
+/// peak of a step over the static state (`examples/bert_mem_probe.rs`, CPU allocator).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Recompute {
+    /// Keep every activation (no recomputation).
+    #[default]
+    Off,
+    /// Keep only each layer's attention sub-block input `(B, T, C)` f32 and output; recompute
+    /// the sub-block (the q/k/v projection, the scores and probabilities `(B, H, T, T)`, the
+    /// output projection, the residual add and its LayerNorm) in the backward. A selective
+    /// recomputation in the sense of Korthikanti et al. 2022 ("Reducing Activation
+    /// Recomputation in Large Transformer Models", arXiv:2205.05198), who recompute only the
+    /// attention core; here the projections are recomputed too, because at BERT's short
+    /// sequences their outputs are most of the sub-block's memory. Cost: a third of the
+    /// encoder's forward GEMMs once more.
+    Attention,
+    /// Keep only each layer's input; recompute the whole layer (Chen et al. 2016, "Training
+    /// Deep Nets with Sublinear Memory Cost", arXiv:1604.06174; PyTorch's
+    /// `gradient_checkpointing_enable`). Cost: one more forward of every layer.
+    Layer,
+}
+
+impl std::str::FromStr for Recompute {
+    type Err = anyhow::Error;
+
+    /// `off`, `attention` or `layer`.
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "off" => Ok(Self::Off),
+            "attention" => Ok(Self::Attention),
+            "layer" => Ok(Self::Layer),
+            _ => bail!("unknown recomputation {s:?}: use off, attention or layer"),
+        }
+    }
+}
+
+impl std::fmt::Display for Recompute {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Off => "off",
+            Self::Attention => "attention",
+            Self::Layer => "layer",
+        })
+    }
 }
 
 /// A parameter drawn from BERT's initialisation, `N(0, 0.02)`.
@@ -282,7 +331,7 @@ impl Bert {
             token_type,
             embed_norm,
             layers,
-            checkpointing: false,
+            recompute: Recompute::Off,
         })
     }
 
@@ -291,26 +340,14 @@ impl Bert {
         &self.config
     }
 
-    /// Per-layer activation checkpointing (Chen et al. 2016, "Training Deep Nets with Sublinear
-    /// Memory Cost", arXiv:1604.06174; [`crate::recompute`]). Off by default.
-    ///
-    /// On, the forward keeps only each encoder layer's input `(B, T, C)` f32 (and its output,
-    /// the next layer's input) for the backward, instead of all the layer's intermediates: the
-    /// fused qkv projection and its head split, the attention scores and probabilities
-    /// `(B, H, T, T)`, the attention output, both LayerNorms' inputs and outputs and the
-    /// feed-forward activations `(B, T, intermediate_size)`. The backward runs each layer's
-    /// forward again, recording a graph, and backpropagates through it, so at most one layer's
-    /// intermediates are alive at a time. Cost: one more forward of every encoder layer per
-    /// step (about a third more matmul work). The results are the same: the recomputation runs
-    /// the same ops on the same inputs (the encoder has no dropout), and every parameter gets
-    /// the same gradient as without checkpointing. The embeddings are not checkpointed.
-    pub fn set_checkpointing(&mut self, on: bool) {
-        self.checkpointing = on;
+    /// Sets what the backward recomputes ([`Recompute`]; [`Recompute::Off`] by default).
+    pub fn set_recompute(&mut self, recompute: Recompute) {
+        self.recompute = recompute;
     }
 
-    /// Whether per-layer activation checkpointing is on ([`Self::set_checkpointing`]).
-    pub fn checkpointing(&self) -> bool {
-        self.checkpointing
+    /// What the backward recomputes ([`Self::set_recompute`]).
+    pub fn recompute(&self) -> Recompute {
+        self.recompute
     }
 
     /// The last hidden states `(B, T, C)` f32 of `batch` (transformers' `last_hidden_state`).
@@ -336,39 +373,78 @@ impl Bert {
         x = ops::residual_add(&x, &ops::embedding(&types, &self.token_type)?)?;
         x = self.embed_norm.forward(&x)?;
         for layer in &self.layers {
-            x = if self.checkpointing {
-                let (l, lengths) = (layer.clone(), batch.lengths.clone());
-                let segment: crate::recompute::SegmentFn = Arc::new(move |x: &Tensor| {
-                    l.forward(x, &lengths)
-                        .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
-                });
-                crate::recompute::checkpoint(&x, &layer.tensors(), segment)?
-            } else {
-                layer.forward(&x, &batch.lengths)?
+            x = match self.recompute {
+                Recompute::Off => layer.forward(&x, &batch.lengths)?,
+                Recompute::Attention => {
+                    let a = recomputed(
+                        layer,
+                        &x,
+                        &batch.lengths,
+                        Layer::attention_block,
+                        layer.attention_tensors(),
+                    )?;
+                    layer.feed_forward_block(&a)?
+                }
+                Recompute::Layer => {
+                    recomputed(layer, &x, &batch.lengths, Layer::forward, layer.tensors())?
+                }
             };
         }
         Ok(x)
     }
 }
 
+/// `block` of `layer` (its forward or its attention sub-block) on `x` under
+/// [`crate::recompute::checkpoint`]: its intermediates are recomputed in the backward.
+/// `tensors` are the parameters the block reads.
+fn recomputed(
+    layer: &Arc<Layer>,
+    x: &Tensor,
+    lengths: &[usize],
+    block: fn(&Layer, &Tensor, &[usize]) -> Result<Tensor>,
+    tensors: Vec<Tensor>,
+) -> Result<Tensor> {
+    let (l, lengths) = (layer.clone(), lengths.to_vec());
+    let segment: crate::recompute::SegmentFn = Arc::new(move |x: &Tensor| {
+        block(&l, x, &lengths).map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
+    });
+    Ok(crate::recompute::checkpoint(x, &tensors, segment)?)
+}
+
 impl Layer {
     /// Every tensor the layer's forward reads (for [`crate::recompute::checkpoint`]: one left
     /// out would get no gradient under checkpointing).
     fn tensors(&self) -> Vec<Tensor> {
-        let mut out = self.qkv_weights.clone();
-        out.extend(self.qkv_biases.iter().cloned());
-        for lin in [&self.attn_out, &self.ffn_in, &self.ffn_out] {
+        let mut out = self.attention_tensors();
+        for lin in [&self.ffn_in, &self.ffn_out] {
             out.push(lin.weight().clone());
             out.extend(lin.bias().cloned());
         }
-        for norm in [&self.attn_norm, &self.ffn_norm] {
-            out.extend([norm.weight().clone(), norm.bias().clone()]);
-        }
+        out.extend([self.ffn_norm.weight().clone(), self.ffn_norm.bias().clone()]);
         out
     }
 
     /// `x: (B, T, C)` f32 → `(B, T, C)` f32, contiguous.
     fn forward(&self, x: &Tensor, lengths: &[usize]) -> Result<Tensor> {
+        self.feed_forward_block(&self.attention_block(x, lengths)?)
+    }
+
+    /// Every tensor [`Self::attention_block`] reads.
+    fn attention_tensors(&self) -> Vec<Tensor> {
+        let mut out = self.qkv_weights.clone();
+        out.extend(self.qkv_biases.iter().cloned());
+        out.push(self.attn_out.weight().clone());
+        out.extend(self.attn_out.bias().cloned());
+        out.extend([
+            self.attn_norm.weight().clone(),
+            self.attn_norm.bias().clone(),
+        ]);
+        out
+    }
+
+    /// The attention sub-block, `a = LayerNorm(x + Wo · attention(..))`: `x: (B, T, C)` f32 →
+    /// `(B, T, C)` f32.
+    fn attention_block(&self, x: &Tensor, lengths: &[usize]) -> Result<Tensor> {
         let heads = self.heads;
         let dh = x.dim(D::Minus1)? / heads;
         let (w, b) = (
@@ -382,13 +458,18 @@ impl Layer {
         let scores = q.matmul(&k.t()?)?; // (B, H, T, T)
         let probs = ops::key_padding_softmax_last_dim(&scores, lengths)?;
         let y = ops::merge_heads(&probs.matmul(&v)?)?; // (B, T, C)
-        let a = self
+        Ok(self
             .attn_norm
-            .forward(&ops::residual_add(x, &self.attn_out.forward(&y)?)?)?;
-        let h = ops::gelu_erf(&self.ffn_in.forward(&a)?)?;
+            .forward(&ops::residual_add(x, &self.attn_out.forward(&y)?)?)?)
+    }
+
+    /// The feed-forward sub-block, `LayerNorm(a + W2 · gelu_erf(W1 a))`: `(B, T, C)` f32 →
+    /// `(B, T, C)` f32.
+    fn feed_forward_block(&self, a: &Tensor) -> Result<Tensor> {
+        let h = ops::gelu_erf(&self.ffn_in.forward(a)?)?;
         Ok(self
             .ffn_norm
-            .forward(&ops::residual_add(&a, &self.ffn_out.forward(&h)?)?)?)
+            .forward(&ops::residual_add(a, &self.ffn_out.forward(&h)?)?)?)
     }
 }
 

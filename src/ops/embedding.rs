@@ -10,7 +10,9 @@
 //! dy with an `atomicAdd` into an f32 table: fast, but the order of the additions into one row
 //! is not fixed on the GPU, so the last bits of a row's sum can change between runs (the CPU
 //! path adds in row order). With `PerfSettings::deterministic` the CUDA backward uses candle's
-//! `index_add` instead (fixed order, slower). Kernels: `kernels/embedding.cu`.
+//! `index_add` instead (fixed order, slower). Under [`crate::grad_sink::backward`] (the engine's
+//! backward) the gradient of a leaf table is written once, without candle's zero-filled table
+//! and sum. Kernels: `kernels/embedding.cu`.
 
 use super::{check_float, cpu_slice, Elem};
 use candle_core::backend::BackendStorage;
@@ -152,7 +154,8 @@ impl CustomOp2 for Embedding {
         } else {
             d.to_dtype(table.dtype())?
         };
-        Ok((None, Some(d)))
+        // under crate::grad_sink::backward a leaf table's gradient skips candle's zeros + add
+        Ok((None, crate::grad_sink::offer(table, d)?))
     }
 }
 

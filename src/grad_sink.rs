@@ -1,0 +1,136 @@
+//! Leaf gradients written once.
+//!
+//! candle 0.11's backward adds every gradient an op returns into a tensor that it first fills
+//! with zeros (`GradStore::or_insert`, then `add`), so a leaf differentiated by one op as a
+//! whole, such as an embedding table, costs three table-sized tensors at once: the op's
+//! gradient, the zeros and their sum. That happens at the very end of the backward (the
+//! lookup is the first op of the forward), while every activation of the graph is still held,
+//! so it lands on the step's peak memory: 2 x 47 MB more for BERT's 30522 x 384 f32 word table.
+//!
+//! [`backward`] runs candle's backward with a sink open on the calling thread. An op that
+//! supports it ([`crate::ops::embedding`]) hands the gradient of a leaf (a [`candle_core::Var`]'s
+//! tensor) to the sink with [`offer`] instead of returning it to candle; after the backward the
+//! sink's gradients are moved into the `GradStore`, added to whatever candle computed for the
+//! same leaf (a table tied to an output layer). The gradients are the same; only the zeros and
+//! the extra sum are gone. Without an open sink (candle's own `backward`), [`offer`] hands the
+//! gradient back and the op returns it as usual.
+
+use candle_core::backprop::GradStore;
+use candle_core::{Result, Tensor};
+use std::cell::RefCell;
+
+thread_local! {
+    /// `(leaf, gradient)` pairs of the innermost open sink on this thread.
+    static SINK: RefCell<Option<Vec<(Tensor, Tensor)>>> = const { RefCell::new(None) };
+}
+
+/// An open sink; closing it (drop) restores the enclosing one, so sinks nest.
+struct Scope {
+    outer: Option<Vec<(Tensor, Tensor)>>,
+}
+
+impl Scope {
+    fn open() -> Self {
+        Self {
+            outer: SINK.with(|s| s.borrow_mut().replace(Vec::new())),
+        }
+    }
+
+    /// What this sink collected.
+    fn take(&self) -> Vec<(Tensor, Tensor)> {
+        SINK.with(|s| s.borrow_mut().as_mut().map(std::mem::take))
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for Scope {
+    fn drop(&mut self) {
+        let outer = self.outer.take();
+        SINK.with(|s| *s.borrow_mut() = outer);
+    }
+}
+
+/// candle's `loss.backward()` with leaf gradients written once (module docs): returns the same
+/// gradients as `loss.backward()`, with less memory at the end of the backward.
+///
+/// Errors: those of candle's backward, and of adding a sink gradient to candle's for the same
+/// leaf (shapes or dtypes that differ, which no supporting op produces).
+pub fn backward(loss: &Tensor) -> Result<GradStore> {
+    let scope = Scope::open();
+    let mut grads = loss.backward()?;
+    for (leaf, g) in scope.take() {
+        let g = match grads.remove(&leaf) {
+            Some(prev) => (prev + g)?,
+            None => g,
+        };
+        grads.insert(&leaf, g);
+    }
+    Ok(grads)
+}
+
+/// Offers `grad`, the gradient of `leaf` from one op, to the sink open on this thread.
+/// Returns `None` when the sink took it (the op then returns no gradient for `leaf` to
+/// candle), or `Some(grad)` back when no sink is open or `leaf` is not a variable (an
+/// intermediate tensor's gradient must flow on through candle's graph).
+pub(crate) fn offer(leaf: &Tensor, grad: Tensor) -> Result<Option<Tensor>> {
+    if !leaf.is_variable() {
+        return Ok(Some(grad));
+    }
+    SINK.with(|s| {
+        let mut s = s.borrow_mut();
+        let Some(sink) = s.as_mut() else {
+            return Ok(Some(grad));
+        };
+        match sink.iter_mut().find(|(l, _)| l.id() == leaf.id()) {
+            Some((_, g)) => *g = (&*g + grad)?,
+            None => sink.push((leaf.clone(), grad)),
+        }
+        Ok(None)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    #[test]
+    fn offer_without_a_sink_hands_the_gradient_back() -> Result<()> {
+        let v = Var::new(&[1f32, 2.0], &Device::Cpu)?;
+        let g = Tensor::new(&[3f32, 4.0], &Device::Cpu)?;
+        let back = offer(v.as_tensor(), g)?.expect("no sink is open");
+        assert_eq!(back.to_vec1::<f32>()?, vec![3.0, 4.0]);
+        Ok(())
+    }
+
+    #[test]
+    fn sinks_nest_and_keep_their_own_gradients() -> Result<()> {
+        let v = Var::new(&[1f32, 2.0], &Device::Cpu)?;
+        let g = |x: f32| Tensor::new(&[x, x], &Device::Cpu);
+        let outer = Scope::open();
+        assert!(offer(v.as_tensor(), g(1.0)?)?.is_none());
+        {
+            let inner = Scope::open();
+            assert!(offer(v.as_tensor(), g(10.0)?)?.is_none());
+            assert!(offer(v.as_tensor(), g(20.0)?)?.is_none());
+            let got = inner.take();
+            assert_eq!(got.len(), 1);
+            assert_eq!(got[0].1.to_vec1::<f32>()?, vec![30.0, 30.0]);
+        }
+        let got = outer.take();
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].1.to_vec1::<f32>()?, vec![1.0, 1.0]);
+        drop(outer);
+        assert!(offer(v.as_tensor(), g(1.0)?)?.is_some(), "closed");
+        Ok(())
+    }
+
+    #[test]
+    fn an_intermediate_tensor_is_not_sunk() -> Result<()> {
+        let v = Var::new(&[1f32, 2.0], &Device::Cpu)?;
+        let y = (v.as_tensor() * 2.0)?;
+        let _scope = Scope::open();
+        assert!(offer(&y, Tensor::new(&[1f32, 1.0], &Device::Cpu)?)?.is_some());
+        Ok(())
+    }
+}
