@@ -495,6 +495,60 @@ fn embedding_matches_index_select_on_cpu() -> Result<()> {
     Ok(())
 }
 
+/// `gelu_linear(h, w, b)` against its two-op composition `linear(gelu_erf(h), w, b)` (the same
+/// kernels: equal bit for bit, value and every gradient) and against candle's composed exact
+/// GELU and matmul in f32 (an independent reference, within the dtype's rounding).
+fn gelu_linear_args(
+    n: usize,
+    k: usize,
+    o: usize,
+    dtype: DType,
+    dev: &Device,
+) -> (Vec<Tensor>, Tensor) {
+    let h = rand_t(&[2, n, k], -4.0, 4.0, 1400 + n as u64, dtype, dev);
+    let w = rand_t(&[o, k], -0.3, 0.3, 1401, dtype, dev);
+    let b = rand_t(&[o], -0.5, 0.5, 1402, dtype, dev);
+    let r = rand_t(&[2, n, o], -1.0, 1.0, 1403, DType::F32, dev);
+    (vec![h, w, b], r)
+}
+fn gelu_linear_fused(a: &[Tensor]) -> Result<Tensor> {
+    ops::gelu_linear(&a[0], &a[1], &a[2])
+}
+fn gelu_linear_ref(a: &[Tensor]) -> Result<Tensor> {
+    let f = |t: &Tensor| t.to_dtype(DType::F32);
+    f(&a[0])?
+        .gelu_erf()?
+        .broadcast_matmul(&f(&a[1])?.t()?)?
+        .broadcast_add(&f(&a[2])?)
+}
+
+#[test]
+fn gelu_linear_equals_its_composition_and_candles_ops_on_cpu() -> Result<()> {
+    for dtype in DTYPES {
+        for &(n, k, o) in &[(5usize, 64usize, 16usize), (1, 7, 3)] {
+            let (args, r) = gelu_linear_args(n, k, o, dtype, &Device::Cpu);
+            let name = format!("gelu_linear {dtype:?} ({n}, {k}) -> {o}");
+            let two_ops = |a: &[Tensor]| ops::linear(&ops::gelu_erf(&a[0])?, &a[1], Some(&a[2]));
+            let exact = compare(&name, &gelu_linear_fused, &two_ops, &args, &r)?;
+            assert!(
+                exact.iter().all(|e| *e == 0.0),
+                "{name} vs two ops: {exact:?}"
+            );
+            let errs = compare_any(&name, &gelu_linear_fused, &gelu_linear_ref, &args, &r)?;
+            assert!(
+                errs.iter().all(|e| *e <= 2.0 * tol(dtype)),
+                "{name}: {errs:?}"
+            );
+        }
+    }
+    let (args, _) = gelu_linear_args(3, 8, 4, DType::F32, &Device::Cpu);
+    let e = ops::gelu_linear(&args[0], &args[1].t()?.contiguous()?, &args[2])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("linear"), "{e}");
+    Ok(())
+}
+
 /// `wick::grad_sink::backward` (the engine's backward) gives every leaf the gradient candle's
 /// own backward gives: a table both looked up and tied to an output matmul (its two
 /// contributions summed), an untied table, and a weight no embedding touches; the table
@@ -1626,6 +1680,25 @@ mod cuda {
                 let fused = |a: &[Tensor]| ops::embedding(&ids.to_device(a[0].device())?, &a[0]);
                 let reference = |a: &[Tensor]| a[0].to_dtype(DType::F32)?.index_select(&ids, 0);
                 check(&name, &fused, &reference, &[table], &r, tol(dtype))?;
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn gelu_linear_cuda_matches_cpu() -> Result<()> {
+        for dtype in DTYPES {
+            for &(n, k, o) in &[(512usize, 1536usize, 384usize), (3, 7, 5)] {
+                let (args, r) = gelu_linear_args(n, k, o, dtype, &Device::Cpu);
+                let name = format!("cuda gelu_linear {dtype:?} ({n}, {k}) -> {o}");
+                check(
+                    &name,
+                    &gelu_linear_fused,
+                    &gelu_linear_ref,
+                    &args,
+                    &r,
+                    2.0 * tol(dtype),
+                )?;
             }
         }
         Ok(())

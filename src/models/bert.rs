@@ -9,6 +9,8 @@
 //! a = LayerNorm(x + Wo · attention(Wq x, Wk x, Wv x; key padding))     attention.output.LayerNorm
 //! y = LayerNorm(a + W2 · gelu_erf(W1 a))                                 output.LayerNorm
 //! ```
+//! The feed-forward's second half is one node, [`crate::ops::gelu_linear`], which keeps
+//! `W1 a` but not its GELU (recomputed in the backward).
 //! The embeddings are `word[ids] + position[0..T] + token_type[0]`, then LayerNorm. The
 //! residual stream is f32; the matmuls run in the compute dtype (bf16 under bf16-mixed), the
 //! norms and the softmax in f32 ([`crate::precision`]). Attention is the masked composition
@@ -466,10 +468,14 @@ impl Layer {
     /// The feed-forward sub-block, `LayerNorm(a + W2 · gelu_erf(W1 a))`: `(B, T, C)` f32 →
     /// `(B, T, C)` f32.
     fn feed_forward_block(&self, a: &Tensor) -> Result<Tensor> {
-        let h = ops::gelu_erf(&self.ffn_in.forward(a)?)?;
-        Ok(self
-            .ffn_norm
-            .forward(&ops::residual_add(a, &self.ffn_out.forward(&h)?)?)?)
+        let h = self.ffn_in.forward(a)?;
+        let bias = self
+            .ffn_out
+            .bias()
+            .context("BERT layer: output.dense has no bias (internal error)")?;
+        // the GELU output is recomputed in the backward, not kept (ops::gelu_linear)
+        let y = ops::gelu_linear(&h, self.ffn_out.weight(), bias)?;
+        Ok(self.ffn_norm.forward(&ops::residual_add(a, &y)?)?)
     }
 }
 

@@ -141,13 +141,23 @@ impl CustomOp1 for Gelu {
     }
 
     fn bwd(&self, x: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
-        let dy = if dy.dtype() == x.dtype() {
-            dy.contiguous()?
-        } else {
-            dy.to_dtype(x.dtype())?.contiguous()?
-        };
-        Ok(Some(x.apply_op2_no_bwd(&dy, &GeluBwd(self.0))?))
+        Ok(Some(backward(self.0, x, dy)?))
     }
+}
+
+/// `dx` of GELU at `x` for the upstream gradient `dy` (cast to x's dtype), no graph.
+fn backward(kind: Kind, x: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    let dy = if dy.dtype() == x.dtype() {
+        dy.contiguous()?
+    } else {
+        dy.to_dtype(x.dtype())?.contiguous()?
+    };
+    x.contiguous()?.apply_op2_no_bwd(&dy, &GeluBwd(kind))
+}
+
+/// [`gelu_erf`]'s backward: `dx` at `x` for `dy`, without recording a graph.
+pub(super) fn gelu_erf_backward(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    backward(Kind::Erf, x, dy)
 }
 
 impl CustomOp2 for GeluBwd {

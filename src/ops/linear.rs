@@ -272,7 +272,7 @@ impl CustomOp3 for Linear {
 /// that autograd does not track (a frozen base weight held as a constant, the ids-derived
 /// input of a first layer) gets no gradient and costs no GEMM: a LoRA step skips `dW` of every
 /// frozen base linear, as PyTorch does for `requires_grad=False`.
-fn grads(
+pub(super) fn grads(
     x: &Tensor,
     w: &Tensor,
     b: Option<&Tensor>,
