@@ -7,9 +7,13 @@
 //! lookup is the first op of the forward), while every activation of the graph is still held,
 //! so it lands on the step's peak memory: 2 x 47 MB more for BERT's 30522 x 384 f32 word table.
 //!
-//! [`backward`] runs candle's backward with a sink open on the calling thread. An op that
-//! supports it ([`crate::ops::embedding`]) hands the gradient of a leaf (a [`candle_core::Var`]'s
-//! tensor) to the sink with [`offer`] instead of returning it to candle; after the backward the
+//! The same zeros + add run for every parameter of every layer: two kernel launches and two
+//! allocations per parameter per step, host time that a small model's step is made of.
+//!
+//! [`backward`] runs candle's backward with a sink open on the calling thread. wick's ops
+//! ([`crate::ops`]: embedding, linear, bias, the norms, LoRA, the fused head; and
+//! [`crate::recompute`]'s segments) hand the gradient of a leaf (a [`candle_core::Var`]'s
+//! tensor: a parameter) to the sink with [`offer`] instead of returning it to candle; after the backward the
 //! sink's gradients are moved into the `GradStore`, added to whatever candle computed for the
 //! same leaf (a table tied to an output layer). The gradients are the same; only the zeros and
 //! the extra sum are gone. Without an open sink (candle's own `backward`), [`offer`] hands the
@@ -70,9 +74,12 @@ pub fn backward(loss: &Tensor) -> Result<GradStore> {
 
 /// Offers `grad`, the gradient of `leaf` from one op, to the sink open on this thread.
 /// Returns `None` when the sink took it (the op then returns no gradient for `leaf` to
-/// candle), or `Some(grad)` back when no sink is open or `leaf` is not a variable (an
-/// intermediate tensor's gradient must flow on through candle's graph).
-pub(crate) fn offer(leaf: &Tensor, grad: Tensor) -> Result<Option<Tensor>> {
+/// candle), or the gradient back when no sink is open, when `leaf` is not a variable (an
+/// intermediate tensor's gradient must flow on through candle's graph) or when there is none.
+pub(crate) fn offer(leaf: &Tensor, grad: Option<Tensor>) -> Result<Option<Tensor>> {
+    let Some(grad) = grad else {
+        return Ok(None);
+    };
     if !leaf.is_variable() {
         return Ok(Some(grad));
     }
@@ -98,7 +105,7 @@ mod tests {
     fn offer_without_a_sink_hands_the_gradient_back() -> Result<()> {
         let v = Var::new(&[1f32, 2.0], &Device::Cpu)?;
         let g = Tensor::new(&[3f32, 4.0], &Device::Cpu)?;
-        let back = offer(v.as_tensor(), g)?.expect("no sink is open");
+        let back = offer(v.as_tensor(), Some(g))?.expect("no sink is open");
         assert_eq!(back.to_vec1::<f32>()?, vec![3.0, 4.0]);
         Ok(())
     }
@@ -108,11 +115,11 @@ mod tests {
         let v = Var::new(&[1f32, 2.0], &Device::Cpu)?;
         let g = |x: f32| Tensor::new(&[x, x], &Device::Cpu);
         let outer = Scope::open();
-        assert!(offer(v.as_tensor(), g(1.0)?)?.is_none());
+        assert!(offer(v.as_tensor(), Some(g(1.0)?))?.is_none());
         {
             let inner = Scope::open();
-            assert!(offer(v.as_tensor(), g(10.0)?)?.is_none());
-            assert!(offer(v.as_tensor(), g(20.0)?)?.is_none());
+            assert!(offer(v.as_tensor(), Some(g(10.0)?))?.is_none());
+            assert!(offer(v.as_tensor(), Some(g(20.0)?))?.is_none());
             let got = inner.take();
             assert_eq!(got.len(), 1);
             assert_eq!(got[0].1.to_vec1::<f32>()?, vec![30.0, 30.0]);
@@ -121,7 +128,7 @@ mod tests {
         assert_eq!(got.len(), 1);
         assert_eq!(got[0].1.to_vec1::<f32>()?, vec![1.0, 1.0]);
         drop(outer);
-        assert!(offer(v.as_tensor(), g(1.0)?)?.is_some(), "closed");
+        assert!(offer(v.as_tensor(), Some(g(1.0)?))?.is_some(), "closed");
         Ok(())
     }
 
@@ -130,7 +137,7 @@ mod tests {
         let v = Var::new(&[1f32, 2.0], &Device::Cpu)?;
         let y = (v.as_tensor() * 2.0)?;
         let _scope = Scope::open();
-        assert!(offer(&y, Tensor::new(&[1f32, 1.0], &Device::Cpu)?)?.is_some());
+        assert!(offer(&y, Some(Tensor::new(&[1f32, 1.0], &Device::Cpu)?))?.is_some());
         Ok(())
     }
 }

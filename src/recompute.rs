@@ -181,6 +181,6 @@ impl CustomOp2 for Tap {
         ds: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let g = lock(&self.grads).remove(&w.id());
-        Ok((Some(ds.clone()), g))
+        Ok((Some(ds.clone()), crate::grad_sink::offer(w, g)?))
     }
 }

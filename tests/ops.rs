@@ -551,31 +551,49 @@ fn gelu_linear_equals_its_composition_and_candles_ops_on_cpu() -> Result<()> {
 
 /// `wick::grad_sink::backward` (the engine's backward) gives every leaf the gradient candle's
 /// own backward gives: a table both looked up and tied to an output matmul (its two
-/// contributions summed), an untied table, and a weight no embedding touches; the table
-/// looked up twice sums both lookups.
+/// contributions summed), a table looked up twice, the weights and biases of a linear layer
+/// used twice, a LayerNorm's gain and bias, and a weight only candle's own ops touch.
 #[test]
 fn grad_sink_backward_equals_candles_backward() -> Result<()> {
     let dev = Device::Cpu;
     let ids = Tensor::new(&[[3u32, 1, 3, 0], [2, 4, 4, 1]], &dev)?;
-    let tied = Var::from_tensor(&rand_t(&[5, 8], -1.0, 1.0, 1300, DType::F32, &dev))?;
-    let pos = Var::from_tensor(&rand_t(&[5, 8], -1.0, 1.0, 1301, DType::F32, &dev))?;
-    let w = Var::from_tensor(&rand_t(&[8, 8], -1.0, 1.0, 1302, DType::F32, &dev))?;
+    let var =
+        |shape: &[usize], seed| Var::from_tensor(&rand_t(shape, -1.0, 1.0, seed, DType::F32, &dev));
+    let (tied, pos) = (var(&[5, 8], 1300)?, var(&[5, 8], 1301)?);
+    let (w, b, m) = (var(&[8, 8], 1302)?, var(&[8], 1304)?, var(&[8, 8], 1305)?);
+    let (gain, shift) = (var(&[8], 1306)?, var(&[8], 1307)?);
     let r = rand_t(&[2, 4, 5], -1.0, 1.0, 1303, DType::F32, &dev);
     let loss = || -> Result<Tensor> {
         let p_ids = Tensor::new(&[[0u32, 1, 2, 3], [0, 1, 2, 3]], &dev)?;
         let x = (ops::embedding(&ids, tied.as_tensor())?
             + ops::embedding(&p_ids, pos.as_tensor())?
             + ops::embedding(&ids, pos.as_tensor())?)?;
-        let h = x.broadcast_matmul(w.as_tensor())?.tanh()?;
+        let x = ops::layer_norm(&x, gain.as_tensor(), shift.as_tensor(), 1e-5)?;
+        let h = ops::linear(&x, w.as_tensor(), Some(b.as_tensor()))?.tanh()?;
+        let h = ops::linear(&h, w.as_tensor(), Some(b.as_tensor()))?;
+        let h = h.broadcast_matmul(m.as_tensor())?;
         let logits = h.broadcast_matmul(&tied.as_tensor().t()?)?;
         (logits * &r)?.sum_all()
     };
     let want = loss()?.backward()?;
     let got = wick::grad_sink::backward(&loss()?)?;
-    for (name, v) in [("tied", &tied), ("pos", &pos), ("w", &w)] {
+    let all = [
+        ("tied", &tied),
+        ("pos", &pos),
+        ("w", &w),
+        ("b", &b),
+        ("m", &m),
+        ("gain", &gain),
+        ("shift", &shift),
+    ];
+    for (name, v) in all {
         let (a, b) = (want.get(v).unwrap(), got.get(v).expect(name));
         let d = (a - b)?.abs()?.max_all()?.to_scalar::<f32>()?;
-        assert!(d <= 1e-6, "{name}: max |diff| {d}");
+        let scale = a.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(
+            scale > 0.0 && d <= 1e-6 * scale,
+            "{name}: max |diff| {d} (scale {scale})"
+        );
     }
     Ok(())
 }

@@ -185,7 +185,7 @@ impl CustomOp2 for BiasAdd {
         } else {
             db.to_dtype(b.dtype())?
         };
-        Ok((Some(dy.clone()), Some(db)))
+        Ok((Some(dy.clone()), crate::grad_sink::offer(b, Some(db))?))
     }
 }
 

@@ -155,7 +155,7 @@ impl CustomOp2 for Embedding {
             d.to_dtype(table.dtype())?
         };
         // under crate::grad_sink::backward a leaf table's gradient skips candle's zeros + add
-        Ok((None, crate::grad_sink::offer(table, d)?))
+        Ok((None, crate::grad_sink::offer(table, Some(d))?))
     }
 }
 

@@ -14,6 +14,7 @@
 //! so the results are those of the composition, bit for bit.
 
 use super::{gelu, linear};
+use crate::grad_sink::offer;
 #[cfg(feature = "cuda")]
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor, Var};
@@ -118,6 +119,6 @@ impl CustomOp3 for GeluLinear {
             (Some(dg), true) => Some(gelu::gelu_erf_backward(h, &dg)?),
             _ => None,
         };
-        Ok((dh, dw, db))
+        Ok((dh, offer(w, dw)?, offer(b, db)?))
     }
 }

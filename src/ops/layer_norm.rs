@@ -23,6 +23,7 @@
 //! order by a second pass; no float atomics.
 
 use super::{check_device, check_float, cpu_slice, Elem, SideOutput};
+use crate::grad_sink::offer;
 use crate::precision::to_f32;
 use candle_core::backend::BackendStorage;
 use candle_core::{
@@ -204,12 +205,13 @@ impl CustomOp3 for NormFwd {
         &self,
         x: &Tensor,
         w: &Tensor,
-        _b: &Tensor,
+        b: &Tensor,
         _y: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (dx, p) = backward(self, x, w, dy)?;
-        Ok((Some(dx), Some(p.get(0)?), Some(p.get(1)?)))
+        let (dw, db) = (offer(w, Some(p.get(0)?))?, offer(b, Some(p.get(1)?))?);
+        Ok((Some(dx), dw, db))
     }
 }
 
@@ -247,7 +249,7 @@ impl CustomOp2 for NormFwd {
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let (dx, p) = backward(self, x, w, dy)?;
-        Ok((Some(dx), Some(p.get(0)?)))
+        Ok((Some(dx), offer(w, Some(p.get(0)?))?))
     }
 }
 

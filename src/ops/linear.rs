@@ -15,6 +15,7 @@
 //! and a column sum on detached tensors.
 
 use super::{bias, check_device, check_float};
+use crate::grad_sink::offer;
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
@@ -220,7 +221,7 @@ impl CustomOp2 for Linear {
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let (dx, dw, _) = grads(x, w, None, dy)?;
-        Ok((dx, dw))
+        Ok((dx, offer(w, dw)?))
     }
 }
 
@@ -262,7 +263,8 @@ impl CustomOp3 for Linear {
         _y: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        grads(x, w, Some(b), dy)
+        let (dx, dw, db) = grads(x, w, Some(b), dy)?;
+        Ok((dx, offer(w, dw)?, offer(b, db)?))
     }
 }
 

@@ -137,6 +137,6 @@ impl CustomOp2 for HeadLoss {
             true => Some(dlogits.t()?.matmul(&h.detach().contiguous()?)?), // (V, N) @ (N, C)
             false => None,
         };
-        Ok((Some(dh), dw))
+        Ok((Some(dh), crate::grad_sink::offer(w, dw)?))
     }
 }

@@ -23,6 +23,7 @@
 
 use super::linear::cast_gemm;
 use super::{check_device, check_float};
+use crate::grad_sink::offer;
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 
@@ -329,12 +330,13 @@ impl CustomOp3 for LoraLinear {
             let merged = self.merged.lock().map(|mut w| w.take()).unwrap_or(None);
             let (dx, da, db) =
                 super::lora_cuda::backward(&d, x, w, a, b, dy, merged, x.track_op())?;
-            return Ok((dx, Some(da), Some(db)));
+            return Ok((dx, offer(a, Some(da))?, offer(b, Some(db))?));
         }
         let (n, k) = w.dims2()?;
         let m = x.elem_count() / k;
         let xc = x.detach().to_dtype(w.dtype())?.reshape((m, k))?;
         let dy2 = dy.detach().to_dtype(w.dtype())?.reshape((m, n))?;
+        let (a_leaf, b_leaf) = (a, b);
         let (a, b) = (a.detach(), b.detach());
         let us = xc.matmul(&a.t()?)?.affine(self.scale, 0.0)?; // s u, (M, R)
         let r_sum = us.dim(1)?;
@@ -358,6 +360,6 @@ impl CustomOp3 for LoraLinear {
         } else {
             None
         };
-        Ok((dx, Some(da), Some(db)))
+        Ok((dx, offer(a_leaf, Some(da))?, offer(b_leaf, Some(db))?))
     }
 }
