@@ -703,6 +703,22 @@ fn tiny_llama_learns_a_repeated_completion_and_serves_it_as_an_adapter() {
         after["text"], target,
         "not learned after 120 feedback examples: {after}"
     );
+    // the queue can be empty while the trainer still trains its last batch and then publishes:
+    // wait until the trainer is idle (steps and version unchanged over 0.5 s), then ask again
+    let mut last = s.health();
+    for _ in 0..1200 {
+        std::thread::sleep(Duration::from_millis(500));
+        let h = s.health();
+        let idle = h["queue_depth"] == 0
+            && h["train_steps"] == last["train_steps"]
+            && h["version"] == last["version"];
+        last = h;
+        if idle {
+            break;
+        }
+    }
+    after = s.post("/v1/completions", &ask).1;
+    assert_eq!(after["text"], target, "{after}");
     let version = after["version"].as_u64().unwrap();
     assert!(version >= 1);
 
