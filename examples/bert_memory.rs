@@ -121,6 +121,11 @@ fn main() -> Result<()> {
     );
     let config = BertConfig::from_json_file(&args.model_dir.join("config.json"))?;
     anyhow::ensure!(
+        config.vocab_size >= 2,
+        "the config's vocab_size is {}; the synthetic batch needs at least 2 ids",
+        config.vocab_size
+    );
+    anyhow::ensure!(
         args.tokens <= config.max_position_embeddings,
         "--tokens {} is above the model's {} positions",
         args.tokens,

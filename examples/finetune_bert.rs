@@ -221,6 +221,12 @@ fn evaluate(
     dev: &Device,
     classes: usize,
 ) -> Result<(ClassificationReport, Vec<u32>, f64)> {
+    let covered: usize = batches.iter().map(Vec::len).sum();
+    anyhow::ensure!(
+        covered == split.lines.len(),
+        "evaluate: the batches hold {covered} lines, the split {} (internal error)",
+        split.lines.len()
+    );
     let mut pred = vec![0u32; split.lines.len()];
     sync(dev)?;
     let t0 = Instant::now();

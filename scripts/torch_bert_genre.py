@@ -41,7 +41,11 @@ Peak memory is torch.cuda.max_memory_allocated over the whole mode (train + test
 
 --checkpointing turns on transformers' per-layer activation checkpointing
 (model.encoder.gradient_checkpointing_enable), the configuration of the wick example's
---checkpointing: each BertLayer keeps only its input and is recomputed in the backward. It uses
+--checkpointing layer: each BertLayer keeps only its input and is recomputed in the backward.
+(The wick example's default, --checkpointing attention, recomputes each layer's attention
+sub-block only; transformers has no such switch, so a default run of each compares that with
+PyTorch keeping every activation, and --checkpointing here with --checkpointing layer there is
+the like-for-like pair.) It uses
 torch.utils.checkpoint with use_reentrant=False, PyTorch's recommended variant: dynamo traces it
 (no graph break per layer under torch.compile), it does not need the layer's input to require
 grad, and it recomputes a layer when the backward first needs one of its saved tensors. Either

@@ -11,39 +11,50 @@
 //! allocations per parameter per step, host time that a small model's step is made of.
 //!
 //! [`backward`] runs candle's backward with a sink open on the calling thread. wick's ops
-//! ([`crate::ops`]: embedding, linear, bias, the norms, LoRA, the fused head; and
-//! [`crate::recompute`]'s segments) hand the gradient of a leaf (a [`candle_core::Var`]'s
+//! ([`crate::ops`]: embedding, linear, bias, the norms, `gelu_linear`, LoRA, the fused head;
+//! and [`crate::recompute`]'s segments) hand the gradient of a leaf (a [`candle_core::Var`]'s
 //! tensor: a parameter) to the sink with [`offer`] instead of returning it to candle; after the backward the
 //! sink's gradients are moved into the `GradStore`, added to whatever candle computed for the
 //! same leaf (a table tied to an output layer). The gradients are the same; only the zeros and
 //! the extra sum are gone. Without an open sink (candle's own `backward`), [`offer`] hands the
 //! gradient back and the op returns it as usual.
+//!
+//! The sink belongs to the thread, not to one backward: code that runs a backward of its own
+//! while another is in progress (inside a custom op's `bwd`, as [`crate::recompute`] does) must
+//! call [`backward`] for it, which opens a sink of its own, and not candle's `backward`, whose
+//! wick-op leaf gradients would land in the outer sink instead of its own `GradStore`.
 
 use candle_core::backprop::GradStore;
-use candle_core::{Result, Tensor};
+use candle_core::{bail, Result, Tensor, TensorId};
 use std::cell::RefCell;
+use std::collections::HashMap;
+
+/// Leaf id → (leaf, gradient so far).
+type Sunk = HashMap<TensorId, (Tensor, Tensor)>;
 
 thread_local! {
-    /// `(leaf, gradient)` pairs of the innermost open sink on this thread.
-    static SINK: RefCell<Option<Vec<(Tensor, Tensor)>>> = const { RefCell::new(None) };
+    /// The innermost open sink on this thread.
+    static SINK: RefCell<Option<Sunk>> = const { RefCell::new(None) };
 }
 
 /// An open sink; closing it (drop) restores the enclosing one, so sinks nest.
 struct Scope {
-    outer: Option<Vec<(Tensor, Tensor)>>,
+    outer: Option<Sunk>,
 }
 
 impl Scope {
     fn open() -> Self {
         Self {
-            outer: SINK.with(|s| s.borrow_mut().replace(Vec::new())),
+            outer: SINK.with(|s| s.borrow_mut().replace(HashMap::new())),
         }
     }
 
-    /// What this sink collected.
+    /// What this sink collected, as `(leaf, gradient)` pairs.
     fn take(&self) -> Vec<(Tensor, Tensor)> {
         SINK.with(|s| s.borrow_mut().as_mut().map(std::mem::take))
             .unwrap_or_default()
+            .into_values()
+            .collect()
     }
 }
 
@@ -73,9 +84,12 @@ pub fn backward(loss: &Tensor) -> Result<GradStore> {
 }
 
 /// Offers `grad`, the gradient of `leaf` from one op, to the sink open on this thread.
-/// Returns `None` when the sink took it (the op then returns no gradient for `leaf` to
-/// candle), or the gradient back when no sink is open, when `leaf` is not a variable (an
-/// intermediate tensor's gradient must flow on through candle's graph) or when there is none.
+/// Returns `Ok(None)` when the sink took it (the op then returns no gradient for `leaf` to
+/// candle) or when `grad` is `None`, and `Ok(Some(grad))` back when no sink is open or `leaf`
+/// is not a variable (an intermediate tensor's gradient must flow on through candle's graph).
+///
+/// Errors: a gradient whose shape or dtype is not the leaf's (an op's bug: candle's own add
+/// would have failed on it too).
 pub(crate) fn offer(leaf: &Tensor, grad: Option<Tensor>) -> Result<Option<Tensor>> {
     let Some(grad) = grad else {
         return Ok(None);
@@ -88,9 +102,21 @@ pub(crate) fn offer(leaf: &Tensor, grad: Option<Tensor>) -> Result<Option<Tensor
         let Some(sink) = s.as_mut() else {
             return Ok(Some(grad));
         };
-        match sink.iter_mut().find(|(l, _)| l.id() == leaf.id()) {
+        if grad.dims() != leaf.dims() || grad.dtype() != leaf.dtype() {
+            bail!(
+                "grad_sink: a gradient of shape {:?} {:?} for a parameter of shape {:?} {:?} \
+                 (internal error in the op that computed it)",
+                grad.dims(),
+                grad.dtype(),
+                leaf.dims(),
+                leaf.dtype()
+            )
+        }
+        match sink.get_mut(&leaf.id()) {
             Some((_, g)) => *g = (&*g + grad)?,
-            None => sink.push((leaf.clone(), grad)),
+            None => {
+                sink.insert(leaf.id(), (leaf.clone(), grad));
+            }
         }
         Ok(None)
     })
@@ -129,6 +155,51 @@ mod tests {
         assert_eq!(got[0].1.to_vec1::<f32>()?, vec![1.0, 1.0]);
         drop(outer);
         assert!(offer(v.as_tensor(), Some(g(1.0)?))?.is_some(), "closed");
+        Ok(())
+    }
+
+    #[test]
+    fn wick_ops_hand_their_parameter_gradients_to_an_open_sink() -> Result<()> {
+        use crate::ops;
+        let dev = Device::Cpu;
+        let v = |shape: &[usize]| {
+            let n: usize = shape.iter().product();
+            let data: Vec<f32> = (0..n).map(|i| ((i * 7 % 11) as f32 - 5.0) / 10.0).collect();
+            Var::from_tensor(&Tensor::from_vec(data, shape, &dev)?)
+        };
+        let (table, w, b, w2, b2, gain, shift) = (
+            v(&[6, 4])?,
+            v(&[4, 4])?,
+            v(&[4])?,
+            v(&[4, 4])?,
+            v(&[4])?,
+            v(&[4])?,
+            v(&[4])?,
+        );
+        let ids = Tensor::new(&[[1u32, 2, 5]], &dev)?;
+        let x = ops::embedding(&ids, table.as_tensor())?;
+        let x = ops::layer_norm(&x, gain.as_tensor(), shift.as_tensor(), 1e-5)?;
+        let h = ops::linear(&x, w.as_tensor(), Some(b.as_tensor()))?;
+        let y = ops::gelu_linear(&h, w2.as_tensor(), b2.as_tensor())?;
+        let loss = y.sqr()?.sum_all()?;
+        let scope = Scope::open();
+        let grads = loss.backward()?;
+        let sunk = scope.take();
+        let all = [&table, &w, &b, &w2, &b2, &gain, &shift];
+        assert_eq!(sunk.len(), all.len(), "every parameter went to the sink");
+        for p in all {
+            assert!(grads.get(p).is_none(), "candle's store got a sunk gradient");
+            assert!(sunk.iter().any(|(l, _)| l.id() == p.id()));
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn a_gradient_of_the_wrong_shape_is_an_error() -> Result<()> {
+        let v = Var::new(&[1f32, 2.0], &Device::Cpu)?;
+        let _scope = Scope::open();
+        let e = offer(v.as_tensor(), Some(Tensor::new(&[1f32], &Device::Cpu)?)).unwrap_err();
+        assert!(e.to_string().contains("internal error"), "{e}");
         Ok(())
     }
 

@@ -16,10 +16,9 @@
 //! stored gradient to its weight. The weights receive the same gradients as without
 //! checkpointing (the recomputation runs the same ops on the same inputs).
 
+use crate::ops::precomputed::PrecomputedOutput;
 use candle_core::backend::BackendStorage;
-use candle_core::{
-    bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Storage, Tensor, TensorId, Var,
-};
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, TensorId, Var};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -56,7 +55,7 @@ pub fn checkpoint(x: &Tensor, weights: &[Tensor], segment: SegmentFn) -> Result<
         Segment {
             segment,
             weights: tracked,
-            output: Mutex::new(Some(y)),
+            output: PrecomputedOutput::new("checkpoint", y),
             grads: shared,
         },
     )
@@ -71,18 +70,9 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 struct Segment {
     segment: SegmentFn,
     weights: Vec<Tensor>,
-    /// The forward's result, moved into the op's output storage by `cpu_fwd` / `cuda_fwd`.
-    output: Mutex<Option<Tensor>>,
+    /// The forward's result, handed to candle by `cpu_fwd` / `cuda_fwd`.
+    output: PrecomputedOutput,
     grads: Grads,
-}
-
-impl Segment {
-    fn take_output(&self) -> Result<Tensor> {
-        match lock(&self.output).take() {
-            Some(y) => y.contiguous(),
-            None => bail!("checkpoint: the segment's output was already consumed (internal error)"),
-        }
-    }
 }
 
 impl CustomOp2 for Segment {
@@ -97,12 +87,7 @@ impl CustomOp2 for Segment {
         _s: &CpuStorage,
         _ls: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let y = self.take_output()?;
-        let (st, _) = y.storage_and_layout();
-        match &*st {
-            Storage::Cpu(c) => Ok((c.clone(), y.shape().clone())),
-            _ => bail!("checkpoint: the segment's output is not on the CPU like its input"),
-        }
+        self.output.cpu()
     }
 
     #[cfg(feature = "cuda")]
@@ -113,12 +98,7 @@ impl CustomOp2 for Segment {
         _s: &candle_core::CudaStorage,
         _ls: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let y = self.take_output()?;
-        let (st, layout) = y.storage_and_layout();
-        match &*st {
-            Storage::Cuda(c) => Ok((c.try_clone(layout)?, y.shape().clone())),
-            _ => bail!("checkpoint: the segment's output is not on CUDA like its input"),
-        }
+        self.output.cuda()
     }
 
     fn bwd(

@@ -665,7 +665,12 @@ fn loss_and_grads(
     let h = bert.forward(&batch)?;
     let logits = head.forward(&mean_pool(&h, &batch.lengths)?)?;
     let loss = wick::models::bert::classification_loss(&logits, &[0, 1, 2, 3])?;
-    let grads = loss.backward()?;
+    // without recomputation candle's own backward (the reference); with it, the engine's
+    // (leaf gradients through wick::grad_sink, the recomputed segments' through their taps)
+    let grads = match recompute {
+        Recompute::Off => loss.backward()?,
+        _ => wick::grad_sink::backward(&loss)?,
+    };
     let mut out = Vec::new();
     for p in store.params() {
         let g = grads.get(p.differentiated()).unwrap_or_else(|| {

@@ -545,7 +545,19 @@ fn gelu_linear_equals_its_composition_and_candles_ops_on_cpu() -> Result<()> {
     let e = ops::gelu_linear(&args[0], &args[1].t()?.contiguous()?, &args[2])
         .unwrap_err()
         .to_string();
-    assert!(e.contains("linear"), "{e}");
+    assert!(
+        e.contains("gelu_linear(h, w, b)") && e.contains("[8, 4]"),
+        "{e}"
+    );
+    // empty inner dimension: the composition's special case, zeros plus the bias, no panic
+    let h = Var::zeros((2, 3, 0), DType::F32, &Device::Cpu)?;
+    let w = Var::zeros((4, 0), DType::F32, &Device::Cpu)?;
+    let b = Var::new(&[1f32, 2., 3., 4.], &Device::Cpu)?;
+    let y = ops::gelu_linear(h.as_tensor(), w.as_tensor(), b.as_tensor())?;
+    assert_eq!(y.dims(), &[2, 3, 4]);
+    assert_eq!(y.sum_all()?.to_scalar::<f32>()?, 60.0);
+    let g = wick::grad_sink::backward(&y.sum_all()?)?;
+    assert_eq!(g.get(&b).unwrap().to_vec1::<f32>()?, vec![6.0; 4]);
     Ok(())
 }
 

@@ -13,12 +13,12 @@
 //! Forward and backward run [`super::gelu_erf`], [`super::linear`] and their backward kernels,
 //! so the results are those of the composition, bit for bit.
 
+use super::precomputed::PrecomputedOutput;
 use super::{gelu, linear};
 use crate::grad_sink::offer;
-#[cfg(feature = "cuda")]
-use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor, Var};
-use std::sync::Mutex;
+use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
+
+const OP: &str = "gelu_linear";
 
 /// `gelu_erf(h) @ w^T + b` as one graph node that keeps only `h` (module docs).
 ///
@@ -29,14 +29,20 @@ use std::sync::Mutex;
 /// twice differentiable.
 ///
 /// Errors (no panics): those of [`super::gelu_erf`] and [`super::linear`] (dtypes, shapes,
-/// devices that differ).
+/// devices that differ), with `gelu_linear(h, w, b)` as their context.
 pub fn gelu_linear(h: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let two_ops = || linear::linear(&gelu::gelu_erf(h)?, w, Some(b));
+    if h.elem_count() == 0 || w.elem_count() == 0 {
+        // empty shapes: the composition's special cases (no GEMM, no node of ours)
+        return two_ops().map_err(|e| e.context("gelu_linear(h, w, b)"));
+    }
     // the forward without a graph: the GELU output is freed when the GEMM has read it
     let y = linear::linear(
         &gelu::gelu_erf(&h.detach())?,
         &w.detach(),
         Some(&b.detach()),
-    )?;
+    )
+    .map_err(|e| e.context("gelu_linear(h, w, b)"))?;
     if !(h.track_op() || w.track_op() || b.track_op()) {
         return Ok(y);
     }
@@ -44,29 +50,19 @@ pub fn gelu_linear(h: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
         w,
         b,
         GeluLinear {
-            output: Mutex::new(Some(y)),
+            output: PrecomputedOutput::new(OP, y),
         },
     )
 }
 
 struct GeluLinear {
-    /// The forward's result, moved into the op's output storage by `cpu_fwd` / `cuda_fwd`.
-    output: Mutex<Option<Tensor>>,
-}
-
-impl GeluLinear {
-    fn take_output(&self) -> Result<Tensor> {
-        let taken = self.output.lock().unwrap_or_else(|e| e.into_inner()).take();
-        match taken {
-            Some(y) => y.contiguous(),
-            None => bail!("gelu_linear: the output was already consumed (internal error)"),
-        }
-    }
+    /// The forward's result, handed to candle by `cpu_fwd` / `cuda_fwd`.
+    output: PrecomputedOutput,
 }
 
 impl CustomOp3 for GeluLinear {
     fn name(&self) -> &'static str {
-        "gelu_linear"
+        OP
     }
 
     fn cpu_fwd(
@@ -78,12 +74,7 @@ impl CustomOp3 for GeluLinear {
         _b: &CpuStorage,
         _lb: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let y = self.take_output()?;
-        let (st, _) = y.storage_and_layout();
-        match &*st {
-            Storage::Cpu(c) => Ok((c.clone(), y.shape().clone())),
-            _ => bail!("gelu_linear: the output is not on the CPU like the inputs"),
-        }
+        self.output.cpu()
     }
 
     #[cfg(feature = "cuda")]
@@ -96,12 +87,7 @@ impl CustomOp3 for GeluLinear {
         _b: &candle_core::CudaStorage,
         _lb: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let y = self.take_output()?;
-        let (st, layout) = y.storage_and_layout();
-        match &*st {
-            Storage::Cuda(c) => Ok((c.try_clone(layout)?, y.shape().clone())),
-            _ => bail!("gelu_linear: the output is not on CUDA like the inputs"),
-        }
+        self.output.cuda()
     }
 
     fn bwd(
@@ -112,12 +98,12 @@ impl CustomOp3 for GeluLinear {
         _y: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        // the GELU output again, as a tracked leaf so that linear's backward gives its dx
-        let g = Var::from_tensor(&gelu::gelu_erf(&h.detach())?)?;
-        let (dg, dw, db) = linear::grads(g.as_tensor(), w, Some(b), dy)?;
-        let dh = match (dg, h.track_op()) {
-            (Some(dg), true) => Some(gelu::gelu_erf_backward(h, &dg)?),
-            _ => None,
+        // the GELU output again (no graph); its gradient only when h wants one
+        let g = gelu::gelu_erf(&h.detach())?;
+        let (dg, dw, db) = linear::grads_wanted(&g, w, Some(b), dy, h.track_op())?;
+        let dh = match dg {
+            Some(dg) => Some(gelu::gelu_erf_backward(h, &dg)?),
+            None => None,
         };
         Ok((dh, offer(w, dw)?, offer(b, db)?))
     }

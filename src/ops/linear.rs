@@ -280,7 +280,19 @@ pub(super) fn grads(
     b: Option<&Tensor>,
     dy: &Tensor,
 ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-    let (want_x, want_w) = (x.track_op(), w.track_op());
+    grads_wanted(x, w, b, dy, x.track_op())
+}
+
+/// [`grads`] with `dx` computed when `want_x`, whether or not autograd tracks x (an op that
+/// recomputes its GEMM input, [`super::gelu_linear`], needs `dx` of an untracked tensor).
+pub(super) fn grads_wanted(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    dy: &Tensor,
+    want_x: bool,
+) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    let want_w = w.track_op();
     let (x, w, dy) = (x.detach(), w.detach(), dy.detach());
     let (n, k) = w.dims2()?;
     let m = x.elem_count() / k;
