@@ -13,11 +13,11 @@
 //! [`backward`] runs candle's backward with a sink open on the calling thread. wick's ops
 //! ([`crate::ops`]: embedding, linear, bias, the norms, `gelu_linear`, LoRA, the fused head;
 //! and [`crate::recompute`]'s segments) hand the gradient of a leaf (a [`candle_core::Var`]'s
-//! tensor: a parameter) to the sink with [`offer`] instead of returning it to candle; after the backward the
+//! tensor: a parameter) to the sink instead of returning it to candle; after the backward the
 //! sink's gradients are moved into the `GradStore`, added to whatever candle computed for the
 //! same leaf (a table tied to an output layer). The gradients are the same; only the zeros and
-//! the extra sum are gone. Without an open sink (candle's own `backward`), [`offer`] hands the
-//! gradient back and the op returns it as usual.
+//! the extra sum are gone. Without an open sink (candle's own `backward`) the ops return their
+//! gradients to candle as usual.
 //!
 //! The sink belongs to the thread, not to one backward: code that runs a backward of its own
 //! while another is in progress (inside a custom op's `bwd`, as [`crate::recompute`] does) must
