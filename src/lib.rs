@@ -23,11 +23,13 @@
 //! Module map: [`precision`] (the autocast policy), [`params`] (master weights and working
 //! copies), [`nn`] (policy-following layers), [`ops`] (fused differentiable ops), [`loss`],
 //! [`scaler`] and [`amp`] (the loss scale on the host or the device), [`grads`] (accumulation,
-//! unscale, norm, clipping), [`optim`] (one driver, an [`optim::UpdateRule`] per optimizer),
+//! unscale, norm, clipping), [`grad_sink`] (parameter gradients written once by the engine's
+//! backward), [`recompute`] (activation checkpointing), [`optim`] (one driver, an
+//! [`optim::UpdateRule`] per optimizer),
 //! [`cuda`] (the kernels' launchers and the multi-tensor planning), [`engine`] (one training
 //! step), [`coverage`] (which parameters received no gradient, and
 //! why), [`data`] (loader, sampler, datasets), [`trainer`] (the fit loop), [`checkpoint`],
-//! [`profile`] and [`timing`] (per-phase timing), [`plot`], [`perf`], [`models`] (GPT),
+//! [`profile`] and [`timing`] (per-phase timing), [`plot`], [`perf`], [`models`] (GPT, BERT, Llama),
 //! [`dist`] (data parallelism, behind the engine's [`dist::GradSync`] seam), [`serve`]
 //! (published inference snapshots, a bounded feedback queue and an online trainer thread, for
 //! services that keep learning), [`doctor`] and [`bench`](mod@bench) (behind the `wick`

@@ -3,7 +3,7 @@
 //! on candle's stream, so they are ordered with candle's own kernels without any host
 //! synchronisation.
 //!
-//! Each `kernels/<name>.cu` has a launcher here (the optimizers' in [`update`], the ops' in
+//! Each `kernels/<name>.cu` has a launcher here (the optimizers' in `update`, the ops' in
 //! their files under src/ops/, with the shared plumbing in `launch`) and a CPU reference that
 //! the tests compare against (`cargo test --features cuda` on a GPU machine). The planning of
 //! the multi-tensor launches ([`multi_tensor`]) is plain Rust and builds without `cuda`.

@@ -14,7 +14,7 @@
 //! exceed it by one parameter), a bucket here never exceeds the cap unless it holds a single
 //! parameter larger than the cap.
 //!
-//! **Averaging**: [`average_buckets`] is `sum / world_size`, PyTorch DDP's gradient. The engine
+//! **Averaging**: `average_buckets` is `sum / world_size`, PyTorch DDP's gradient. The engine
 //! uses the weighted form, which is the same when every rank has the same micro-batch weights:
 //! the gradient applied on every rank is `Σ_ranks Σ_i w_i g_i / Σ_ranks Σ_i w_i`, i.e. exactly
 //! the gradient of the weighted mean loss over the global batch, also when ranks carry

@@ -142,7 +142,7 @@ impl BertConfig {
 }
 
 /// A batch of token ids padded on the right: `ids: (B, T)` u32 on the model's device and the
-/// number of real tokens of each row (`1..=T`, [CLS] and [SEP] included).
+/// number of real tokens of each row (`1..=T`, `[CLS]` and `[SEP]` included).
 #[derive(Debug, Clone)]
 pub struct PaddedBatch {
     /// `(B, T)` u32 token ids; positions at or after a row's length hold padding.

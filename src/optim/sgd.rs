@@ -199,7 +199,7 @@ impl UpdateRule for SgdConfig {
         }
     }
 
-    /// In [`Coeffs::apply`]'s order.
+    /// In `Coeffs::apply`'s order.
     fn update_reference(
         k: &Coeffs,
         p: &Tensor,
