@@ -266,7 +266,7 @@ fn bag_of_bytes(classes: usize, train: &[Line], test: &[Line], seed: u64) -> Res
     let std = (xtr.broadcast_sub(&mean)?.sqr()?.mean_keepdim(0)?.sqrt()? + 1e-6)?;
     let standardise = |x: &Tensor| x.broadcast_sub(&mean)?.broadcast_div(&std);
     let (xtr, xte) = (standardise(&xtr)?, standardise(&xte)?);
-    let ytr: Vec<u32> = train.iter().map(|l| l.label).collect();
+    let ytr = labels(train);
     let store = ParamStore::new(Precision::Fp32, Device::Cpu, seed);
     let lin = wick::nn::Linear::new(&store, "bytes", 256, classes, true)?;
     let mut engine = Engine::new(store, EngineConfig::adamw(1e-2))?;

@@ -16,9 +16,10 @@
 //! stored gradient to its weight. The weights receive the same gradients as without
 //! checkpointing (the recomputation runs the same ops on the same inputs).
 
-use crate::ops::precomputed::PrecomputedOutput;
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, TensorId, Var};
+use candle_core::{
+    bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Storage, Tensor, TensorId, Var,
+};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -55,7 +56,7 @@ pub fn checkpoint(x: &Tensor, weights: &[Tensor], segment: SegmentFn) -> Result<
         Segment {
             segment,
             weights: tracked,
-            output: PrecomputedOutput::new("checkpoint", y),
+            output: Mutex::new(Some(y)),
             grads: shared,
         },
     )
@@ -70,9 +71,21 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 struct Segment {
     segment: SegmentFn,
     weights: Vec<Tensor>,
-    /// The forward's result, handed to candle by `cpu_fwd` / `cuda_fwd`.
-    output: PrecomputedOutput,
+    /// The forward's result, moved into the op's output storage by `cpu_fwd` / `cuda_fwd`.
+    output: Mutex<Option<Tensor>>,
     grads: Grads,
+}
+
+impl Segment {
+    /// The output, contiguous from the first element of its buffer (`cpu_fwd` hands the CPU
+    /// buffer over whole).
+    fn take_output(&self) -> Result<Tensor> {
+        match lock(&self.output).take() {
+            Some(y) if y.is_contiguous() && y.layout().start_offset() == 0 => Ok(y),
+            Some(y) => y.copy(),
+            None => bail!("checkpoint: the segment's output was already consumed (internal error)"),
+        }
+    }
 }
 
 impl CustomOp2 for Segment {
@@ -87,7 +100,12 @@ impl CustomOp2 for Segment {
         _s: &CpuStorage,
         _ls: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        self.output.cpu()
+        let y = self.take_output()?;
+        let (st, _) = y.storage_and_layout();
+        match &*st {
+            Storage::Cpu(c) => Ok((c.clone(), y.shape().clone())),
+            _ => bail!("checkpoint: the segment's output is not on the CPU like its input"),
+        }
     }
 
     #[cfg(feature = "cuda")]
@@ -98,7 +116,12 @@ impl CustomOp2 for Segment {
         _s: &candle_core::CudaStorage,
         _ls: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        self.output.cuda()
+        let y = self.take_output()?;
+        let (st, layout) = y.storage_and_layout();
+        match &*st {
+            Storage::Cuda(c) => Ok((c.try_clone(layout)?, y.shape().clone())),
+            _ => bail!("checkpoint: the segment's output is not on CUDA like its input"),
+        }
     }
 
     fn bwd(

@@ -155,6 +155,20 @@ fn backward(kind: Kind, x: &Tensor, dy: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op2_no_bwd(&dy, &GeluBwd(kind))
 }
 
+/// [`gelu_erf`]'s forward kernel on a contiguous CPU storage (no graph).
+pub(super) fn gelu_erf_cpu(s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+    Gelu(Kind::Erf).cpu_fwd(s, l)
+}
+
+/// [`gelu_erf`]'s forward kernel on a contiguous CUDA storage (no graph).
+#[cfg(feature = "cuda")]
+pub(super) fn gelu_erf_cuda(
+    s: &candle_core::CudaStorage,
+    l: &Layout,
+) -> Result<(candle_core::CudaStorage, Shape)> {
+    Gelu(Kind::Erf).cuda_fwd(s, l)
+}
+
 /// [`gelu_erf`]'s backward: `dx` at `x` for `dy`, without recording a graph.
 pub(super) fn gelu_erf_backward(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
     backward(Kind::Erf, x, dy)

@@ -10,11 +10,12 @@
 //! fusing compilers do (e.g. torch.compile's min-cut rematerialisation, Inductor's
 //! `partitioners.min_cut_rematerialization_partition`).
 //!
-//! Forward and backward run [`super::gelu_erf`], [`super::linear`] and their backward kernels,
-//! so the results are those of the composition, bit for bit.
+//! Forward and backward run [`super::gelu_erf`]'s and [`super::linear`]'s kernels (the
+//! forward on the storages, its GELU output a temporary buffer), so the results are those of
+//! the composition, bit for bit.
 
-use super::precomputed::PrecomputedOutput;
-use super::{gelu, linear};
+use super::linear::{self, Operands};
+use super::{bias, gelu};
 use crate::grad_sink::offer;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 
@@ -22,43 +23,30 @@ const OP: &str = "gelu_linear";
 
 /// `gelu_erf(h) @ w^T + b` as one graph node that keeps only `h` (module docs).
 ///
-/// - `h: (.., in)` in w's dtype (the output of the layer's first linear, e.g. bf16);
+/// - `h: (.., in)`, f32, bf16 or f16 (the output of the layer's first linear, in the compute
+///   dtype; another dtype is cast after the GELU, as [`super::linear`] casts its x);
 /// - `w: (out, in)` and `b: (out,)`, as for [`super::linear`].
 ///
 /// Returns `(.., out)` in w's dtype. Differentiable with respect to `h`, `w` and `b`; not
 /// twice differentiable.
 ///
-/// Errors (no panics): those of [`super::gelu_erf`] and [`super::linear`] (dtypes, shapes,
-/// devices that differ), with `gelu_linear(h, w, b)` as their context.
+/// Errors (no panics): those of [`super::linear`] (dtypes, shapes, devices that differ), named
+/// `gelu_linear(h, w, b)`, with h in the role of linear's x.
 pub fn gelu_linear(h: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
-    let two_ops = || linear::linear(&gelu::gelu_erf(h)?, w, Some(b));
-    if h.elem_count() == 0 || w.elem_count() == 0 {
-        // empty shapes: the composition's special cases (no GEMM, no node of ours)
-        return two_ops().map_err(|e| e.context("gelu_linear(h, w, b)"));
+    match linear::operands("gelu_linear(h, w, b)", h, w, Some(b))? {
+        // empty shapes: the composition's special cases
+        Operands::Empty { rows } => linear::composed(&gelu::gelu_erf(h)?, w, Some(b), rows),
+        Operands::Ready { x, w, b } => {
+            let Some(b) = b else {
+                candle_core::bail!("{OP}: the bias went missing (internal error)")
+            };
+            // the GELU kernel reads h contiguous (operands leaves an h of another dtype as is)
+            x.contiguous()?.apply_op3(&w, &b, GeluLinear)
+        }
     }
-    // the forward without a graph: the GELU output is freed when the GEMM has read it
-    let y = linear::linear(
-        &gelu::gelu_erf(&h.detach())?,
-        &w.detach(),
-        Some(&b.detach()),
-    )
-    .map_err(|e| e.context("gelu_linear(h, w, b)"))?;
-    if !(h.track_op() || w.track_op() || b.track_op()) {
-        return Ok(y);
-    }
-    h.apply_op3(
-        w,
-        b,
-        GeluLinear {
-            output: PrecomputedOutput::new(OP, y),
-        },
-    )
 }
 
-struct GeluLinear {
-    /// The forward's result, handed to candle by `cpu_fwd` / `cuda_fwd`.
-    output: PrecomputedOutput,
-}
+struct GeluLinear;
 
 impl CustomOp3 for GeluLinear {
     fn name(&self) -> &'static str {
@@ -67,27 +55,31 @@ impl CustomOp3 for GeluLinear {
 
     fn cpu_fwd(
         &self,
-        _h: &CpuStorage,
-        _lh: &Layout,
-        _w: &CpuStorage,
-        _lw: &Layout,
-        _b: &CpuStorage,
-        _lb: &Layout,
+        h: &CpuStorage,
+        lh: &Layout,
+        w: &CpuStorage,
+        lw: &Layout,
+        b: &CpuStorage,
+        lb: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        self.output.cpu()
+        let (g, shape) = gelu::gelu_erf_cpu(h, lh)?;
+        let lg = Layout::contiguous(shape);
+        linear::forward((&g, &lg), (w, lw), Some((b, lb)), bias::add_cpu)
     }
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
-        _h: &candle_core::CudaStorage,
-        _lh: &Layout,
-        _w: &candle_core::CudaStorage,
-        _lw: &Layout,
-        _b: &candle_core::CudaStorage,
-        _lb: &Layout,
+        h: &candle_core::CudaStorage,
+        lh: &Layout,
+        w: &candle_core::CudaStorage,
+        lw: &Layout,
+        b: &candle_core::CudaStorage,
+        lb: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        self.output.cuda()
+        let (g, shape) = gelu::gelu_erf_cuda(h, lh)?;
+        let lg = Layout::contiguous(shape);
+        linear::forward((&g, &lg), (w, lw), Some((b, lb)), bias::add_cuda)
     }
 
     fn bwd(

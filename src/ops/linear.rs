@@ -39,25 +39,49 @@ const OP: &str = "linear";
 /// Errors (no panics): a scalar x; w not 2-D; x's last dimension not w's `in`; b not `(out,)`;
 /// a dtype other than f32/bf16/f16; arguments on different devices.
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
-    check_float(OP, "x", x.dtype())?;
-    check_float(OP, "w", w.dtype())?;
-    check_device(OP, "w", x, w)?;
+    match operands(OP, x, w, b)? {
+        Operands::Empty { rows } => composed(x, w, b, rows),
+        Operands::Ready { x, w, b } => match b {
+            Some(b) => x.apply_op3(&w, &b, Linear),
+            None => x.apply_op2(&w, Linear),
+        },
+    }
+}
+
+/// The arguments of a linear-layer op, checked and laid out for [`forward`].
+pub(super) enum Operands {
+    /// No rows, `in = 0` or `out = 0`: shapes that candle's matmul special-cases (`rows` rows).
+    Empty { rows: usize },
+    /// x contiguous when already in w's dtype (else the forward's cast copies it); w contiguous
+    /// or a transposed view of a contiguous tensor (cuBLAS reads either); b contiguous.
+    Ready {
+        x: Tensor,
+        w: Tensor,
+        b: Option<Tensor>,
+    },
+}
+
+/// Checks `x`, `w` and `b` as [`linear`] documents (errors named after `op`) and lays them out.
+pub(super) fn operands(op: &str, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Operands> {
+    check_float(op, "x", x.dtype())?;
+    check_float(op, "w", w.dtype())?;
+    check_device(op, "w", x, w)?;
     if let Some(b) = b {
-        check_float(OP, "b", b.dtype())?;
-        check_device(OP, "b", x, b)?;
+        check_float(op, "b", b.dtype())?;
+        check_device(op, "b", x, b)?;
     }
     let &[n, k] = w.dims() else {
         bail!(
-            "{OP}: w has shape {:?}; expected (out, in), a 2-D weight",
+            "{op}: w has shape {:?}; expected (out, in), a 2-D weight",
             w.dims()
         )
     };
     let Some(&x_k) = x.dims().last() else {
-        bail!("{OP}: x is a scalar; expected (.., in) with in = {k} (w is {:?}); use x.reshape(1) for a single feature", w.dims())
+        bail!("{op}: x is a scalar; expected (.., in) with in = {k} (w is {:?}); use x.reshape(1) for a single feature", w.dims())
     };
     if x_k != k {
         bail!(
-            "{OP}: x has shape {:?} and w has shape {:?}; x's last dimension must equal w's second (in = {k}): reshape x, or transpose w if it is stored (in, out)",
+            "{op}: x has shape {:?} and w has shape {:?}; x's last dimension must equal w's second (in = {k}): reshape x, or transpose w if it is stored (in, out)",
             x.dims(),
             w.dims()
         )
@@ -65,7 +89,7 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     if let Some(b) = b {
         if b.dims() != [n] {
             bail!(
-                "{OP}: b has shape {:?} but w has shape {:?}; b must be (out,) = ({n},)",
+                "{op}: b has shape {:?} but w has shape {:?}; b must be (out,) = ({n},)",
                 b.dims(),
                 w.dims()
             )
@@ -73,7 +97,7 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     }
     let rows: usize = x.dims()[..x.rank() - 1].iter().product();
     if rows == 0 || n == 0 || k == 0 {
-        return composed(x, w, b, rows);
+        return Ok(Operands::Empty { rows });
     }
     // The op casts a strided x itself (the cast writes a contiguous copy); an x already in w's
     // dtype goes to the GEMM as is and must be contiguous.
@@ -88,15 +112,13 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     } else {
         w.contiguous()?
     };
-    match b {
-        Some(b) => x.apply_op3(&w, &b.contiguous()?, Linear),
-        None => x.apply_op2(&w, Linear),
-    }
+    let b = b.map(Tensor::contiguous).transpose()?;
+    Ok(Operands::Ready { x, w, b })
 }
 
 /// The unfused ops, for the empty shapes that candle's matmul special-cases (as before the
 /// fused op: with no rows, b is left out of the graph, like candle's own empty binary ops).
-fn composed(x: &Tensor, w: &Tensor, b: Option<&Tensor>, rows: usize) -> Result<Tensor> {
+pub(super) fn composed(x: &Tensor, w: &Tensor, b: Option<&Tensor>, rows: usize) -> Result<Tensor> {
     let (n, k) = w.dims2()?;
     let mut out = x.dims().to_vec();
     if let Some(d) = out.last_mut() {
@@ -171,7 +193,7 @@ fn cast_bias<'a, S: BackendStorage>(
 
 /// The forward on either backend: the cast GEMM, then (with a bias) `add_bias` of the bias in
 /// w's dtype. `add_bias` is bias_add's CPU or CUDA kernel.
-fn forward<S: BackendStorage>(
+pub(super) fn forward<S: BackendStorage>(
     x: (&S, &Layout),
     w: (&S, &Layout),
     b: Option<(&S, &Layout)>,

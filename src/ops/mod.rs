@@ -80,7 +80,6 @@ mod linear_cross_entropy;
 #[cfg(feature = "cuda")]
 mod lora_cuda;
 mod lora_linear;
-pub(crate) mod precomputed;
 mod residual;
 mod rms_norm;
 mod rotary;
