@@ -58,28 +58,31 @@ __device__ void adamw_block(const TensorListMeta<5>& meta, const float* stats, c
     k.mult = stats[2];
     const uint32_t seed = a.seed ^ (uint32_t)(meta.tensor_index[t] * 0x9E3779B9u);
 
-    // 16-byte vector loads when every list is aligned for them (candle allocations are);
-    // otherwise the scalar loop handles everything.
-    const bool aligned = ((meta.addr[0][t] | meta.addr[2][t] | meta.addr[3][t]) % 16 == 0) &&
-                         (meta.addr[1][t] % (4 * sizeof(G)) == 0) &&
-                         (meta.addr[4][t] % (4 * sizeof(W)) == 0);
+    // vector loads and stores when every list is aligned for them (candle allocations are);
+    // otherwise the scalar loop handles everything
+    const bool aligned = mt_aligned4<float>(meta.addr[0][t] | meta.addr[2][t] | meta.addr[3][t]) &&
+                         mt_aligned4<G>(meta.addr[1][t]) && mt_aligned4<W>(meta.addr[4][t]);
     int64_t done = 0;
     if (aligned) {
         const int64_t n4 = n / 4;
+#pragma unroll 2
         for (int64_t i = threadIdx.x; i < n4; i += blockDim.x) {
-            float4 pv = reinterpret_cast<float4*>(p)[i];
-            float4 mv = reinterpret_cast<float4*>(m)[i];
-            float4 vv = reinterpret_cast<float4*>(v)[i];
-            float pa[4] = {pv.x, pv.y, pv.z, pv.w}, ma[4] = {mv.x, mv.y, mv.z, mv.w}, va[4] = {vv.x, vv.y, vv.z, vv.w};
+            float pa[4], ma[4], va[4], ga[4];
+            load4(p + 4 * i, pa);
+            load4(m + 4 * i, ma);
+            load4(v + 4 * i, va);
+            load4(g + 4 * i, ga);
+            Vec4<W> wv;
 #pragma unroll
             for (int j = 0; j < 4; j++) {
-                adamw_element(pa[j], ma[j], va[j], to_f32(g[4 * i + j]), k);
-                if (w) w[4 * i + j] = a.stochastic ? round_stochastic<W>(pa[j], seed, (uint32_t)(start + 4 * i + j))
-                                                   : from_f32<W>(pa[j]);
+                adamw_element(pa[j], ma[j], va[j], ga[j], k);
+                wv.v[j] = a.stochastic ? round_stochastic<W>(pa[j], seed, (uint32_t)(start + 4 * i + j))
+                                       : from_f32<W>(pa[j]);
             }
-            reinterpret_cast<float4*>(p)[i] = make_float4(pa[0], pa[1], pa[2], pa[3]);
-            reinterpret_cast<float4*>(m)[i] = make_float4(ma[0], ma[1], ma[2], ma[3]);
-            reinterpret_cast<float4*>(v)[i] = make_float4(va[0], va[1], va[2], va[3]);
+            store4(p + 4 * i, Vec4<float>{{pa[0], pa[1], pa[2], pa[3]}});
+            store4(m + 4 * i, Vec4<float>{{ma[0], ma[1], ma[2], ma[3]}});
+            store4(v + 4 * i, Vec4<float>{{va[0], va[1], va[2], va[3]}});
+            if (w) store4(w + 4 * i, wv);
         }
         done = n4 * 4;
     }

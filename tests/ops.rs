@@ -8,7 +8,7 @@
 mod common;
 use candle_core::{DType, Device, Result, Tensor, Var, D};
 use rand::{Rng, SeedableRng};
-use wick::ops;
+use wick::ops::{self, Activation};
 
 const EPS: f64 = 1e-5;
 
@@ -495,9 +495,10 @@ fn embedding_matches_index_select_on_cpu() -> Result<()> {
     Ok(())
 }
 
-/// `gelu_linear(h, w, b)` against its two-op composition `linear(gelu_erf(h), w, b)` (the same
-/// kernels: equal bit for bit, value and every gradient) and against candle's composed exact
-/// GELU and matmul in f32 (an independent reference, within the dtype's rounding).
+/// `act_linear(h, w, b, act)` against its two-op composition `linear(act(h), w, b)` (the same
+/// kernels: equal bit for bit, value and every gradient) and against candle's composed
+/// activation and matmul in f32 (an independent reference, within the dtype's rounding).
+/// The inputs never hold an exact 0, where ReLU's gradient conventions differ (tested below).
 fn gelu_linear_args(
     n: usize,
     k: usize,
@@ -511,36 +512,110 @@ fn gelu_linear_args(
     let r = rand_t(&[2, n, o], -1.0, 1.0, 1403, DType::F32, dev);
     (vec![h, w, b], r)
 }
+const ACTIVATIONS: [Activation; 3] = [Activation::GeluTanh, Activation::GeluErf, Activation::Relu];
+fn act_linear_fused(act: Activation) -> impl Fn(&[Tensor]) -> Result<Tensor> {
+    move |a: &[Tensor]| ops::act_linear(&a[0], &a[1], &a[2], act)
+}
+/// wick's activation op, then wick's linear: the two-op composition.
+fn act_linear_two_ops(act: Activation) -> impl Fn(&[Tensor]) -> Result<Tensor> {
+    move |a: &[Tensor]| {
+        let g = match act {
+            Activation::GeluTanh => ops::gelu_tanh(&a[0])?,
+            Activation::GeluErf => ops::gelu_erf(&a[0])?,
+            Activation::Relu => a[0].relu()?,
+        };
+        ops::linear(&g, &a[1], Some(&a[2]))
+    }
+}
+/// candle's own activation and matmul, in f32.
+fn act_linear_ref(act: Activation) -> impl Fn(&[Tensor]) -> Result<Tensor> {
+    move |a: &[Tensor]| {
+        let f = |t: &Tensor| t.to_dtype(DType::F32);
+        let h = f(&a[0])?;
+        let g = match act {
+            Activation::GeluTanh => h.gelu()?,
+            Activation::GeluErf => h.gelu_erf()?,
+            Activation::Relu => h.relu()?,
+        };
+        g.broadcast_matmul(&f(&a[1])?.t()?)?
+            .broadcast_add(&f(&a[2])?)
+    }
+}
 fn gelu_linear_fused(a: &[Tensor]) -> Result<Tensor> {
     ops::gelu_linear(&a[0], &a[1], &a[2])
 }
-fn gelu_linear_ref(a: &[Tensor]) -> Result<Tensor> {
-    let f = |t: &Tensor| t.to_dtype(DType::F32);
-    f(&a[0])?
-        .gelu_erf()?
-        .broadcast_matmul(&f(&a[1])?.t()?)?
-        .broadcast_add(&f(&a[2])?)
+
+#[test]
+fn act_linear_equals_its_composition_and_candles_ops_on_cpu() -> Result<()> {
+    for act in ACTIVATIONS {
+        for dtype in DTYPES {
+            for &(n, k, o) in &[(5usize, 64usize, 16usize), (1, 7, 3)] {
+                let (args, r) = gelu_linear_args(n, k, o, dtype, &Device::Cpu);
+                let name = format!("act_linear {act:?} {dtype:?} ({n}, {k}) -> {o}");
+                let fused = act_linear_fused(act);
+                let exact = compare(&name, &fused, &act_linear_two_ops(act), &args, &r)?;
+                assert!(
+                    exact.iter().all(|e| *e == 0.0),
+                    "{name} vs two ops: {exact:?}"
+                );
+                let errs = compare_any(&name, &fused, &act_linear_ref(act), &args, &r)?;
+                assert!(
+                    errs.iter().all(|e| *e <= 2.0 * tol(dtype)),
+                    "{name}: {errs:?}"
+                );
+            }
+        }
+    }
+    // gelu_linear is act_linear with the exact GELU
+    let (args, r) = gelu_linear_args(5, 64, 16, DType::F32, &Device::Cpu);
+    let same = compare(
+        "gelu_linear",
+        &gelu_linear_fused,
+        &act_linear_fused(Activation::GeluErf),
+        &args,
+        &r,
+    )?;
+    assert!(same.iter().all(|e| *e == 0.0), "{same:?}");
+    Ok(())
+}
+
+/// ReLU's gradient at exactly 0 is 0, as PyTorch's `threshold_backward` (closed form: with
+/// w = I and b = 0, y = relu(h), dL/dh = r where h > 0, else 0, and dL/db = r).
+#[test]
+fn act_linear_relu_gradient_is_zero_at_zero() -> Result<()> {
+    let h = Var::new(&[[-1f32, 0.0, 2.0, 0.0]], &Device::Cpu)?;
+    let w = Var::new(
+        &[
+            [1f32, 0., 0., 0.],
+            [0., 1., 0., 0.],
+            [0., 0., 1., 0.],
+            [0., 0., 0., 1.],
+        ],
+        &Device::Cpu,
+    )?;
+    let b = Var::zeros(4, DType::F32, &Device::Cpu)?;
+    let r = Tensor::new(&[[3f32, 5.0, 7.0, 11.0]], &Device::Cpu)?;
+    let y = ops::act_linear(
+        h.as_tensor(),
+        w.as_tensor(),
+        b.as_tensor(),
+        Activation::Relu,
+    )?;
+    assert_eq!(y.to_vec2::<f32>()?, vec![vec![0.0, 0.0, 2.0, 0.0]]);
+    let g = wick::grad_sink::backward(&(y * &r)?.sum_all()?)?;
+    assert_eq!(
+        g.get(&h).unwrap().to_vec2::<f32>()?,
+        vec![vec![0.0, 0.0, 7.0, 0.0]]
+    );
+    assert_eq!(
+        g.get(&b).unwrap().to_vec1::<f32>()?,
+        vec![3.0, 5.0, 7.0, 11.0]
+    );
+    Ok(())
 }
 
 #[test]
-fn gelu_linear_equals_its_composition_and_candles_ops_on_cpu() -> Result<()> {
-    for dtype in DTYPES {
-        for &(n, k, o) in &[(5usize, 64usize, 16usize), (1, 7, 3)] {
-            let (args, r) = gelu_linear_args(n, k, o, dtype, &Device::Cpu);
-            let name = format!("gelu_linear {dtype:?} ({n}, {k}) -> {o}");
-            let two_ops = |a: &[Tensor]| ops::linear(&ops::gelu_erf(&a[0])?, &a[1], Some(&a[2]));
-            let exact = compare(&name, &gelu_linear_fused, &two_ops, &args, &r)?;
-            assert!(
-                exact.iter().all(|e| *e == 0.0),
-                "{name} vs two ops: {exact:?}"
-            );
-            let errs = compare_any(&name, &gelu_linear_fused, &gelu_linear_ref, &args, &r)?;
-            assert!(
-                errs.iter().all(|e| *e <= 2.0 * tol(dtype)),
-                "{name}: {errs:?}"
-            );
-        }
-    }
+fn gelu_linear_errors_and_empty_shapes() -> Result<()> {
     let (args, _) = gelu_linear_args(3, 8, 4, DType::F32, &Device::Cpu);
     let e = ops::gelu_linear(&args[0], &args[1].t()?.contiguous()?, &args[2])
         .unwrap_err()
@@ -1716,19 +1791,21 @@ mod cuda {
     }
 
     #[test]
-    fn gelu_linear_cuda_matches_cpu() -> Result<()> {
-        for dtype in DTYPES {
-            for &(n, k, o) in &[(512usize, 1536usize, 384usize), (3, 7, 5)] {
-                let (args, r) = gelu_linear_args(n, k, o, dtype, &Device::Cpu);
-                let name = format!("cuda gelu_linear {dtype:?} ({n}, {k}) -> {o}");
-                check(
-                    &name,
-                    &gelu_linear_fused,
-                    &gelu_linear_ref,
-                    &args,
-                    &r,
-                    2.0 * tol(dtype),
-                )?;
+    fn act_linear_cuda_matches_cpu() -> Result<()> {
+        for act in ACTIVATIONS {
+            for dtype in DTYPES {
+                for &(n, k, o) in &[(512usize, 1536usize, 384usize), (3, 7, 5)] {
+                    let (args, r) = gelu_linear_args(n, k, o, dtype, &Device::Cpu);
+                    let name = format!("cuda act_linear {act:?} {dtype:?} ({n}, {k}) -> {o}");
+                    check(
+                        &name,
+                        &act_linear_fused(act),
+                        &act_linear_ref(act),
+                        &args,
+                        &r,
+                        2.0 * tol(dtype),
+                    )?;
+                }
             }
         }
         Ok(())

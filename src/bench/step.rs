@@ -100,12 +100,16 @@ impl Net {
         match self {
             Net::Gpt(g) => g.loss(x, y),
             Net::Mlp(layers) => {
-                let mut h = x.clone();
-                for (i, l) in layers.iter().enumerate() {
-                    h = l.forward(&h)?;
-                    if i + 1 < layers.len() {
-                        h = h.relu()?;
-                    }
+                // Linear, then (ReLU, Linear) pairs, each pair one node (ops::act_linear)
+                let Some((first, rest)) = layers.split_first() else {
+                    candle_core::bail!("bench mlp: no layers (internal error)")
+                };
+                let mut h = first.forward(x)?;
+                for l in rest {
+                    let Some(b) = l.bias() else {
+                        candle_core::bail!("bench mlp: a layer without bias (internal error)")
+                    };
+                    h = crate::ops::act_linear(&h, l.weight(), b, crate::ops::Activation::Relu)?;
                 }
                 crate::loss::cross_entropy(&h, y)
             }

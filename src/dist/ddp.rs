@@ -376,7 +376,7 @@ impl Ddp {
         #[cfg(feature = "cuda")]
         if params.first().is_some_and(|p| p.master.device().is_cuda()) {
             // pack each bucket with the multi-tensor accumulate kernel (one launch per gradient
-            // dtype and 24 tensors) instead of a cast and a copy per parameter
+            // dtype and up to 160 tensors) instead of a cast and a copy per parameter
             for (bi, b) in buckets.iter().enumerate() {
                 let dev = params[idx[b.members[0]]].master.device().clone();
                 let flat =

@@ -23,10 +23,12 @@
 //!   takes its softmax in f32; on CUDA it rounds the probabilities to the compute dtype before
 //!   `@ v`, as SDPA's flash kernels do (the CPU reference keeps them in f32);
 //! - fused ops (`crate::ops`): LayerNorm (writing the compute dtype for the next linear),
-//!   linear (cast + GEMM + bias), attention (head split and merge included), GELU, the residual
-//!   add, the position bias, embedding, and the tied head with the cross-entropy are one graph
-//!   node each with their own backward: candle's backward costs a zero-filled buffer and an add
-//!   for every stored gradient, so fewer nodes is most of the speed;
+//!   linear (cast + GEMM + bias), attention (head split and merge included), GELU and fc2
+//!   together ([`crate::ops::act_linear`], the GELU output recomputed in the backward instead
+//!   of kept), the residual add, the position bias, embedding, and the tied head with the
+//!   cross-entropy are one graph node each with their own backward: candle's backward costs a
+//!   zero-filled buffer and an add for every stored gradient, so fewer nodes is most of the
+//!   speed;
 //! - the token and position tables are differentiated as fp32 masters (embedding is not on
 //!   autocast's cast lists, so PyTorch looks them up in f32); the tied head casts the token table
 //!   to the compute dtype, differentiably, as autocast does;
@@ -56,6 +58,7 @@
 //! ```
 
 use crate::nn::{Embedding, LayerNorm, Linear};
+use crate::ops::Activation;
 use crate::params::{ParamStore, Role};
 use crate::precision::{to_f32, Precision};
 use candle_core::{bail, DType, Device, Module, Result, Tensor};
@@ -312,8 +315,13 @@ impl Block {
         let qkv = self.qkv.forward(&self.ln1.forward_to(x, compute)?)?; // (B, T, 3C)
         let y = crate::ops::causal_attention(&qkv, h)?; // (B, T, C), heads merged
         let x = crate::ops::residual_add(x, &self.proj.forward(&y)?)?; // x + f32(branch), one node
-        let m = crate::ops::gelu_tanh(&self.fc.forward(&self.ln2.forward_to(&x, compute)?)?)?; // fused, tanh approximation
-        crate::ops::residual_add(&x, &self.fc2.forward(&m)?)
+        let h = self.fc.forward(&self.ln2.forward_to(&x, compute)?)?; // (B, T, 4C)
+        let Some(b2) = self.fc2.bias() else {
+            bail!("GPT block: fc2 has no bias (internal error)")
+        };
+        // fc2(gelu_tanh(h)) in one node; the GELU output is recomputed in the backward
+        let m = crate::ops::act_linear(&h, self.fc2.weight(), b2, Activation::GeluTanh)?;
+        crate::ops::residual_add(&x, &m)
     }
 }
 

@@ -32,7 +32,7 @@ const INV_SQRT_2PI: f32 = 0.398_942_3; // 1 / sqrt(2 pi)
 
 /// Which GELU: the tanh approximation or the exact (erf) form.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Kind {
+pub(super) enum Kind {
     Tanh,
     Erf,
 }
@@ -56,7 +56,7 @@ pub fn gelu_erf(x: &Tensor) -> Result<Tensor> {
     gelu(x, Kind::Erf)
 }
 
-fn gelu(x: &Tensor, kind: Kind) -> Result<Tensor> {
+pub(super) fn gelu(x: &Tensor, kind: Kind) -> Result<Tensor> {
     let op = Gelu(kind);
     check_float(op.name(), "x", x.dtype())?;
     if x.elem_count() == 0 {
@@ -146,7 +146,7 @@ impl CustomOp1 for Gelu {
 }
 
 /// `dx` of GELU at `x` for the upstream gradient `dy` (cast to x's dtype), no graph.
-fn backward(kind: Kind, x: &Tensor, dy: &Tensor) -> Result<Tensor> {
+pub(super) fn backward(kind: Kind, x: &Tensor, dy: &Tensor) -> Result<Tensor> {
     let dy = if dy.dtype() == x.dtype() {
         dy.contiguous()?
     } else {
@@ -155,23 +155,19 @@ fn backward(kind: Kind, x: &Tensor, dy: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op2_no_bwd(&dy, &GeluBwd(kind))
 }
 
-/// [`gelu_erf`]'s forward kernel on a contiguous CPU storage (no graph).
-pub(super) fn gelu_erf_cpu(s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-    Gelu(Kind::Erf).cpu_fwd(s, l)
+/// GELU's forward kernel on a contiguous CPU storage (no graph).
+pub(super) fn forward_cpu(kind: Kind, s: &CpuStorage, l: &Layout) -> Result<CpuStorage> {
+    Ok(Gelu(kind).cpu_fwd(s, l)?.0)
 }
 
-/// [`gelu_erf`]'s forward kernel on a contiguous CUDA storage (no graph).
+/// GELU's forward kernel on a contiguous CUDA storage (no graph).
 #[cfg(feature = "cuda")]
-pub(super) fn gelu_erf_cuda(
+pub(super) fn forward_cuda(
+    kind: Kind,
     s: &candle_core::CudaStorage,
     l: &Layout,
-) -> Result<(candle_core::CudaStorage, Shape)> {
-    Gelu(Kind::Erf).cuda_fwd(s, l)
-}
-
-/// [`gelu_erf`]'s backward: `dx` at `x` for `dy`, without recording a graph.
-pub(super) fn gelu_erf_backward(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
-    backward(Kind::Erf, x, dy)
+) -> Result<candle_core::CudaStorage> {
+    Ok(Gelu(kind).cuda_fwd(s, l)?.0)
 }
 
 impl CustomOp2 for GeluBwd {

@@ -13,7 +13,7 @@
 //! | [`embedding`] | `y = table[ids]`; `dtable` scatter-added in f32 | f32, bf16, f16 table | table's |
 //! | [`gelu_tanh`] | `y = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))` (elementwise) | f32, bf16, f16 | x's |
 //! | [`gelu_erf`] | `y = 0.5 x (1 + erf(x / sqrt(2)))` (elementwise, BERT's) | f32, bf16, f16 | x's |
-//! | [`gelu_linear`] | `y = gelu_erf(h) @ w^T + b` in one node that keeps only `h` (the GELU output recomputed in the backward) | h: the compute dtype | w's |
+//! | [`act_linear`] / [`gelu_linear`] | `y = act(h) @ w^T + b` (act: GELU tanh or erf, ReLU; [`gelu_linear`]: erf) in one node that keeps only `h` (the activation's output recomputed in the backward) | h: the compute dtype | w's |
 //! | [`split_heads`] / [`merge_heads`] | `(B, T, 3C) → (3, B, H, T, Dh)` / `(B, H, T, Dh) → (B, T, C)` row copies | any | x's |
 //! | [`causal_attention`] | `y = softmax(q k^T / sqrt(Dh) + causal mask) v` per head, `(B, T, 3C) → (B, T, C)` (flash attention on CUDA) | f32, bf16, f16 | x's |
 //! | [`grouped_causal_attention`] | the same with `Hkv` key/value heads shared by `H / Hkv` query heads each (GQA), `(B, T, (H + 2Hkv) Dh) → (B, T, H Dh)`, K/V never repeated on CUDA | f32, bf16, f16 | x's |
@@ -67,12 +67,12 @@ macro_rules! with_type {
     };
 }
 
+mod act_linear;
 mod attention;
 mod bias;
 mod cross_entropy;
 mod embedding;
 mod gelu;
-mod gelu_linear;
 mod heads;
 mod layer_norm;
 mod linear;
@@ -86,6 +86,7 @@ mod rotary;
 mod softmax;
 mod swiglu;
 
+pub use act_linear::{act_linear, gelu_linear, Activation};
 pub use attention::{
     causal_attention, causal_attention_composed, grouped_causal_attention,
     grouped_causal_attention_composed,
@@ -94,7 +95,6 @@ pub use bias::bias_add;
 pub use cross_entropy::cross_entropy_rows;
 pub use embedding::embedding;
 pub use gelu::{gelu_erf, gelu_tanh};
-pub use gelu_linear::gelu_linear;
 pub use heads::{merge_heads, split_heads};
 pub use layer_norm::{layer_norm, layer_norm_with_dtype};
 pub use linear::linear;
