@@ -9,7 +9,7 @@
 //! ```
 //! Prints a table (ms per call, forward and forward + backward) and one JSON line.
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use candle_core::{DType, Device, Module, Tensor, Var};
 use clap::Parser;
 use wick::models::GptConfig;
@@ -74,6 +74,7 @@ fn main() -> Result<()> {
     let fc = nn::Linear::new(&store, "fc", d, 4 * d, true)?;
     let fc2 = nn::Linear::new(&store, "fc2", 4 * d, d, true)?;
     let wte = nn::Embedding::new(&store, "wte", c.vocab_size, d, 0.02)?;
+    let b2 = fc2.bias().context("fc2 has no bias")?.clone();
 
     let x32 = var(&[b, t, d], DType::F32, &dev)?;
     let xbf = var(&[b, t, d], bf, &dev)?;
@@ -109,14 +110,16 @@ fn main() -> Result<()> {
         ),
         ("fc linear", 1, Box::new(|| fc.forward(xbf.as_tensor()))),
         (
-            "gelu (wick::ops::gelu_tanh)",
+            "gelu + fc2 (wick::ops::act_linear, one node)",
             1,
-            Box::new(|| ops::gelu_tanh(hidden.as_tensor())),
-        ),
-        (
-            "fc2 linear",
-            1,
-            Box::new(|| fc2.forward(hidden.as_tensor())),
+            Box::new(|| {
+                ops::act_linear(
+                    hidden.as_tensor(),
+                    fc2.weight(),
+                    &b2,
+                    ops::Activation::GeluTanh,
+                )
+            }),
         ),
         (
             "embedding + positions",
@@ -137,6 +140,16 @@ fn main() -> Result<()> {
     ];
     // printed for comparison, not part of the step estimate
     let comparisons: Vec<(&'static str, usize, Op)> = vec![
+        (
+            "gelu alone (wick::ops::gelu_tanh)",
+            1,
+            Box::new(|| ops::gelu_tanh(hidden.as_tensor())),
+        ),
+        (
+            "fc2 linear alone",
+            1,
+            Box::new(|| fc2.forward(hidden.as_tensor())),
+        ),
         (
             "tied head matmul",
             0,

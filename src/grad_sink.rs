@@ -11,7 +11,7 @@
 //! allocations per parameter per step, host time that a small model's step is made of.
 //!
 //! [`backward`] runs candle's backward with a sink open on the calling thread. wick's ops
-//! ([`crate::ops`]: embedding, linear, bias, the norms, `gelu_linear`, LoRA, the fused head;
+//! ([`crate::ops`]: embedding, linear, bias, the norms, `act_linear`, LoRA, the fused head;
 //! and [`crate::recompute`]'s segments) hand the gradient of a leaf (a [`candle_core::Var`]'s
 //! tensor: a parameter) to the sink instead of returning it to candle; after the backward the
 //! sink's gradients are moved into the `GradStore`, added to whatever candle computed for the

@@ -59,13 +59,12 @@ impl Activation {
         }
     }
 
-    /// `dh` for the upstream `dg` (in h's dtype), no graph.
-    fn backward(self, h: &Tensor, dg: &Tensor) -> Result<Tensor> {
+    /// `dh` for the upstream `dg` (in h's dtype), given `g = act(h)`, no graph. ReLU's mask is
+    /// `sign(g)`: 1 where h > 0, else 0 (two launches, no scalar tensor to build).
+    fn backward(self, h: &Tensor, g: &Tensor, dg: &Tensor) -> Result<Tensor> {
         match self.gelu() {
             Some(kind) => gelu::backward(kind, h, dg),
-            None => dg
-                .to_dtype(h.dtype())?
-                .mul(&h.gt(0.0)?.to_dtype(h.dtype())?),
+            None => dg.to_dtype(h.dtype())?.mul(&g.sign()?),
         }
     }
 
@@ -169,7 +168,7 @@ impl CustomOp3 for ActLinear {
         let g = self.0.apply(&h)?;
         let (dg, dw, db) = linear::grads_wanted(&g, w, Some(b), dy, want_h)?;
         let dh = match dg {
-            Some(dg) => Some(self.0.backward(&h, &dg)?),
+            Some(dg) => Some(self.0.backward(&h, &g, &dg)?),
             None => None,
         };
         Ok((dh, offer(w, dw)?, offer(b, db)?))

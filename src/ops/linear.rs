@@ -306,7 +306,7 @@ pub(super) fn grads(
 }
 
 /// [`grads`] with `dx` computed when `want_x`, whether or not autograd tracks x (an op that
-/// recomputes its GEMM input, [`super::gelu_linear`], needs `dx` of an untracked tensor).
+/// recomputes its GEMM input, [`super::act_linear`], needs `dx` of an untracked tensor).
 pub(super) fn grads_wanted(
     x: &Tensor,
     w: &Tensor,
