@@ -51,7 +51,8 @@ impl Activation {
         }
     }
 
-    /// `act(h)` as a graph op (the composition, for the empty shapes).
+    /// `act(h)` through the activation's own op: the composition for the empty shapes, and
+    /// the backward's recomputation (on a detached h, so no graph is recorded).
     fn apply(self, h: &Tensor) -> Result<Tensor> {
         match self.gelu() {
             Some(kind) => gelu::gelu(h, kind),
@@ -95,7 +96,8 @@ impl Activation {
 /// twice differentiable.
 ///
 /// Errors (no panics): those of [`super::linear`] (dtypes, shapes, devices that differ), named
-/// after the op (`act_linear(h, w, b; relu)`, ...), with h in the role of linear's x.
+/// after the op (`act_linear(h, w, b; relu)`, `act_linear(h, w, b; gelu_tanh)`, and
+/// `gelu_linear(h, w, b)` for the exact GELU), with h in the role of linear's x.
 pub fn act_linear(h: &Tensor, w: &Tensor, b: &Tensor, act: Activation) -> Result<Tensor> {
     match linear::operands(act.name(), h, w, Some(b))? {
         // empty shapes: the composition's special cases
