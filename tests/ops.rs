@@ -499,7 +499,7 @@ fn embedding_matches_index_select_on_cpu() -> Result<()> {
 /// kernels: equal bit for bit, value and every gradient) and against candle's composed
 /// activation and matmul in f32 (an independent reference, within the dtype's rounding).
 /// The inputs never hold an exact 0, where ReLU's gradient conventions differ (tested below).
-fn gelu_linear_args(
+fn act_linear_args(
     n: usize,
     k: usize,
     o: usize,
@@ -550,7 +550,7 @@ fn act_linear_equals_its_composition_and_candles_ops_on_cpu() -> Result<()> {
     for act in ACTIVATIONS {
         for dtype in DTYPES {
             for &(n, k, o) in &[(5usize, 64usize, 16usize), (1, 7, 3)] {
-                let (args, r) = gelu_linear_args(n, k, o, dtype, &Device::Cpu);
+                let (args, r) = act_linear_args(n, k, o, dtype, &Device::Cpu);
                 let name = format!("act_linear {act:?} {dtype:?} ({n}, {k}) -> {o}");
                 let fused = act_linear_fused(act);
                 let exact = compare(&name, &fused, &act_linear_two_ops(act), &args, &r)?;
@@ -567,7 +567,7 @@ fn act_linear_equals_its_composition_and_candles_ops_on_cpu() -> Result<()> {
         }
     }
     // gelu_linear is act_linear with the exact GELU
-    let (args, r) = gelu_linear_args(5, 64, 16, DType::F32, &Device::Cpu);
+    let (args, r) = act_linear_args(5, 64, 16, DType::F32, &Device::Cpu);
     let same = compare(
         "gelu_linear",
         &gelu_linear_fused,
@@ -616,7 +616,7 @@ fn act_linear_relu_gradient_is_zero_at_zero() -> Result<()> {
 
 #[test]
 fn gelu_linear_errors_and_empty_shapes() -> Result<()> {
-    let (args, _) = gelu_linear_args(3, 8, 4, DType::F32, &Device::Cpu);
+    let (args, _) = act_linear_args(3, 8, 4, DType::F32, &Device::Cpu);
     let e = ops::gelu_linear(&args[0], &args[1].t()?.contiguous()?, &args[2])
         .unwrap_err()
         .to_string();
@@ -1795,7 +1795,7 @@ mod cuda {
         for act in ACTIVATIONS {
             for dtype in DTYPES {
                 for &(n, k, o) in &[(512usize, 1536usize, 384usize), (3, 7, 5)] {
-                    let (args, r) = gelu_linear_args(n, k, o, dtype, &Device::Cpu);
+                    let (args, r) = act_linear_args(n, k, o, dtype, &Device::Cpu);
                     let name = format!("cuda act_linear {act:?} {dtype:?} ({n}, {k}) -> {o}");
                     check(
                         &name,
