@@ -350,7 +350,9 @@ impl Engine {
             store: &self.store,
             micro_step: self.grads.micro_steps(),
         };
-        let loss = forward(&ctx).map_err(|e| e.into().context("the forward closure failed"))?;
+        // the backward below is grad_sink's: block ops may build their one-node form
+        let loss = crate::grad_sink::forward_for_sink(|| forward(&ctx))
+            .map_err(|e| e.into().context("the forward closure failed"))?;
         let loss = scalar_loss(loss)?;
         let m1 = Mark::now(&device)?;
 

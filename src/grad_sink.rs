@@ -65,6 +65,34 @@ impl Drop for Scope {
     }
 }
 
+thread_local! {
+    /// How many [`forward_for_sink`] calls are running on this thread.
+    static AHEAD: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Runs `forward` promising that the graph it builds will be differentiated with [`backward`]
+/// (not candle's `backward`), as [`crate::Engine::step`] does with its forward closure. Under
+/// that promise wick's block ops ([`crate::ops::mlp_block`]) build one graph node with their
+/// own backward, whose parameter gradients only a sink can take; without it they build the
+/// per-op composition (same values). Calls nest.
+pub fn forward_for_sink<R>(forward: impl FnOnce() -> R) -> R {
+    struct Ahead;
+    impl Drop for Ahead {
+        fn drop(&mut self) {
+            AHEAD.with(|a| a.set(a.get() - 1));
+        }
+    }
+    AHEAD.with(|a| a.set(a.get() + 1));
+    let _ahead = Ahead;
+    forward()
+}
+
+/// Whether the graph being built will be differentiated with [`backward`] (see
+/// [`forward_for_sink`]).
+pub(crate) fn sink_ahead() -> bool {
+    AHEAD.with(|a| a.get() > 0)
+}
+
 /// candle's `loss.backward()` with leaf gradients written once (module docs): returns the same
 /// gradients as `loss.backward()`, with less memory at the end of the backward.
 ///

@@ -319,6 +319,11 @@ impl LayerNorm {
     pub fn bias(&self) -> &Tensor {
         &self.bias
     }
+
+    /// The epsilon added to the variance.
+    pub fn eps(&self) -> f64 {
+        self.eps
+    }
 }
 
 impl LayerNorm {

@@ -28,7 +28,8 @@
 //!   of kept), the residual add, the position bias, embedding, and the tied head with the
 //!   cross-entropy are one graph node each with their own backward: candle's backward costs a
 //!   zero-filled buffer and an add for every stored gradient, so fewer nodes is most of the
-//!   speed;
+//!   speed; under the engine's backward the whole MLP half of a block is one node
+//!   ([`crate::ops::mlp_block`]);
 //! - the token and position tables are differentiated as fp32 masters (embedding is not on
 //!   autocast's cast lists, so PyTorch looks them up in f32); the tied head casts the token table
 //!   to the compute dtype, differentiably, as autocast does;
@@ -315,13 +316,22 @@ impl Block {
         let qkv = self.qkv.forward(&self.ln1.forward_to(x, compute)?)?; // (B, T, 3C)
         let y = crate::ops::causal_attention(&qkv, h)?; // (B, T, C), heads merged
         let x = crate::ops::residual_add(x, &self.proj.forward(&y)?)?; // x + f32(branch), one node
-        let h = self.fc.forward(&self.ln2.forward_to(&x, compute)?)?; // (B, T, 4C)
-        let Some(b2) = self.fc2.bias() else {
-            bail!("GPT block: fc2 has no bias (internal error)")
+        let (Some(fc_b), Some(fc2_b)) = (self.fc.bias(), self.fc2.bias()) else {
+            bail!("GPT block: fc or fc2 has no bias (internal error)")
         };
-        // fc2(gelu_tanh(h)) in one node; the GELU output is recomputed in the backward
-        let m = crate::ops::act_linear(&h, self.fc2.weight(), b2, Activation::GeluTanh)?;
-        crate::ops::residual_add(&x, &m)
+        // x + fc2(gelu_tanh(fc(ln2(x)))): one node with its own backward under the engine's
+        // backward (the GELU output recomputed there), the per-op composition elsewhere
+        let mlp = crate::ops::MlpParams {
+            ln_w: self.ln2.weight(),
+            ln_b: self.ln2.bias(),
+            eps: self.ln2.eps(),
+            fc_w: self.fc.weight(),
+            fc_b,
+            fc2_w: self.fc2.weight(),
+            fc2_b,
+            act: Activation::GeluTanh,
+        };
+        crate::ops::mlp_block(&x, &mlp, compute)
     }
 }
 

@@ -35,7 +35,7 @@ pub enum Activation {
 }
 
 impl Activation {
-    fn name(self) -> &'static str {
+    pub(super) fn name(self) -> &'static str {
         match self {
             Activation::GeluTanh => "act_linear(h, w, b; gelu_tanh)",
             Activation::GeluErf => "gelu_linear(h, w, b)",
@@ -120,7 +120,7 @@ pub fn gelu_linear(h: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
     act_linear(h, w, b, Activation::GeluErf)
 }
 
-struct ActLinear(Activation);
+pub(super) struct ActLinear(pub(super) Activation);
 
 impl CustomOp3 for ActLinear {
     fn name(&self) -> &'static str {

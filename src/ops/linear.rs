@@ -19,7 +19,7 @@ use crate::grad_sink::offer;
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
-const OP: &str = "linear";
+pub(super) const OP: &str = "linear";
 
 /// `y = x @ w^T + b` in w's dtype, as one differentiable graph node: PyTorch's
 /// `torch.nn.functional.linear(x, w, b)` under autocast, where x and b are cast to the compute
@@ -133,7 +133,7 @@ pub(super) fn composed(x: &Tensor, w: &Tensor, b: Option<&Tensor>, rows: usize) 
 }
 
 /// The op; one struct for both arities (with and without bias).
-struct Linear;
+pub(super) struct Linear;
 
 /// `(rows, out, in)` of the GEMM and the output shape, from the layouts of x and w.
 fn gemm_dims(lx: &Layout, lw: &Layout) -> Result<(usize, usize, usize, Shape)> {

@@ -80,6 +80,7 @@ mod linear_cross_entropy;
 #[cfg(feature = "cuda")]
 mod lora_cuda;
 mod lora_linear;
+mod mlp_block;
 mod residual;
 mod rms_norm;
 mod rotary;
@@ -101,6 +102,7 @@ pub use linear::linear;
 pub use linear_cross_entropy::linear_cross_entropy_rows;
 pub(crate) use lora_linear::block_diagonal as lora_block_diagonal;
 pub use lora_linear::{lora_linear, lora_linear_grouped};
+pub use mlp_block::{mlp_block, MlpParams};
 pub use residual::residual_add;
 pub use rms_norm::{rms_norm, rms_norm_with_dtype};
 pub use rotary::{rotary_qkv, rotary_tables};

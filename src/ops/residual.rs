@@ -37,7 +37,7 @@ pub fn residual_add(x: &Tensor, y: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op2(&y.contiguous()?, ResidualAdd)
 }
 
-struct ResidualAdd;
+pub(super) struct ResidualAdd;
 
 fn add_cpu<T: Elem>(x: &[f32], y: &[T]) -> Vec<f32> {
     x.iter().zip(y).map(|(a, b)| a + b.to32()).collect()
