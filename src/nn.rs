@@ -320,9 +320,14 @@ impl LayerNorm {
         &self.bias
     }
 
-    /// The epsilon added to the variance.
-    pub fn eps(&self) -> f64 {
-        self.eps
+    /// The layer as a block op's pre-norm ([`crate::ops::mlp_block`],
+    /// [`crate::ops::attention_block`]).
+    pub fn pre_norm(&self) -> crate::ops::PreNorm<'_> {
+        crate::ops::PreNorm {
+            w: &self.weight,
+            b: &self.bias,
+            eps: self.eps,
+        }
     }
 }
 

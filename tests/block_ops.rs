@@ -1,13 +1,13 @@
-//! `wick::ops::mlp_block`: the one-node form (built under `grad_sink::forward_for_sink`,
+//! `wick::ops::mlp_block` and `attention_block`: the one-node form (built under `grad_sink::forward_for_sink`,
 //! differentiated with `grad_sink::backward`) against the per-op composition it replaces
-//! (LayerNorm, linear, act_linear, residual add; candle's backward). The same kernels run in
+//! (LayerNorm, linear, act_linear or attention and linear, residual add; candle's backward). The same kernels run in
 //! the same order, so the value and every gradient must be equal exactly, on the CPU and, with
 //! the `cuda` feature, on the GPU.
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 use rand::{Rng, SeedableRng};
 use wick::grad_sink;
-use wick::ops::{self, Activation, MlpParams};
+use wick::ops::{self, Activation, AttentionParams, MlpParams, PreNorm};
 
 fn uniform(shape: &[usize], lo: f32, hi: f32, seed: u64, dtype: DType, dev: &Device) -> Tensor {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
@@ -35,25 +35,33 @@ fn max_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
         .fold(0.0, f32::max))
 }
 
-/// x `(2, 7, c)` f32, LayerNorm gain and bias f32, fc `(hid, c)` / fc2 `(c, hid)` weights in
-/// the compute dtype with f32 biases (wick's mixed-precision layout), and upstream weights r.
+/// x `(2, 7, c)` f32, LayerNorm gain and bias f32, two linear layers `(hid, c)` and
+/// `(c, hid')` in the compute dtype with f32 biases (wick's mixed-precision layout), and
+/// upstream weights r.
 struct Case {
     x: Var,
     params: Vec<(&'static str, Var)>,
     r: Tensor,
 }
 
-fn case(c: usize, hid: usize, compute: DType, seed: u64, dev: &Device) -> Result<Case> {
+fn case(
+    c: usize,
+    hid: usize,
+    hid2: usize,
+    compute: DType,
+    seed: u64,
+    dev: &Device,
+) -> Result<Case> {
     let var = |shape: &[usize], lo, hi, s, dtype| {
         Var::from_tensor(&uniform(shape, lo, hi, seed + s, dtype, dev))
     };
     let params = vec![
         ("ln_w", var(&[c], 0.5, 1.5, 1, DType::F32)?),
         ("ln_b", var(&[c], -0.5, 0.5, 2, DType::F32)?),
-        ("fc_w", var(&[hid, c], -0.5, 0.5, 3, compute)?),
-        ("fc_b", var(&[hid], -0.5, 0.5, 4, DType::F32)?),
-        ("fc2_w", var(&[c, hid], -0.3, 0.3, 5, compute)?),
-        ("fc2_b", var(&[c], -0.5, 0.5, 6, DType::F32)?),
+        ("w1", var(&[hid, c], -0.5, 0.5, 3, compute)?),
+        ("b1", var(&[hid], -0.5, 0.5, 4, DType::F32)?),
+        ("w2", var(&[c, hid2], -0.3, 0.3, 5, compute)?),
+        ("b2", var(&[c], -0.5, 0.5, 6, DType::F32)?),
     ];
     Ok(Case {
         x: var(&[2, 7, c], -2.0, 2.0, 0, DType::F32)?,
@@ -62,18 +70,58 @@ fn case(c: usize, hid: usize, compute: DType, seed: u64, dev: &Device) -> Result
     })
 }
 
-fn mlp<'a>(k: &'a Case, act: Activation) -> MlpParams<'a> {
-    let p = |i: usize| k.params[i].1.as_tensor();
-    MlpParams {
-        ln_w: p(0),
-        ln_b: p(1),
-        eps: 1e-5,
-        fc_w: p(2),
-        fc_b: p(3),
-        fc2_w: p(4),
-        fc2_b: p(5),
-        act,
+impl Case {
+    fn p(&self, i: usize) -> &Tensor {
+        self.params[i].1.as_tensor()
     }
+    fn norm(&self) -> PreNorm<'_> {
+        PreNorm {
+            w: self.p(0),
+            b: self.p(1),
+            eps: 1e-5,
+        }
+    }
+    fn mlp(&self, act: Activation) -> MlpParams<'_> {
+        MlpParams {
+            norm: self.norm(),
+            fc_w: self.p(2),
+            fc_b: self.p(3),
+            fc2_w: self.p(4),
+            fc2_b: self.p(5),
+            act,
+        }
+    }
+    fn attention(&self, n_head: usize, n_kv_head: usize) -> AttentionParams<'_> {
+        AttentionParams {
+            norm: self.norm(),
+            qkv_w: self.p(2),
+            qkv_b: self.p(3),
+            proj_w: self.p(4),
+            proj_b: self.p(5),
+            n_head,
+            n_kv_head,
+        }
+    }
+}
+
+/// The block under the sink (one node) and its composition under candle's backward: the value
+/// and the gradients of x and of every parameter equal exactly.
+fn same(name: &str, k: &Case, block: &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<()> {
+    let x = k.x.as_tensor();
+    let one = grad_sink::forward_for_sink(|| block(x))?;
+    let g1 = grad_sink::backward(&(&one * &k.r)?.sum_all()?)?;
+    let per_op = block(x)?;
+    let g2 = (&per_op * &k.r)?.sum_all()?.backward()?;
+    assert_eq!(max_diff(&one, &per_op)?, 0.0, "{name}: value");
+    let all = std::iter::once(("x", &k.x)).chain(k.params.iter().map(|(n, v)| (*n, v)));
+    for (what, v) in all {
+        let (Some(a), Some(b)) = (g1.get(v.as_tensor()), g2.get(v.as_tensor())) else {
+            panic!("{name}: no gradient for {what}")
+        };
+        assert_eq!(a.dtype(), b.dtype(), "{name}: {what}'s gradient dtype");
+        assert_eq!(max_diff(a, b)?, 0.0, "{name}: gradient of {what}");
+    }
+    Ok(())
 }
 
 fn check_against_composition(dev: &Device) -> Result<()> {
@@ -83,71 +131,78 @@ fn check_against_composition(dev: &Device) -> Result<()> {
         .enumerate()
     {
         for (j, act) in acts.into_iter().enumerate() {
-            let k = case(16, 40, compute, 100 * (3 * i + j) as u64, dev)?;
-            let p = mlp(&k, act);
-            let x = k.x.as_tensor();
-            let one = grad_sink::forward_for_sink(|| ops::mlp_block(x, &p, compute))?;
-            let g1 = grad_sink::backward(&(&one * &k.r)?.sum_all()?)?;
-            let per_op = ops::mlp_block(x, &p, compute)?;
-            let g2 = (&per_op * &k.r)?.sum_all()?.backward()?;
-            let name = format!("mlp_block {compute:?} {act:?}");
-            assert_eq!(max_diff(&one, &per_op)?, 0.0, "{name}: value");
-            let all = std::iter::once(("x", &k.x)).chain(k.params.iter().map(|(n, v)| (*n, v)));
-            for (what, v) in all {
-                let (a, b) = (g1.get(v.as_tensor()), g2.get(v.as_tensor()));
-                let (Some(a), Some(b)) = (a, b) else {
-                    panic!("{name}: no gradient for {what}")
-                };
-                assert_eq!(a.dtype(), b.dtype(), "{name}: {what}'s gradient dtype");
-                assert_eq!(max_diff(a, b)?, 0.0, "{name}: gradient of {what}");
-            }
+            let k = case(16, 40, 40, compute, 100 * (3 * i + j) as u64, dev)?;
+            let f = |x: &Tensor| ops::mlp_block(x, &k.mlp(act), compute);
+            same(&format!("mlp_block {compute:?} {act:?}"), &k, &f)?;
+        }
+        // attention over heads of width 64: multi-head, and grouped-query (3 query heads per
+        // key/value head)
+        for (h, hkv) in [(2, 2), (3, 1)] {
+            let (c, w) = (h * 64, (h + 2 * hkv) * 64);
+            let k = case(c, w, c, compute, 50 + 10 * (h + i) as u64, dev)?;
+            let f = |x: &Tensor| ops::attention_block(x, &k.attention(h, hkv), compute);
+            same(
+                &format!("attention_block {compute:?} H{h} Hkv{hkv}"),
+                &k,
+                &f,
+            )?;
         }
     }
     Ok(())
 }
 
 #[test]
-fn mlp_block_equals_the_per_op_composition_on_cpu() -> Result<()> {
+fn block_ops_equal_the_per_op_composition_on_cpu() -> Result<()> {
     check_against_composition(&Device::Cpu)
 }
 
 #[test]
-fn mlp_block_one_node_needs_grad_sinks_backward_and_falls_back_for_frozen_norms() -> Result<()> {
+fn block_ops_need_grad_sinks_backward_and_fall_back_for_frozen_norms() -> Result<()> {
     let dev = Device::Cpu;
-    let k = case(8, 16, DType::F32, 900, &dev)?;
-    let p = mlp(&k, Activation::GeluTanh);
+    let k = case(8, 16, 16, DType::F32, 900, &dev)?;
     let x = k.x.as_tensor();
     // built as one node, then differentiated with candle's own backward: a clear error
-    let y = grad_sink::forward_for_sink(|| ops::mlp_block(x, &p, DType::F32))?;
+    let y = grad_sink::forward_for_sink(|| {
+        ops::mlp_block(x, &k.mlp(Activation::GeluTanh), DType::F32)
+    })?;
     let e = (&y * &k.r)?
+        .sum_all()?
+        .backward()
+        .expect_err("parameter gradients have no sink");
+    assert!(e.to_string().contains("wick::grad_sink::backward"), "{e}");
+    let a = case(64, 192, 64, DType::F32, 901, &dev)?;
+    let y = grad_sink::forward_for_sink(|| {
+        ops::attention_block(a.x.as_tensor(), &a.attention(1, 1), DType::F32)
+    })?;
+    let e = (&y * &a.r)?
         .sum_all()?
         .backward()
         .expect_err("parameter gradients have no sink");
     assert!(e.to_string().contains("wick::grad_sink::backward"), "{e}");
     // a frozen (constant) LayerNorm gain: the per-op composition, which candle's backward
     // differentiates (the one-node form would have failed as above)
-    let frozen = k.params[0].1.as_tensor().detach();
-    let p = MlpParams {
-        ln_w: &frozen,
-        ..mlp(&k, Activation::GeluTanh)
-    };
+    let frozen = k.p(0).detach();
+    let mut p = k.mlp(Activation::GeluTanh);
+    p.norm.w = &frozen;
     let y = grad_sink::forward_for_sink(|| ops::mlp_block(x, &p, DType::F32))?;
     let g = (&y * &k.r)?.sum_all()?.backward()?;
-    assert!(g.get(x).is_some() && g.get(k.params[2].1.as_tensor()).is_some());
+    assert!(g.get(x).is_some() && g.get(k.p(2)).is_some());
     // bad input: the composition's errors, named after the op that raised them
     let bf16_x = x.to_dtype(DType::BF16)?;
     let e = grad_sink::forward_for_sink(|| ops::mlp_block(&bf16_x, &p, DType::F32)).unwrap_err();
-    assert!(
-        e.to_string().contains("residual_add") || e.to_string().contains("f32"),
-        "{e}"
-    );
+    assert!(e.to_string().contains("residual_add"), "{e}");
+    let e = grad_sink::forward_for_sink(|| {
+        ops::attention_block(a.x.as_tensor(), &a.attention(5, 1), DType::F32)
+    })
+    .unwrap_err();
+    assert!(e.to_string().contains("attention"), "{e}");
     Ok(())
 }
 
 #[cfg(feature = "cuda")]
 mod cuda {
     #[test]
-    fn mlp_block_equals_the_per_op_composition_on_cuda() -> candle_core::Result<()> {
+    fn block_ops_equal_the_per_op_composition_on_cuda() -> candle_core::Result<()> {
         super::check_against_composition(&candle_core::Device::new_cuda(0)?)
     }
 }

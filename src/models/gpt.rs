@@ -28,8 +28,8 @@
 //!   of kept), the residual add, the position bias, embedding, and the tied head with the
 //!   cross-entropy are one graph node each with their own backward: candle's backward costs a
 //!   zero-filled buffer and an add for every stored gradient, so fewer nodes is most of the
-//!   speed; under the engine's backward the whole MLP half of a block is one node
-//!   ([`crate::ops::mlp_block`]);
+//!   speed; under the engine's backward each half of a block is one node
+//!   ([`crate::ops::attention_block`], [`crate::ops::mlp_block`]);
 //! - the token and position tables are differentiated as fp32 masters (embedding is not on
 //!   autocast's cast lists, so PyTorch looks them up in f32); the tied head casts the token table
 //!   to the compute dtype, differentiably, as autocast does;
@@ -310,25 +310,36 @@ impl Block {
 
     /// `x: (B, T, C)` f32 → `(B, T, C)` f32.
     /// `compute`: the compute dtype, which the LayerNorms hand to the linear layers.
+    ///
+    /// Each half is one graph node with its own backward under the engine's backward
+    /// ([`crate::ops::attention_block`], [`crate::ops::mlp_block`]); elsewhere the per-op
+    /// composition: LayerNorm statistics in f32 with the output rounded once to the compute
+    /// dtype, the fused projection, flash attention with merged heads, the residual add of the
+    /// bf16 branch into the f32 stream, and fc2(gelu_tanh(fc(..))) with the GELU output
+    /// recomputed in the backward.
     fn forward(&self, x: &Tensor, compute: DType) -> Result<Tensor> {
-        let h = self.n_head;
-        // LayerNorm statistics in f32, output rounded once to the compute dtype the linear takes
-        let qkv = self.qkv.forward(&self.ln1.forward_to(x, compute)?)?; // (B, T, 3C)
-        let y = crate::ops::causal_attention(&qkv, h)?; // (B, T, C), heads merged
-        let x = crate::ops::residual_add(x, &self.proj.forward(&y)?)?; // x + f32(branch), one node
-        let (Some(fc_b), Some(fc2_b)) = (self.fc.bias(), self.fc2.bias()) else {
-            bail!("GPT block: fc or fc2 has no bias (internal error)")
+        fn bias(l: &Linear) -> Result<&Tensor> {
+            match l.bias() {
+                Some(b) => Ok(b),
+                None => bail!("GPT block: a linear layer has no bias (internal error)"),
+            }
+        }
+        let attention = crate::ops::AttentionParams {
+            norm: self.ln1.pre_norm(),
+            qkv_w: self.qkv.weight(),
+            qkv_b: bias(&self.qkv)?,
+            proj_w: self.proj.weight(),
+            proj_b: bias(&self.proj)?,
+            n_head: self.n_head,
+            n_kv_head: self.n_head,
         };
-        // x + fc2(gelu_tanh(fc(ln2(x)))): one node with its own backward under the engine's
-        // backward (the GELU output recomputed there), the per-op composition elsewhere
+        let x = crate::ops::attention_block(x, &attention, compute)?;
         let mlp = crate::ops::MlpParams {
-            ln_w: self.ln2.weight(),
-            ln_b: self.ln2.bias(),
-            eps: self.ln2.eps(),
+            norm: self.ln2.pre_norm(),
             fc_w: self.fc.weight(),
-            fc_b,
+            fc_b: bias(&self.fc)?,
             fc2_w: self.fc2.weight(),
-            fc2_b,
+            fc2_b: bias(&self.fc2)?,
             act: Activation::GeluTanh,
         };
         crate::ops::mlp_block(&x, &mlp, compute)

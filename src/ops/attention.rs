@@ -30,6 +30,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use half::{bf16, f16};
 use rayon::prelude::*;
+use std::sync::Arc;
 
 /// Fused, differentiable causal self-attention of a fused projection `qkv: (B, T, 3C)` with
 /// `n_head` heads of `Dh = C / n_head`; returns `(B, T, C)` in qkv's dtype (f32, bf16 or f16),
@@ -73,6 +74,24 @@ pub fn grouped_causal_attention(qkv: &Tensor, n_head: usize, n_kv_head: usize) -
     if d.b * d.t == 0 {
         return Tensor::zeros((d.b, d.t, d.c()), qkv.dtype(), qkv.device());
     }
+    match fused_attention(qkv, n_head, n_kv_head)? {
+        Some((y, _)) => Ok(y),
+        None => grouped_causal_attention_composed(qkv, n_head, n_kv_head),
+    }
+}
+
+/// The attention op of a fused node, kept by a block op that calls its `bwd` itself.
+pub(super) type AttentionOp = Arc<Box<dyn CustomOp1 + Send + Sync>>;
+
+/// [`grouped_causal_attention`]'s one-node form, with the op that ran it, for a non-empty
+/// `qkv`; `None` where that function takes the composition (CUDA in f32, head width other than
+/// 64, older GPUs, other devices).
+pub(super) fn fused_attention(
+    qkv: &Tensor,
+    n_head: usize,
+    n_kv_head: usize,
+) -> Result<Option<(Tensor, AttentionOp)>> {
+    let d = grouped_dims(qkv, n_head, n_kv_head)?;
     let fused = match qkv.device() {
         candle_core::Device::Cpu => true,
         candle_core::Device::Cuda(dev) => {
@@ -82,14 +101,16 @@ pub fn grouped_causal_attention(qkv: &Tensor, n_head: usize, n_kv_head: usize) -
         }
         _ => false,
     };
-    if !fused {
-        return grouped_causal_attention_composed(qkv, n_head, n_kv_head);
+    if !fused || d.b * d.t == 0 {
+        return Ok(None);
     }
-    qkv.contiguous()?.apply_op1(Attention {
+    let op: AttentionOp = Arc::new(Box::new(Attention {
         n_head,
         n_kv_head,
         lse: SideOutput::default(),
-    })
+    }));
+    let y = qkv.contiguous()?.apply_op1_arc(op.clone())?;
+    Ok(Some((y, op)))
 }
 
 /// The same attention as [`causal_attention`] composed of separate differentiable ops:
