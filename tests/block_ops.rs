@@ -1,4 +1,4 @@
-//! `wick::ops::mlp_block` and `attention_block`: the one-node form (built under `grad_sink::forward_for_sink`,
+//! `wick::ops::mlp_block`, `attention_block` and `pre_norm_stack`: the one-node form (built under `grad_sink::forward_for_sink`,
 //! differentiated with `grad_sink::backward`) against the per-op composition it replaces
 //! (LayerNorm, linear, act_linear or attention and linear, residual add; candle's backward). The same kernels run in
 //! the same order, so the value and every gradient must be equal exactly, on the CPU and, with
@@ -7,7 +7,7 @@
 use candle_core::{DType, Device, Result, Tensor, Var};
 use rand::{Rng, SeedableRng};
 use wick::grad_sink;
-use wick::ops::{self, Activation, AttentionParams, MlpParams, PreNorm};
+use wick::ops::{self, Activation, AttentionParams, Half, MlpParams, PreNorm};
 
 fn uniform(shape: &[usize], lo: f32, hi: f32, seed: u64, dtype: DType, dev: &Device) -> Tensor {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
@@ -151,9 +151,55 @@ fn check_against_composition(dev: &Device) -> Result<()> {
     Ok(())
 }
 
+/// Two GPT-like blocks (`[Attention, Mlp, Attention, Mlp]`, C = 128, two heads, hidden 256) as
+/// one stack node under the sink against the four halves' compositions under candle's
+/// backward: the value and the gradients of x and of all 24 parameters equal exactly.
+fn check_stack(dev: &Device, compute: DType) -> Result<()> {
+    let (c, hid) = (128, 256);
+    let cases = [
+        case(c, 3 * c, c, compute, 3000, dev)?,
+        case(c, hid, hid, compute, 3100, dev)?,
+        case(c, 3 * c, c, compute, 3200, dev)?,
+        case(c, hid, hid, compute, 3300, dev)?,
+    ];
+    let halves = [
+        Half::Attention(cases[0].attention(2, 2)),
+        Half::Mlp(cases[1].mlp(Activation::GeluTanh)),
+        Half::Attention(cases[2].attention(2, 2)),
+        Half::Mlp(cases[3].mlp(Activation::GeluTanh)),
+    ];
+    let (x, r) = (cases[0].x.as_tensor(), &cases[0].r);
+    let one = grad_sink::forward_for_sink(|| ops::pre_norm_stack(x, &halves, compute))?;
+    let g1 = grad_sink::backward(&(&one * r)?.sum_all()?)?;
+    let per_op = ops::pre_norm_stack(x, &halves, compute)?;
+    let g2 = (&per_op * r)?.sum_all()?.backward()?;
+    let name = format!("pre_norm_stack {compute:?}");
+    assert_eq!(max_diff(&one, &per_op)?, 0.0, "{name}: value");
+    let params = cases.iter().flat_map(|k| k.params.iter().map(|(_, v)| v));
+    for (i, v) in std::iter::once(&cases[0].x).chain(params).enumerate() {
+        let (Some(a), Some(b)) = (g1.get(v.as_tensor()), g2.get(v.as_tensor())) else {
+            panic!("{name}: no gradient for tensor {i}")
+        };
+        assert_eq!(max_diff(a, b)?, 0.0, "{name}: gradient of tensor {i}");
+    }
+    // the one-node form was built: candle's own backward cannot carry its parameters
+    let again = grad_sink::forward_for_sink(|| ops::pre_norm_stack(x, &halves, compute))?;
+    assert!(
+        (&again * r)?.sum_all()?.backward().is_err(),
+        "{name}: no node was built"
+    );
+    Ok(())
+}
+
 #[test]
 fn block_ops_equal_the_per_op_composition_on_cpu() -> Result<()> {
     check_against_composition(&Device::Cpu)
+}
+
+#[test]
+fn a_stack_of_two_blocks_equals_its_halves_on_cpu() -> Result<()> {
+    check_stack(&Device::Cpu, DType::F32)?;
+    check_stack(&Device::Cpu, DType::BF16)
 }
 
 #[test]
@@ -201,8 +247,17 @@ fn block_ops_need_grad_sinks_backward_and_fall_back_for_frozen_norms() -> Result
 
 #[cfg(feature = "cuda")]
 mod cuda {
+    use candle_core::{DType, Device, Result};
+
     #[test]
-    fn block_ops_equal_the_per_op_composition_on_cuda() -> candle_core::Result<()> {
-        super::check_against_composition(&candle_core::Device::new_cuda(0)?)
+    fn block_ops_equal_the_per_op_composition_on_cuda() -> Result<()> {
+        super::check_against_composition(&Device::new_cuda(0)?)
+    }
+
+    #[test]
+    fn a_stack_of_two_blocks_equals_its_halves_on_cuda() -> Result<()> {
+        let dev = Device::new_cuda(0)?;
+        super::check_stack(&dev, DType::BF16)?;
+        super::check_stack(&dev, DType::F16)
     }
 }

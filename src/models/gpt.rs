@@ -28,8 +28,8 @@
 //!   of kept), the residual add, the position bias, embedding, and the tied head with the
 //!   cross-entropy are one graph node each with their own backward: candle's backward costs a
 //!   zero-filled buffer and an add for every stored gradient, so fewer nodes is most of the
-//!   speed; under the engine's backward each half of a block is one node
-//!   ([`crate::ops::attention_block`], [`crate::ops::mlp_block`]);
+//!   speed; under the engine's backward all L blocks are one node
+//!   ([`crate::ops::pre_norm_stack`]);
 //! - the token and position tables are differentiated as fp32 masters (embedding is not on
 //!   autocast's cast lists, so PyTorch looks them up in f32); the tied head casts the token table
 //!   to the compute dtype, differentiably, as autocast does;
@@ -59,7 +59,7 @@
 //! ```
 
 use crate::nn::{Embedding, LayerNorm, Linear};
-use crate::ops::Activation;
+use crate::ops::{Activation, Half};
 use crate::params::{ParamStore, Role};
 use crate::precision::{to_f32, Precision};
 use candle_core::{bail, DType, Device, Module, Result, Tensor};
@@ -308,16 +308,12 @@ impl Block {
         })
     }
 
-    /// `x: (B, T, C)` f32 → `(B, T, C)` f32.
-    /// `compute`: the compute dtype, which the LayerNorms hand to the linear layers.
-    ///
-    /// Each half is one graph node with its own backward under the engine's backward
-    /// ([`crate::ops::attention_block`], [`crate::ops::mlp_block`]); elsewhere the per-op
-    /// composition: LayerNorm statistics in f32 with the output rounded once to the compute
-    /// dtype, the fused projection, flash attention with merged heads, the residual add of the
-    /// bf16 branch into the f32 stream, and fc2(gelu_tanh(fc(..))) with the GELU output
-    /// recomputed in the backward.
-    fn forward(&self, x: &Tensor, compute: DType) -> Result<Tensor> {
+    /// The block as two halves of a pre-norm stack ([`crate::ops::pre_norm_stack`]), `x:
+    /// (B, T, C)` f32 → `(B, T, C)` f32: LayerNorm statistics in f32 with the output rounded
+    /// once to the compute dtype, the fused projection, flash attention with merged heads, the
+    /// residual add of the bf16 branch into the f32 stream; then fc2(gelu_tanh(fc(..))) with the
+    /// GELU output recomputed in the backward.
+    fn halves(&self) -> Result<[Half<'_>; 2]> {
         fn bias(l: &Linear) -> Result<&Tensor> {
             match l.bias() {
                 Some(b) => Ok(b),
@@ -333,7 +329,6 @@ impl Block {
             n_head: self.n_head,
             n_kv_head: self.n_head,
         };
-        let x = crate::ops::attention_block(x, &attention, compute)?;
         let mlp = crate::ops::MlpParams {
             norm: self.ln2.pre_norm(),
             fc_w: self.fc.weight(),
@@ -342,7 +337,7 @@ impl Block {
             fc2_b: bias(&self.fc2)?,
             act: Activation::GeluTanh,
         };
-        crate::ops::mlp_block(&x, &mlp, compute)
+        Ok([Half::Attention(attention), Half::Mlp(mlp)])
     }
 }
 
@@ -441,10 +436,15 @@ impl Gpt {
         let c = self.config.d_model;
         let pos = to_f32(&self.wpe.weight().narrow(0, 0, t)?)?.flatten_all()?;
         let tok = to_f32(&self.wte.forward(ids)?)?.reshape((b, t * c))?;
-        let mut x = crate::ops::bias_add(&tok, &pos)?.reshape((b, t, c))?;
-        for block in &self.blocks {
-            x = block.forward(&x, self.precision.compute_dtype())?;
-        }
+        let x = crate::ops::bias_add(&tok, &pos)?.reshape((b, t, c))?;
+        // the L blocks: one graph node under the engine's backward (ops::pre_norm_stack)
+        let halves = self
+            .blocks
+            .iter()
+            .map(Block::halves)
+            .collect::<Result<Vec<_>>>()?
+            .concat();
+        let x = crate::ops::pre_norm_stack(&x, &halves, self.precision.compute_dtype())?;
         self.lnf
             .forward_to(&x, self.precision.compute_dtype())?
             .reshape((b * t, c))

@@ -103,7 +103,9 @@ pub use linear_cross_entropy::linear_cross_entropy_rows;
 pub(crate) use lora_linear::block_diagonal as lora_block_diagonal;
 pub use lora_linear::{lora_linear, lora_linear_grouped};
 pub use residual::residual_add;
-pub use residual_block::{attention_block, mlp_block, AttentionParams, MlpParams, PreNorm};
+pub use residual_block::{
+    attention_block, mlp_block, pre_norm_stack, AttentionParams, Half, MlpParams, PreNorm,
+};
 pub use rms_norm::{rms_norm, rms_norm_with_dtype};
 pub use rotary::{rotary_qkv, rotary_tables};
 pub use softmax::{causal_softmax_last_dim, key_padding_softmax_last_dim, softmax_last_dim};
