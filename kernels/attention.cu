@@ -39,7 +39,7 @@
 //   - exponentials are one ex2.approx.ftz each, with the scale folded into an FMA
 //     (2^(scale2 * s - m), m the row maximum already in the log2 domain);
 //   - __launch_bounds__ ask for 4 (forward) and 3 (backward) blocks per SM.
-// Together: forward 0.219 -> 0.143 ms, backward 0.839 -> 0.649 ms. Two row fragments per warp
+// Together: forward 0.208 -> 0.141 ms, backward 0.839 -> 0.646 ms. Two row fragments per warp
 // (128-row tiles, as FlashAttention-2's forward) were slower here: 247 registers, 2 blocks per SM.
 //
 // Needs sm_80+ (mma.sync with bf16/f16 operands); the launcher falls back below that.
@@ -546,6 +546,6 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, MB_DQ)                
 
 // 4, 3 and 3 blocks per SM: 128, 168 and 168 registers (measured on the H200 against the
 // unbounded 140, 224 and 202: forward 0.148 -> 0.143 ms, backward 0.690 -> 0.649 ms at GPT-2
-// shapes; results/h200-2026-12-02-attention/)
+// shapes; results/h200-2026-12-02-attention-blocks/call3)
 ATT_ENTRIES(bf16, __nv_bfloat16, 4, 3, 3)
 ATT_ENTRIES(f16, __half, 4, 3, 3)

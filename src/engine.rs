@@ -292,7 +292,9 @@ impl Engine {
     /// backward, and accumulates the gradient with `weight` (e.g. the micro-batch's sample or
     /// token count: the applied gradient is `sum w_i g_i / sum w_i`). Every
     /// `accumulation_steps` calls, the optimizer step runs. On the fused CUDA path nothing in
-    /// here waits for the device.
+    /// here waits for the device. `forward` runs under [`crate::grad_sink::forward_for_sink`]
+    /// (the backward is [`crate::grad_sink::backward`]), so wick's block ops in it build their
+    /// one-node form ([`crate::ops::pre_norm_stack`]).
     ///
     /// Errors: the loss is not a one-element float tensor; `weight` not finite and > 0; a
     /// trainable parameter got no gradient (see [`crate::coverage`]; checked until a backward

@@ -19,6 +19,11 @@
 //! the extra sum are gone. Without an open sink (candle's own `backward`) the ops return their
 //! gradients to candle as usual.
 //!
+//! wick's block ops ([`crate::ops::pre_norm_stack`]) go further: a whole transformer block is
+//! one node whose backward hands gradients from op to op itself, which only works when its
+//! parameters' gradients can go to a sink. A forward run under [`forward_for_sink`] promises
+//! that; [`crate::Engine::step`] runs its forward closure that way.
+//!
 //! The sink belongs to the thread, not to one backward: code that runs a backward of its own
 //! while another is in progress (inside a custom op's `bwd`, as [`crate::recompute`] does) must
 //! call [`backward`] for it, which opens a sink of its own, and not candle's `backward`, whose
