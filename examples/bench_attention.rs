@@ -12,11 +12,14 @@
 //! ```
 //! Prints one line per figure and one JSON line.
 
+#[path = "common/gpu_time.rs"]
+mod gpu_time;
+use gpu_time::gpu_ms;
+
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var};
 use clap::Parser;
 use wick::ops;
-use wick::timing::{Mark, Span};
 
 #[derive(Parser)]
 struct Args {
@@ -40,20 +43,6 @@ struct Args {
     iters: usize,
 }
 
-/// GPU ms per call of `f` (CUDA events around `iters` calls after 5 warm-up calls).
-fn time(dev: &Device, iters: usize, f: &dyn Fn() -> Result<()>) -> Result<f64> {
-    for _ in 0..5 {
-        f()?;
-    }
-    dev.synchronize()?;
-    let a = Mark::now(dev)?;
-    for _ in 0..iters {
-        f()?;
-    }
-    let b = Mark::now(dev)?;
-    Ok(Span::new(a, b).resolve()?.as_secs_f64() * 1e3 / iters as f64)
-}
-
 fn main() -> Result<()> {
     let a = Args::parse();
     let dtype = match a.dtype.as_str() {
@@ -72,11 +61,11 @@ fn main() -> Result<()> {
     let w = (a.h + 2 * hkv) * d;
     let qkv = Var::from_tensor(&Tensor::randn(0f32, 1.0, (a.b, a.t, w), &dev)?.to_dtype(dtype)?)?;
     let x = qkv.as_tensor();
-    let fwd = time(&dev, a.iters, &|| {
+    let fwd = gpu_ms(&dev, 5, a.iters, &|| {
         ops::grouped_causal_attention(x, a.h, hkv)?;
         Ok(())
     })?;
-    let fwd_bwd = time(&dev, a.iters, &|| {
+    let fwd_bwd = gpu_ms(&dev, 5, a.iters, &|| {
         let _g = ops::grouped_causal_attention(x, a.h, hkv)?.backward()?;
         Ok(())
     })?;

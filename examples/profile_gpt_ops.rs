@@ -9,11 +9,14 @@
 //! ```
 //! Prints a table (ms per call, forward and forward + backward) and one JSON line.
 
+#[path = "common/gpu_time.rs"]
+mod gpu_time;
+use gpu_time::gpu_ms;
+
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Module, Tensor, Var};
 use clap::Parser;
 use wick::models::GptConfig;
-use wick::timing::{Mark, Span};
 use wick::{loss, nn, ops, ParamStore, Precision};
 
 #[derive(Parser)]
@@ -27,20 +30,6 @@ struct Args {
     /// Timed repetitions per op.
     #[arg(long, default_value_t = 10)]
     iters: usize,
-}
-
-/// GPU ms per call of `f` (CUDA events around `iters` calls after 2 warm-up calls).
-fn time(dev: &Device, iters: usize, f: &dyn Fn() -> Result<()>) -> Result<f64> {
-    for _ in 0..2 {
-        f()?;
-    }
-    dev.synchronize()?;
-    let a = Mark::now(dev)?;
-    for _ in 0..iters {
-        f()?;
-    }
-    let b = Mark::now(dev)?;
-    Ok(Span::new(a, b).resolve()?.as_secs_f64() * 1e3 / iters as f64)
 }
 
 fn var(shape: &[usize], dtype: DType, dev: &Device) -> Result<Var> {
@@ -243,11 +232,11 @@ type Op<'a> = Box<dyn Fn() -> candle_core::Result<Tensor> + 'a>;
 fn measure(dev: &Device, iters: usize, ops: &[(&'static str, usize, Op)]) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
     for (name, per_layer, op) in ops {
-        let fwd = time(dev, iters, &|| {
+        let fwd = gpu_ms(dev, 2, iters, &|| {
             op()?;
             Ok(())
         })?;
-        let fwd_bwd = time(dev, iters, &|| {
+        let fwd_bwd = gpu_ms(dev, 2, iters, &|| {
             // backward from y itself (candle seeds it with ones): no reduction to a scalar,
             // whose one-block candle kernel would dominate the figures
             let _g = op()?.backward()?;
