@@ -1,18 +1,20 @@
-//! The two halves of a pre-LayerNorm transformer block, `x + branch(layer_norm(x))`, each as
-//! one graph node with its own backward: the attention half (qkv linear, causal attention,
-//! proj linear) and the MLP half (fc linear, activation and fc2 in [`super::act_linear`]).
+//! Pre-LayerNorm transformer blocks as one graph node with its own backward: the two halves of
+//! a block, `x ← x + branch(layer_norm(x))` with the attention branch (qkv linear, causal
+//! attention, proj linear) or the MLP branch (fc linear, activation and fc2 in
+//! [`super::act_linear`]), and any row of them ([`pre_norm_stack`]: a model's L blocks).
 //!
 //! candle 0.11's backward stores the gradient it passes along each edge of its graph into a
 //! buffer it first fills with zeros (`GradStore::or_insert`, then `add`). As separate ops each
 //! half has four or five such edges: the LayerNorm output, the inner activations (fc's output
 //! `(B, T, 4C)`; qkv `(B, T, 3C)` and the attention output), the branch output, and the two
 //! uses of the f32 stream `x`; at GPT-2-124M's shapes about 0.75 GB of fills and adds per half
-//! and step. Here the node keeps the inner ops' inputs and outputs, and its backward calls their
-//! backwards in reverse order, each gradient handed straight to the next; the parameter
-//! gradients go to [`crate::grad_sink`] as the per-op path's do.
+//! and step, and between two halves of a stack the f32 stream's edge. Here the node keeps the
+//! inner ops' inputs and outputs, and its backward calls their backwards in reverse order, each
+//! gradient handed straight to the next; the parameter gradients go to [`crate::grad_sink`] as
+//! the per-op path's do.
 //!
 //! Only a sink can take those parameter gradients (a candle custom op returns gradients for its
-//! tensor arguments only, here `x` and the branch). So the node is built only for a graph that
+//! tensor arguments only, here the stack's input). So the node is built only for a graph that
 //! [`crate::grad_sink::backward`] will differentiate: inside [`crate::Engine::step`]'s forward
 //! closure, or [`crate::grad_sink::forward_for_sink`]. Elsewhere the functions build the per-op
 //! composition. Both give the same values and gradients, bit for bit: the same kernels run in
@@ -287,12 +289,12 @@ fn one_node(x: &Tensor, halves: &[Half<'_>], compute: DType) -> Result<Option<Te
         let n = half.norm();
         let (xn, w, d) = prepare(kind, &cur, n.w, n.eps, compute)?;
         let b = prepare_param(kind.name(), "b", &xn, n.b, d)?;
-        let norm = NormFwd {
+        let norm = || NormFwd {
             kind,
             eps: n.eps as f32,
             out: compute,
         };
-        let a = xn.apply_op3(&w, &b, norm)?;
+        let a = xn.apply_op3(&w, &b, norm())?;
         let Some(steps) = half.branch(&a)? else {
             return Ok(None);
         };
@@ -304,13 +306,8 @@ fn one_node(x: &Tensor, halves: &[Half<'_>], compute: DType) -> Result<Option<Te
         if taken.into_iter().any(|t| t.track_op() && !t.is_variable()) {
             return Ok(None);
         }
-        let norm = NormFwd {
-            kind,
-            eps: n.eps as f32,
-            out: compute,
-        };
         built.push(Built {
-            norm,
+            norm: norm(),
             ln: [xn, w, b, a],
             steps,
         });
