@@ -77,7 +77,7 @@ thread_local! {
 
 /// Runs `forward` promising that the graph it builds will be differentiated with [`backward`]
 /// (not candle's `backward`), as [`crate::Engine::step`] does with its forward closure. Under
-/// that promise wick's block ops ([`crate::ops::mlp_block`]) build one graph node with their
+/// that promise wick's block ops ([`crate::ops::pre_norm_stack`]) build one graph node with their
 /// own backward, whose parameter gradients only a sink can take; without it they build the
 /// per-op composition (same values). Calls nest.
 pub fn forward_for_sink<R>(forward: impl FnOnce() -> R) -> R {
