@@ -294,7 +294,9 @@ impl Engine {
     /// `accumulation_steps` calls, the optimizer step runs. On the fused CUDA path nothing in
     /// here waits for the device. `forward` runs under [`crate::grad_sink::forward_for_sink`]
     /// (the backward is [`crate::grad_sink::backward`]), so wick's block ops in it build their
-    /// one-node form ([`crate::ops::pre_norm_stack`]).
+    /// one-node form ([`crate::ops::pre_norm_stack`]); a closure that runs candle's own
+    /// `backward` on such a graph itself (a gradient penalty, say) must build it outside
+    /// `forward_for_sink` or use [`crate::grad_sink::backward`].
     ///
     /// Errors: the loss is not a one-element float tensor; `weight` not finite and > 0; a
     /// trainable parameter got no gradient (see [`crate::coverage`]; checked until a backward

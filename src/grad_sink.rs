@@ -79,7 +79,7 @@ thread_local! {
 /// (not candle's `backward`), as [`crate::Engine::step`] does with its forward closure. Under
 /// that promise wick's block ops ([`crate::ops::pre_norm_stack`]) build one graph node with their
 /// own backward, whose parameter gradients only a sink can take; without it they build the
-/// per-op composition (same values). Calls nest.
+/// per-op composition (same values). Calls nest; the promise holds for the calling thread only.
 pub fn forward_for_sink<R>(forward: impl FnOnce() -> R) -> R {
     struct Ahead;
     impl Drop for Ahead {

@@ -203,7 +203,7 @@ fn a_stack_of_two_blocks_equals_its_halves_on_cpu() -> Result<()> {
 }
 
 #[test]
-fn block_ops_need_grad_sinks_backward_and_fall_back_for_frozen_norms() -> Result<()> {
+fn block_ops_need_grad_sinks_backward_and_handle_frozen_parameters() -> Result<()> {
     let dev = Device::Cpu;
     let k = case(8, 16, 16, DType::F32, 900, &dev)?;
     let x = k.x.as_tensor();
@@ -233,6 +233,29 @@ fn block_ops_need_grad_sinks_backward_and_fall_back_for_frozen_norms() -> Result
     let y = grad_sink::forward_for_sink(|| ops::mlp_block(x, &p, DType::F32))?;
     let g = (&y * &k.r)?.sum_all()?.backward()?;
     assert!(g.get(x).is_some() && g.get(k.p(2)).is_some());
+    // a frozen LayerNorm bias and fc bias (untracked constants) keep the one-node form, whose
+    // backward drops their gradients as the composition leaves them unused
+    let (lb, fb) = (k.p(1).detach(), k.p(3).detach());
+    let mut p = k.mlp(Activation::GeluTanh);
+    (p.norm.b, p.fc_b) = (&lb, &fb);
+    let one = grad_sink::forward_for_sink(|| ops::mlp_block(x, &p, DType::F32))?;
+    let again = grad_sink::forward_for_sink(|| ops::mlp_block(x, &p, DType::F32))?;
+    assert!(
+        (&again * &k.r)?.sum_all()?.backward().is_err(),
+        "no node was built"
+    );
+    let g1 = grad_sink::backward(&(&one * &k.r)?.sum_all()?)?;
+    let g2 = (&ops::mlp_block(x, &p, DType::F32)? * &k.r)?
+        .sum_all()?
+        .backward()?;
+    for t in [x, k.p(0), k.p(2), k.p(4), k.p(5)] {
+        let (Some(a), Some(b)) = (g1.get(t), g2.get(t)) else {
+            panic!("frozen biases: a tracked tensor lost its gradient")
+        };
+        assert_eq!(max_diff(a, b)?, 0.0);
+    }
+    assert!(g1.get(&lb).is_none() && g1.get(&fb).is_none());
+    let p = k.mlp(Activation::GeluTanh);
     // bad input: the composition's errors, named after the op that raised them
     let bf16_x = x.to_dtype(DType::BF16)?;
     let e = grad_sink::forward_for_sink(|| ops::mlp_block(&bf16_x, &p, DType::F32)).unwrap_err();

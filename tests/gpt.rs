@@ -197,8 +197,8 @@ fn every_parameter_gets_a_gradient() -> Result<()> {
 
 #[test]
 fn block_ops_under_grad_sink_give_the_per_op_loss_and_gradients() -> Result<()> {
-    // the engine's path (the MLP halves as one node each, wick::ops::mlp_block) against the
-    // per-op graph under candle's backward: the same kernels in the same order, so equal exactly
+    // the engine's path (the blocks as one wick::ops::pre_norm_stack node) against the per-op
+    // graph under candle's backward: the same kernels in the same order, so equal exactly
     let mut rng = StdRng::seed_from_u64(6);
     for precision in [Precision::Fp32, Precision::Bf16Mixed] {
         let store = ParamStore::new(precision, Device::Cpu, 0);

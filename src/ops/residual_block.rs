@@ -17,8 +17,8 @@
 //! tensor arguments only, here the stack's input). So the node is built only for a graph that
 //! [`crate::grad_sink::backward`] will differentiate: inside [`crate::Engine::step`]'s forward
 //! closure, or [`crate::grad_sink::forward_for_sink`]. Elsewhere the functions build the per-op
-//! composition. Both give the same values and gradients, bit for bit: the same kernels run in
-//! the same order (`tests/block_ops.rs`).
+//! composition. Both give the same values and gradients, bit for bit when the stack's input has
+//! no other consumer: the same kernels run in the same order (`tests/block_ops.rs`).
 
 use super::act_linear::{ActLinear, Activation};
 use super::attention::{fused_attention, AttentionOp};
@@ -27,7 +27,8 @@ use super::linear::{self, Linear, Operands};
 use super::residual::{residual_add, ResidualAdd};
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
-/// A pre-LayerNorm's gain and bias `(C,)` (f32) and epsilon (PyTorch's default: 1e-5).
+/// A pre-LayerNorm's gain and bias `(C,)` and epsilon (PyTorch's default: 1e-5). The one-node
+/// form needs them f32 (wick's masters); other dtypes take the composition.
 #[derive(Clone, Copy, Debug)]
 pub struct PreNorm<'a> {
     /// Gain `(C,)`.
@@ -57,8 +58,9 @@ pub struct MlpParams<'a> {
     pub act: Activation,
 }
 
-/// The parameters of an attention half-block: the fused q/k/v projection `((H + 2 Hkv) * 64, C)`
-/// and the output projection `(C, H * 64)` with their biases, and the head counts.
+/// The parameters of an attention half-block: the fused q/k/v projection `((H + 2 Hkv) * Dh,
+/// C)` and the output projection `(C, H * Dh)` with their biases, and the head counts (the
+/// CUDA flash kernels take `Dh = 64`).
 #[derive(Clone, Copy, Debug)]
 pub struct AttentionParams<'a> {
     /// The LayerNorm before the projection.
@@ -93,10 +95,12 @@ pub enum Half<'a> {
 ///
 /// Under [`crate::grad_sink::forward_for_sink`] the whole stack is one graph node (module
 /// docs), which also saves the zero-filled buffer and the add of the f32 stream between halves;
-/// elsewhere, or when x is not tracked or a parameter is neither a variable nor untracked (a
-/// tensor computed from one), or an attention half would take the composed attention (CUDA
-/// in f32, head width other than 64), each half is [`mlp_block`] / [`attention_block`]'s
-/// composition. The same values and gradients either way. An empty `halves` returns x.
+/// elsewhere, or when x is not tracked, a LayerNorm gain is not an f32 variable, a parameter
+/// is neither a variable nor untracked (a tensor computed from one), or an attention half
+/// would take the composed attention (CUDA in f32, head width other than 64), each half is
+/// [`mlp_block`] / [`attention_block`]'s composition. The same values and gradients either
+/// way, bit for bit when the stack is x's only consumer (with another, candle sums x's
+/// gradients in another order). An empty `halves` returns x.
 ///
 /// Errors (no panics): those of the ops the halves are made of, for these arguments; from the
 /// one-node backward, a parameter gradient that no sink took (the graph was differentiated with
@@ -242,18 +246,20 @@ impl Step {
     /// The gradient of the step's activation input from that of its output; the parameter
     /// gradients go to the sink.
     fn backward(&self, dy: &Tensor) -> Result<Tensor> {
-        let (dx, params) = match self {
+        let (dx, grads) = match self {
             Step::Linear([x, w, b, y]) => {
                 let (dx, dw, db) = CustomOp3::bwd(&Linear, x, w, b, y, dy)?;
-                (dx, [dw, db])
+                (dx, vec![dw, db])
             }
             Step::ActLinear(act, [h, w, b, y]) => {
                 let (dh, dw, db) = ActLinear(*act).bwd(h, w, b, y, dy)?;
-                (dh, [dw, db])
+                (dh, vec![dw, db])
             }
-            Step::Attention(op, [qkv, y]) => (op.bwd(qkv, y, dy)?, [None, None]),
+            Step::Attention(op, [qkv, y]) => (op.bwd(qkv, y, dy)?, vec![]),
         };
-        params.into_iter().try_for_each(sunk)?;
+        for (p, g) in self.params().iter().zip(grads) {
+            sunk(p, g)?;
+        }
         match dx {
             Some(dx) => Ok(dx),
             None => bail!("residual block: an inner op gave no input gradient (internal error)"),
@@ -262,19 +268,28 @@ impl Step {
 }
 
 /// Builds the whole stack as one node when it applies (a sink ahead, x tracked and f32, each
-/// parameter a variable or untracked, each LayerNorm gain a variable): every half on detached
+/// parameter a variable or untracked, each LayerNorm gain an f32 variable, attention that
+/// would be one op): every half on detached
 /// inputs (candle's backward never walks into them), the node `x_last + m_last` over
 /// `(x, x_last, m_last)`. `None`: take the composition.
 fn one_node(x: &Tensor, halves: &[Half<'_>], compute: DType) -> Result<Option<Tensor>> {
     let free = |t: &&Tensor| t.is_variable() || !t.track_op();
+    // known before any work: LayerNorm parameters that prepare would cast (no longer the
+    // variables), and attention that would take the composition on CUDA (f32 compute)
+    let half_ok = |h: &Half<'_>| {
+        let n = h.norm();
+        let f32_norm = n.w.dtype() == DType::F32 && n.b.dtype() == DType::F32;
+        let fused = !matches!(h, Half::Attention(_))
+            || x.device().is_cpu()
+            || matches!(compute, DType::BF16 | DType::F16);
+        n.w.is_variable() && f32_norm && fused && h.params().iter().all(free)
+    };
     let applies = crate::grad_sink::sink_ahead()
         && !halves.is_empty()
         && x.track_op()
         && x.dtype() == DType::F32
         && x.elem_count() > 0
-        && halves
-            .iter()
-            .all(|h| h.norm().w.is_variable() && h.params().iter().all(free));
+        && halves.iter().all(half_ok);
     if !applies {
         return Ok(None);
     }
@@ -328,9 +343,11 @@ fn ready(o: Operands) -> Option<[Tensor; 3]> {
     }
 }
 
-/// Errors unless a parameter gradient went to the sink (or there was none to give).
-fn sunk(g: Option<Tensor>) -> Result<()> {
-    if g.is_some() {
+/// What became of parameter `p`'s gradient `g`: taken by the sink (`None`), or dropped when
+/// `p` is untracked (a frozen constant, whose gradient the composition would leave unused too);
+/// an error when a tracked parameter's gradient came back (no sink was open).
+fn sunk(p: &Tensor, g: Option<Tensor>) -> Result<()> {
+    if g.is_some() && p.track_op() {
         bail!(
             "residual block: a parameter gradient was not taken by a sink: a graph built under \
              grad_sink::forward_for_sink (or Engine::step) must be differentiated with \
@@ -365,8 +382,8 @@ impl Built {
         }
         let [xn, w, b, a] = &self.ln;
         let (dxn, dw, db) = CustomOp3::bwd(&self.norm, xn, w, b, a, &g)?;
-        sunk(dw)?;
-        sunk(db)?;
+        sunk(w, dw)?;
+        sunk(b, db)?;
         match dxn {
             Some(dxn) => d + dxn,
             None => Ok(d),
