@@ -74,7 +74,7 @@ pub fn grouped_causal_attention(qkv: &Tensor, n_head: usize, n_kv_head: usize) -
     if d.b * d.t == 0 {
         return Tensor::zeros((d.b, d.t, d.c()), qkv.dtype(), qkv.device());
     }
-    match fused_attention(qkv, n_head, n_kv_head)? {
+    match fused(qkv, d)? {
         Some((y, _)) => Ok(y),
         None => grouped_causal_attention_composed(qkv, n_head, n_kv_head),
     }
@@ -91,7 +91,11 @@ pub(super) fn fused_attention(
     n_head: usize,
     n_kv_head: usize,
 ) -> Result<Option<(Tensor, AttentionOp)>> {
-    let d = grouped_dims(qkv, n_head, n_kv_head)?;
+    fused(qkv, grouped_dims(qkv, n_head, n_kv_head)?)
+}
+
+/// [`fused_attention`] for dimensions already checked.
+fn fused(qkv: &Tensor, d: Dims) -> Result<Option<(Tensor, AttentionOp)>> {
     let fused = match qkv.device() {
         candle_core::Device::Cpu => true,
         candle_core::Device::Cuda(dev) => {
@@ -105,8 +109,8 @@ pub(super) fn fused_attention(
         return Ok(None);
     }
     let op: AttentionOp = Arc::new(Box::new(Attention {
-        n_head,
-        n_kv_head,
+        n_head: d.h,
+        n_kv_head: d.hkv,
         lse: SideOutput::default(),
     }));
     let y = qkv.contiguous()?.apply_op1_arc(op.clone())?;

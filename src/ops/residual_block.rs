@@ -313,11 +313,10 @@ fn one_node(x: &Tensor, halves: &[Half<'_>], compute: DType) -> Result<Option<Te
         let Some(steps) = half.branch(&a)? else {
             return Ok(None);
         };
-        // the parameters as the ops took them must still be the variables (no cast in
-        // between), or the sink could not take their gradients
-        let taken = [&w, &b]
-            .into_iter()
-            .chain(steps.iter().flat_map(Step::params));
+        // the linear layers' parameters as the ops took them must still be the variables (no
+        // cast in between), or the sink could not take their gradients (the LayerNorm's are
+        // f32, checked above, which prepare keeps as they are)
+        let taken = steps.iter().flat_map(Step::params);
         if taken.into_iter().any(|t| t.track_op() && !t.is_variable()) {
             return Ok(None);
         }
