@@ -325,7 +325,7 @@ impl LayerNorm {
     pub fn pre_norm(&self) -> crate::ops::PreNorm<'_> {
         crate::ops::PreNorm {
             w: &self.weight,
-            b: &self.bias,
+            b: Some(&self.bias),
             eps: self.eps,
         }
     }

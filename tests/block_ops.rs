@@ -1,13 +1,15 @@
-//! `wick::ops::mlp_block`, `attention_block` and `pre_norm_stack`: the one-node form (built under `grad_sink::forward_for_sink`,
-//! differentiated with `grad_sink::backward`) against the per-op composition it replaces
-//! (LayerNorm, linear, act_linear or attention and linear, residual add; candle's backward). The same kernels run in
-//! the same order, so the value and every gradient must be equal exactly, on the CPU and, with
-//! the `cuda` feature, on the GPU.
+//! `wick::ops::mlp_block`, `attention_block` and `pre_norm_stack`: the one-node form (built
+//! under `grad_sink::forward_for_sink`, differentiated with `grad_sink::backward`) against the
+//! per-op composition it replaces (candle's backward): GPT-2's halves (LayerNorm, linear,
+//! act_linear or attention and linear, residual add) and Llama's (RMSNorm, stacked linears
+//! without bias, rotary embedding, grouped attention, SwiGLU; full fine-tuning and LoRA with a
+//! frozen base). The same kernels run in the same order, so the value and every gradient must be
+//! equal exactly, on the CPU and, with the `cuda` feature, on the GPU.
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 use rand::{Rng, SeedableRng};
 use wick::grad_sink;
-use wick::ops::{self, Activation, AttentionParams, Half, MlpParams, PreNorm};
+use wick::ops::{self, Activation, AttentionParams, Half, Layer, MlpParams, PreNorm};
 
 fn uniform(shape: &[usize], lo: f32, hi: f32, seed: u64, dtype: DType, dev: &Device) -> Tensor {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
@@ -77,7 +79,7 @@ impl Case {
     fn norm(&self) -> PreNorm<'_> {
         PreNorm {
             w: self.p(0),
-            b: self.p(1),
+            b: Some(self.p(1)),
             eps: 1e-5,
         }
     }
@@ -191,6 +193,188 @@ fn check_stack(dev: &Device, compute: DType) -> Result<()> {
     Ok(())
 }
 
+/// A Llama-like block's tensors (C = 128, two query heads sharing one key/value head of width
+/// 64, SwiGLU width 96): full fine-tuning (every tensor a variable: norm gains f32, linears in
+/// the compute dtype, q/k/v and gate/up as separate parts) or LoRA (the base frozen constants
+/// in the compute dtype, rank-4 adapters on q, v, o and down as variables).
+struct LlamaBlock {
+    norms: [Tensor; 2],
+    qkv: Vec<Tensor>,
+    o: Vec<Tensor>,
+    gate_up: Vec<Tensor>,
+    down: Vec<Tensor>,
+    /// LoRA: `(a, b)` of qkv (q and v adapted), o and down; their `(rows, rank)` parts.
+    lora: Option<[(Var, Var); 3]>,
+    vars: Vec<Var>,
+}
+
+const QKV_PARTS: [(usize, usize); 3] = [(128, 4), (64, 0), (64, 4)];
+const O_PARTS: [(usize, usize); 1] = [(128, 4)];
+
+fn llama_block(compute: DType, lora: bool, seed: u64, dev: &Device) -> Result<LlamaBlock> {
+    let mut vars = Vec::new();
+    let mut n = 0;
+    let mut t = |shape: &[usize], lo: f32, hi: f32, dtype: DType, trained: bool| {
+        n += 1;
+        let t = uniform(shape, lo, hi, seed + n, dtype, dev);
+        if !trained {
+            return Ok(t);
+        }
+        let v = Var::from_tensor(&t)?;
+        vars.push(v.clone());
+        Ok::<_, candle_core::Error>(v.as_tensor().clone())
+    };
+    let full = !lora;
+    let norm_dtype = if lora { compute } else { DType::F32 };
+    let norms = [
+        t(&[128], 0.5, 1.5, norm_dtype, full)?,
+        t(&[128], 0.5, 1.5, norm_dtype, full)?,
+    ];
+    let mut linear = |rows: &[usize], cols: usize| -> Result<Vec<Tensor>> {
+        let parts: Vec<Tensor> = rows
+            .iter()
+            .map(|&r| t(&[r, cols], -0.2, 0.2, compute, full))
+            .collect::<Result<_>>()?;
+        // LoRA: the frozen parts stacked once, as the model keeps them
+        Ok(if lora && parts.len() > 1 {
+            vec![Tensor::cat(&parts, 0)?]
+        } else {
+            parts
+        })
+    };
+    let (qkv, o) = (linear(&[128, 64, 64], 128)?, linear(&[128], 128)?);
+    let (gate_up, down) = (linear(&[96, 96], 128)?, linear(&[128], 96)?);
+    let lora = if lora {
+        let mut adapter = |r_sum: usize, k: usize, rows: usize| -> Result<(Var, Var)> {
+            let a = Var::from_tensor(&t(&[r_sum, k], -0.3, 0.3, compute, false)?)?;
+            let b = Var::from_tensor(&t(&[rows, 4], -0.3, 0.3, compute, false)?)?;
+            Ok((a, b))
+        };
+        let adapters = [
+            adapter(8, 128, 192)?,
+            adapter(4, 128, 128)?,
+            adapter(4, 96, 128)?,
+        ];
+        vars.extend(adapters.iter().flat_map(|(a, b)| [a.clone(), b.clone()]));
+        Some(adapters)
+    } else {
+        None
+    };
+    Ok(LlamaBlock {
+        norms,
+        qkv,
+        o,
+        gate_up,
+        down,
+        lora,
+        vars,
+    })
+}
+
+impl LlamaBlock {
+    /// The block's two halves' layers: `[qkv, rotary, attention, o]` and `[gate_up, swiglu,
+    /// down]`.
+    fn layers<'a>(&'a self, cos: &'a Tensor, sin: &'a Tensor) -> [Vec<Layer<'a>>; 2] {
+        let plain = |parts: &'a [Tensor]| Layer::Linear { parts, b: None };
+        let adapted = |parts: &'a [Tensor], i: usize, rows: &'a [(usize, usize)]| match &self.lora {
+            Some(ad) => Layer::LoraLinear {
+                w: &parts[0],
+                a: ad[i].0.as_tensor(),
+                b: ad[i].1.as_tensor(),
+                parts: rows,
+                scale: 2.0,
+            },
+            None => plain(parts),
+        };
+        let rotary = Layer::Rotary {
+            cos,
+            sin,
+            n_head: 2,
+            n_kv_head: 1,
+        };
+        let attention = Layer::Attention {
+            n_head: 2,
+            n_kv_head: 1,
+        };
+        [
+            vec![
+                adapted(&self.qkv, 0, &QKV_PARTS),
+                rotary,
+                attention,
+                adapted(&self.o, 1, &O_PARTS),
+            ],
+            vec![
+                plain(&self.gate_up),
+                Layer::SwiGlu,
+                adapted(&self.down, 2, &O_PARTS),
+            ],
+        ]
+    }
+}
+
+/// Two Llama-like blocks as one stack under the sink against their compositions under candle's
+/// backward: the value and the gradients of x (when trained) and of every variable equal
+/// exactly. With LoRA, x is a constant (a frozen embedding's output), so the node hangs on a
+/// parameter.
+fn check_llama_stack(dev: &Device, compute: DType, lora: bool) -> Result<()> {
+    let blocks = [
+        llama_block(compute, lora, 7000, dev)?,
+        llama_block(compute, lora, 7100, dev)?,
+    ];
+    let (cos, sin) = ops::rotary_tables(7, 64, 10000.0, 0, dev)?;
+    let layers: Vec<[Vec<Layer<'_>>; 2]> = blocks.iter().map(|b| b.layers(&cos, &sin)).collect();
+    let mut halves = Vec::new();
+    for (b, [attn, mlp]) in blocks.iter().zip(&layers) {
+        let norm = |w| PreNorm {
+            w,
+            b: None,
+            eps: 1e-5,
+        };
+        halves.push(Half::Branch(norm(&b.norms[0]), attn));
+        halves.push(Half::Branch(norm(&b.norms[1]), mlp));
+    }
+    let x = Var::from_tensor(&uniform(&[2, 7, 128], -2.0, 2.0, 7200, DType::F32, dev))?;
+    let x = if lora {
+        x.as_tensor().detach()
+    } else {
+        x.as_tensor().clone()
+    };
+    let r = uniform(&[2, 7, 128], -1.0, 1.0, 7300, DType::F32, dev);
+    let one = grad_sink::forward_for_sink(|| ops::pre_norm_stack(&x, &halves, compute))?;
+    let g1 = grad_sink::backward(&(&one * &r)?.sum_all()?)?;
+    let per_op = ops::pre_norm_stack(&x, &halves, compute)?;
+    let g2 = (&per_op * &r)?.sum_all()?.backward()?;
+    let name = format!("Llama stack {compute:?} lora {lora}");
+    assert_eq!(max_diff(&one, &per_op)?, 0.0, "{name}: value");
+    let vars = blocks
+        .iter()
+        .flat_map(|b| b.vars.iter().map(Var::as_tensor));
+    let trained: Vec<&Tensor> = (!lora).then_some(&x).into_iter().chain(vars).collect();
+    assert_eq!(trained.len(), if lora { 12 } else { 19 });
+    for (i, t) in trained.into_iter().enumerate() {
+        let (Some(a), Some(b)) = (g1.get(t), g2.get(t)) else {
+            panic!("{name}: no gradient for tensor {i}")
+        };
+        assert_eq!(a.dtype(), b.dtype(), "{name}: tensor {i}'s gradient dtype");
+        assert_eq!(max_diff(a, b)?, 0.0, "{name}: gradient of tensor {i}");
+    }
+    let again = grad_sink::forward_for_sink(|| ops::pre_norm_stack(&x, &halves, compute))?;
+    assert!(
+        (&again * &r)?.sum_all()?.backward().is_err(),
+        "{name}: no node was built"
+    );
+    Ok(())
+}
+
+#[test]
+fn llama_blocks_equal_their_composition_on_cpu() -> Result<()> {
+    for compute in [DType::F32, DType::BF16] {
+        check_llama_stack(&Device::Cpu, compute, false)?;
+        check_llama_stack(&Device::Cpu, compute, true)?;
+    }
+    Ok(())
+}
+
 #[test]
 fn block_ops_equal_the_per_op_composition_on_cpu() -> Result<()> {
     check_against_composition(&Device::Cpu)
@@ -225,11 +409,12 @@ fn block_ops_need_grad_sinks_backward_and_handle_frozen_parameters() -> Result<(
         .backward()
         .expect_err("parameter gradients have no sink");
     assert!(e.to_string().contains("wick::grad_sink::backward"), "{e}");
-    // a frozen (constant) LayerNorm gain: the per-op composition, which candle's backward
-    // differentiates (the one-node form would have failed as above)
-    let frozen = k.p(0).detach();
+    // a LayerNorm gain computed from a variable (not one itself: no sink could take its
+    // gradient): the per-op composition, which candle's backward differentiates (the one-node
+    // form would have failed as above)
+    let computed = k.p(0).affine(1.0, 0.0)?;
     let mut p = k.mlp(Activation::GeluTanh);
-    p.norm.w = &frozen;
+    p.norm.w = &computed;
     let y = grad_sink::forward_for_sink(|| ops::mlp_block(x, &p, DType::F32))?;
     let g = (&y * &k.r)?.sum_all()?.backward()?;
     assert!(g.get(x).is_some() && g.get(k.p(2)).is_some());
@@ -237,7 +422,7 @@ fn block_ops_need_grad_sinks_backward_and_handle_frozen_parameters() -> Result<(
     // backward drops their gradients as the composition leaves them unused
     let (lb, fb) = (k.p(1).detach(), k.p(3).detach());
     let mut p = k.mlp(Activation::GeluTanh);
-    (p.norm.b, p.fc_b) = (&lb, &fb);
+    (p.norm.b, p.fc_b) = (Some(&lb), &fb);
     let one = grad_sink::forward_for_sink(|| ops::mlp_block(x, &p, DType::F32))?;
     let again = grad_sink::forward_for_sink(|| ops::mlp_block(x, &p, DType::F32))?;
     assert!(
@@ -275,6 +460,16 @@ mod cuda {
     #[test]
     fn block_ops_equal_the_per_op_composition_on_cuda() -> Result<()> {
         super::check_against_composition(&Device::new_cuda(0)?)
+    }
+
+    #[test]
+    fn llama_blocks_equal_their_composition_on_cuda() -> Result<()> {
+        let dev = Device::new_cuda(0)?;
+        for compute in [DType::BF16, DType::F16] {
+            super::check_llama_stack(&dev, compute, false)?;
+            super::check_llama_stack(&dev, compute, true)?;
+        }
+        Ok(())
     }
 
     #[test]

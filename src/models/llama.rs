@@ -20,7 +20,7 @@
 
 use super::llama_config::{LlamaConfig, EMBED, FINAL_NORM, HEAD};
 use crate::lora::{LoraAdapter, LoraConfig};
-use crate::ops;
+use crate::ops::{self, Half, Layer, PreNorm};
 use crate::params::{ParamStore, Role};
 use crate::precision::{to_f32, Precision};
 use anyhow::{bail, Context, Result};
@@ -135,6 +135,8 @@ struct Proj {
     lora: Option<(String, LoraAdapter)>,
     scaling: f64,
     dropout: f64,
+    /// `(out_i, r_i)` per part (rank 0 without an adapter), as `ops::lora_linear_grouped` takes.
+    ranks: Vec<(usize, usize)>,
 }
 
 impl Proj {
@@ -162,6 +164,11 @@ impl Proj {
                 _ => None,
             });
         }
+        let ranks = parts
+            .iter()
+            .zip(&adapters)
+            .map(|(w, ad)| (w.dims()[0], ad.as_ref().map_or(0, |ad| ad.a.dims()[0])))
+            .collect();
         Ok(Self {
             parts,
             stacked,
@@ -169,16 +176,30 @@ impl Proj {
             lora,
             scaling: 1.0,
             dropout: 0.0,
+            ranks,
         })
     }
 
-    /// `(out_i, r_i)` per part (rank 0 without an adapter), as `ops::lora_linear_grouped` takes.
-    fn part_ranks(&self) -> Vec<(usize, usize)> {
-        self.parts
-            .iter()
-            .zip(&self.adapters)
-            .map(|(w, ad)| (w.dims()[0], ad.as_ref().map_or(0, |ad| ad.a.dims()[0])))
-            .collect()
+    /// The projection as one layer of a block op, or `None` where its forward is more than one
+    /// op (LoRA dropout in training).
+    fn layer(&self, train: bool) -> Option<Layer<'_>> {
+        let parts = match &self.stacked {
+            Some(w) => std::slice::from_ref(w),
+            None => self.parts.as_slice(),
+        };
+        match (&self.lora, parts) {
+            (None, parts) => Some(Layer::Linear { parts, b: None }),
+            (Some(_), _) if train && self.dropout > 0.0 => None,
+            (Some((_, LoraAdapter { a, b })), [w]) => Some(Layer::LoraLinear {
+                w,
+                a,
+                b,
+                parts: &self.ranks,
+                scale: self.scaling,
+            }),
+            // adapted parts are frozen, so stacked once: not reached
+            (Some(_), _) => None,
+        }
     }
 
     /// `x: (.., in)` in the compute dtype → `(.., sum out_i)`.
@@ -191,18 +212,18 @@ impl Proj {
         let Some((_, LoraAdapter { a, b })) = &self.lora else {
             return Ok(ops::linear(x, &w, None)?);
         };
-        let parts = self.part_ranks();
+        let parts = &self.ranks;
         if train && self.dropout > 0.0 {
             // PEFT's order: dropout on the adapters' input only, so the updates are separate
             // nodes: u = dropout(x) [A_1; ..]^T, then u times the block-diagonal [B_1 0; 0 B_2]
-            let b_bd = ops::lora_block_diagonal(b, &parts)?.affine(self.scaling, 0.0)?;
+            let b_bd = ops::lora_block_diagonal(b, parts)?.affine(self.scaling, 0.0)?;
             let xd = candle_nn::ops::dropout(x, self.dropout as f32)?;
             let y = ops::linear(x, &w, None)?;
             return Ok((y + ops::linear(&ops::linear(&xd, a, None)?, &b_bd, None)?)?);
         }
         // base GEMM and every part's update in one node: no (.., out) update tensor kept, and
         // the adapters' tensors enter as the two stacks they are stored as
-        Ok(ops::lora_linear_grouped(x, &w, a, b, &parts, self.scaling)?)
+        Ok(ops::lora_linear_grouped(x, &w, a, b, parts, self.scaling)?)
     }
 }
 
@@ -251,6 +272,48 @@ impl Block {
         let n = ops::rms_norm_with_dtype(&x, &self.mlp_norm, eps, compute)?;
         let m = ops::swiglu(&self.gate_up.forward(&n, train)?)?;
         Ok(ops::residual_add(&x, &self.down.forward(&m, train)?)?)
+    }
+
+    /// The block's two halves as block-op layers (`[qkv, rotary, attention, o]`, `[gate_up,
+    /// swiglu, down]`; [`ops::pre_norm_stack`] runs them as [`Block::forward`] does), or `None`
+    /// where a projection is more than one op (LoRA dropout in training).
+    fn layers<'a>(
+        &'a self,
+        cos: &'a Tensor,
+        sin: &'a Tensor,
+        train: bool,
+    ) -> Option<[Vec<Layer<'a>>; 2]> {
+        let (n_head, n_kv_head) = (self.dims.heads, self.dims.kv_heads);
+        let attention = vec![
+            self.qkv.layer(train)?,
+            Layer::Rotary {
+                cos,
+                sin,
+                n_head,
+                n_kv_head,
+            },
+            Layer::Attention { n_head, n_kv_head },
+            self.o.layer(train)?,
+        ];
+        let mlp = vec![
+            self.gate_up.layer(train)?,
+            Layer::SwiGlu,
+            self.down.layer(train)?,
+        ];
+        Some([attention, mlp])
+    }
+
+    /// The halves of [`Block::layers`] with their RMSNorms.
+    fn halves<'a>(&'a self, layers: &'a [Vec<Layer<'a>>; 2]) -> [Half<'a>; 2] {
+        let norm = |w| PreNorm {
+            w,
+            b: None,
+            eps: self.dims.eps,
+        };
+        [
+            Half::Branch(norm(&self.attn_norm), &layers[0]),
+            Half::Branch(norm(&self.mlp_norm), &layers[1]),
+        ]
     }
 
     /// Every tensor the block's forward reads (for [`crate::recompute::checkpoint`]).
@@ -520,7 +583,25 @@ impl Llama {
         }
         let (cos, sin) = self.rope_tables(t)?;
         let mut x = self.embed_ids(ids)?;
-        for block in &self.blocks {
+        // the L blocks as one stack: one graph node under the engine's backward
+        let layers: Option<Vec<_>> = match self.checkpointing {
+            true => None,
+            false => self
+                .blocks
+                .iter()
+                .map(|b| b.layers(&cos, &sin, true))
+                .collect(),
+        };
+        if let Some(layers) = &layers {
+            let halves: Vec<Half<'_>> = self
+                .blocks
+                .iter()
+                .zip(layers)
+                .flat_map(|(b, l)| b.halves(l))
+                .collect();
+            x = ops::pre_norm_stack(&x, &halves, self.compute())?;
+        }
+        for block in self.blocks.iter().filter(|_| layers.is_none()) {
             x = if self.checkpointing {
                 let (l, cos, sin) = (block.clone(), cos.clone(), sin.clone());
                 let segment: crate::recompute::SegmentFn = Arc::new(move |x: &Tensor| {
@@ -819,6 +900,7 @@ impl Llama {
                     lora,
                     scaling: p.scaling,
                     dropout: p.dropout,
+                    ranks: p.ranks.clone(),
                 })
             };
             let (qkv, o, gate_up, down) = (

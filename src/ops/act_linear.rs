@@ -164,15 +164,30 @@ impl CustomOp3 for ActLinear {
         _y: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dh, dw, db) = self.grads(h, w, b, dy, h.track_op())?;
+        Ok((dh, offer(w, dw)?, offer(b, db)?))
+    }
+}
+
+impl ActLinear {
+    /// `(dh, dw, db)` as computed (not offered to a sink): dh when `want_h`, dw and db when
+    /// autograd tracks w and b.
+    pub(super) fn grads(
+        &self,
+        h: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        dy: &Tensor,
+        want_h: bool,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         // the activation's output again (no graph); its gradient only when h wants one
-        let want_h = h.track_op();
         let h = h.detach();
         let g = self.0.apply(&h)?;
-        let (dg, dw, db) = linear::grads_wanted(&g, w, Some(b), dy, want_h)?;
+        let (dg, dw, db) = linear::grads_wanted(&g, w, Some(b), dy, want_h, w.track_op())?;
         let dh = match dg {
             Some(dg) => Some(self.0.backward(&h, &g, &dg)?),
             None => None,
         };
-        Ok((dh, offer(w, dw)?, offer(b, db)?))
+        Ok((dh, dw, db))
     }
 }

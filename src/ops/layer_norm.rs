@@ -165,6 +165,7 @@ pub(super) fn prepare_param(
 }
 
 /// The forward op. A `CustomOp3` (x, w, b) for LayerNorm and a `CustomOp2` (x, w) for RMSNorm.
+#[derive(Clone, Copy)]
 pub(super) struct NormFwd {
     pub(super) kind: Kind,
     pub(super) eps: f32,

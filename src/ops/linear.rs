@@ -302,19 +302,20 @@ pub(super) fn grads(
     b: Option<&Tensor>,
     dy: &Tensor,
 ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-    grads_wanted(x, w, b, dy, x.track_op())
+    grads_wanted(x, w, b, dy, x.track_op(), w.track_op())
 }
 
-/// [`grads`] with `dx` computed when `want_x`, whether or not autograd tracks x (an op that
-/// recomputes its GEMM input, [`super::act_linear`], needs `dx` of an untracked tensor).
+/// [`grads`] with `dx` computed when `want_x` and `dw` when `want_w`, whether or not autograd
+/// tracks x and w (an op that recomputes its GEMM input, [`super::act_linear`], needs `dx` of
+/// an untracked tensor; a block op, `dw` of a weight it stacked from tracked parts).
 pub(super) fn grads_wanted(
     x: &Tensor,
     w: &Tensor,
     b: Option<&Tensor>,
     dy: &Tensor,
     want_x: bool,
+    want_w: bool,
 ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-    let want_w = w.track_op();
     let (x, w, dy) = (x.detach(), w.detach(), dy.detach());
     let (n, k) = w.dims2()?;
     let m = x.elem_count() / k;

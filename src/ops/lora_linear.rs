@@ -62,6 +62,20 @@ pub fn lora_linear_grouped(
     parts: &[(usize, usize)],
     scale: f64,
 ) -> Result<Tensor> {
+    let ([x, a, b], op) = operands(x, w, a, b, parts, scale)?;
+    x.apply_op3(&a, &b, op)
+}
+
+/// [`lora_linear_grouped`]'s arguments checked (its errors) and laid out, `[x, a, b]`, with
+/// the op.
+pub(super) fn operands(
+    x: &Tensor,
+    w: &Tensor,
+    a: &Tensor,
+    b: &Tensor,
+    parts: &[(usize, usize)],
+    scale: f64,
+) -> Result<([Tensor; 3], LoraLinear)> {
     check_float(OP, "x", x.dtype())?;
     check_float(OP, "w", w.dtype())?;
     for (what, t) in [("w", w), ("a", a), ("b", b)] {
@@ -112,21 +126,20 @@ pub fn lora_linear_grouped(
     } else {
         x.clone()
     };
-    x.apply_op3(
-        &a.contiguous()?,
-        &b.contiguous()?,
-        LoraLinear {
-            w: w.detach().contiguous()?,
-            parts: parts.to_vec(),
-            rank: r,
-            scale,
-            #[cfg(feature = "cuda")]
-            merged: std::sync::Mutex::new(None),
-        },
-    )
+    let op = LoraLinear {
+        w: w.detach().contiguous()?,
+        parts: parts.to_vec(),
+        rank: r,
+        scale,
+        #[cfg(feature = "cuda")]
+        merged: Default::default(),
+    };
+    Ok(([x, a.contiguous()?, b.contiguous()?], op))
 }
 
-struct LoraLinear {
+/// The op of [`lora_linear_grouped`]; its clones share the saved merged weight.
+#[derive(Clone)]
+pub(super) struct LoraLinear {
     /// The frozen base weight `(N, K)`, contiguous.
     w: Tensor,
     /// `(N_i, r_i)` per stacked module.
@@ -136,7 +149,7 @@ struct LoraLinear {
     /// CUDA: the forward's merged weight `W + s B_bd A`, taken by the backward (which merges
     /// again when absent).
     #[cfg(feature = "cuda")]
-    merged: std::sync::Mutex<Option<candle_core::CudaStorage>>,
+    merged: std::sync::Arc<std::sync::Mutex<Option<candle_core::CudaStorage>>>,
 }
 
 /// The block-diagonal `(N, R)` up projection of stacked parts: part `i`'s rows of `b` at its
@@ -323,20 +336,32 @@ impl CustomOp3 for LoraLinear {
         _y: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dx, da, db) = self.grads(x, a, b, dy, x.track_op())?;
+        Ok((dx, offer(a, Some(da))?, offer(b, Some(db))?))
+    }
+}
+
+impl LoraLinear {
+    /// `(dx, da, db)` as computed (not offered to a sink), dx only when `want_x`.
+    pub(super) fn grads(
+        &self,
+        x: &Tensor,
+        a: &Tensor,
+        b: &Tensor,
+        dy: &Tensor,
+        want_x: bool,
+    ) -> Result<(Option<Tensor>, Tensor, Tensor)> {
         let w = &self.w;
         #[cfg(feature = "cuda")]
         if super::lora_cuda::applies(x, w) {
             let d = self.dims(x.layout())?;
             let merged = self.merged.lock().map(|mut w| w.take()).unwrap_or(None);
-            let (dx, da, db) =
-                super::lora_cuda::backward(&d, x, w, a, b, dy, merged, x.track_op())?;
-            return Ok((dx, offer(a, Some(da))?, offer(b, Some(db))?));
+            return super::lora_cuda::backward(&d, x, w, a, b, dy, merged, want_x);
         }
         let (n, k) = w.dims2()?;
         let m = x.elem_count() / k;
         let xc = x.detach().to_dtype(w.dtype())?.reshape((m, k))?;
         let dy2 = dy.detach().to_dtype(w.dtype())?.reshape((m, n))?;
-        let (a_leaf, b_leaf) = (a, b);
         let (a, b) = (a.detach(), b.detach());
         let us = xc.matmul(&a.t()?)?.affine(self.scale, 0.0)?; // s u, (M, R)
         let r_sum = us.dim(1)?;
@@ -354,12 +379,12 @@ impl CustomOp3 for LoraLinear {
                 .collect::<Result<Vec<_>>>()?,
             0,
         )?;
-        let dx = if x.track_op() {
+        let dx = if want_x {
             let dx = (dxp.narrow(1, 0, k)? + du.matmul(&a)?)?.reshape(x.shape())?;
             Some(dx.to_dtype(x.dtype())?)
         } else {
             None
         };
-        Ok((dx, offer(a_leaf, Some(da))?, offer(b_leaf, Some(db))?))
+        Ok((dx, da, db))
     }
 }

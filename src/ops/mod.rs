@@ -70,6 +70,7 @@ macro_rules! with_type {
 mod act_linear;
 mod attention;
 mod bias;
+mod block_step;
 mod cross_entropy;
 mod embedding;
 mod gelu;
@@ -104,7 +105,7 @@ pub(crate) use lora_linear::block_diagonal as lora_block_diagonal;
 pub use lora_linear::{lora_linear, lora_linear_grouped};
 pub use residual::residual_add;
 pub use residual_block::{
-    attention_block, mlp_block, pre_norm_stack, AttentionParams, Half, MlpParams, PreNorm,
+    attention_block, mlp_block, pre_norm_stack, AttentionParams, Half, Layer, MlpParams, PreNorm,
 };
 pub use rms_norm::{rms_norm, rms_norm_with_dtype};
 pub use rotary::{rotary_qkv, rotary_tables};

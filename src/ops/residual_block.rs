@@ -1,7 +1,9 @@
-//! Pre-LayerNorm transformer blocks as one graph node with its own backward: the two halves of
-//! a block, `x ← x + branch(layer_norm(x))` with the attention branch (qkv linear, causal
-//! attention, proj linear) or the MLP branch (fc linear, activation and fc2 in
-//! [`super::act_linear`]), and any row of them ([`pre_norm_stack`]: a model's L blocks).
+//! Pre-norm transformer blocks as one graph node with its own backward: the two halves of a
+//! block, `x ← x + branch(norm(x))` with a LayerNorm or an RMSNorm and any branch of wick's ops
+//! ([`Layer`]): GPT-2's attention (qkv linear, causal attention, proj linear) and MLP (fc
+//! linear, activation and fc2 in [`super::act_linear`]), Llama's (rotary embedding, grouped
+//! attention, SwiGLU, no biases, LoRA adapters), and any row of them ([`pre_norm_stack`]: a
+//! model's L blocks).
 //!
 //! candle 0.11's backward stores the gradient it passes along each edge of its graph into a
 //! buffer it first fills with zeros (`GradStore::or_insert`, then `add`). As separate ops each
@@ -18,24 +20,25 @@
 //! [`crate::grad_sink::backward`] will differentiate: inside [`crate::Engine::step`]'s forward
 //! closure, or [`crate::grad_sink::forward_for_sink`]. Elsewhere the functions build the per-op
 //! composition. Both give the same values and gradients, bit for bit when the stack's input has
-//! no other consumer: the same kernels run in the same order (`tests/block_ops.rs`).
+//! no other consumer: the same kernels run in the same order (`tests/block_ops.rs`), and each
+//! op is asked for the gradients the composition's autograd asks for ([`super::block_step`]).
 
-use super::act_linear::{ActLinear, Activation};
-use super::attention::{fused_attention, AttentionOp};
-use super::layer_norm::{prepare, prepare_param, Kind, NormFwd};
-use super::linear::{self, Linear, Operands};
+use super::act_linear::Activation;
+use super::block_step::Step;
 use super::residual::{residual_add, ResidualAdd};
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
-/// A pre-LayerNorm's gain and bias `(C,)` and epsilon (PyTorch's default: 1e-5). The one-node
-/// form needs them f32 (wick's masters); other dtypes take the composition.
+/// A pre-norm's gain `(C,)`, optional bias `(C,)` and epsilon: a LayerNorm with a bias
+/// (PyTorch's default eps: 1e-5), an RMSNorm without (Llama's: the config's `rms_norm_eps`).
+/// The one-node form needs the gain and bias f32 variables (wick's masters) or untracked
+/// constants (frozen, as in LoRA); others take the composition.
 #[derive(Clone, Copy, Debug)]
 pub struct PreNorm<'a> {
     /// Gain `(C,)`.
     pub w: &'a Tensor,
-    /// Bias `(C,)`.
-    pub b: &'a Tensor,
-    /// Added to the variance.
+    /// Bias `(C,)`: `Some` for a LayerNorm, `None` for an RMSNorm.
+    pub b: Option<&'a Tensor>,
+    /// Added to the variance (LayerNorm) or the mean square (RMSNorm).
     pub eps: f64,
 }
 
@@ -44,7 +47,7 @@ pub struct PreNorm<'a> {
 /// between them. Any hidden width works; 4C is GPT-2's.
 #[derive(Clone, Copy, Debug)]
 pub struct MlpParams<'a> {
-    /// The LayerNorm before fc.
+    /// The norm before fc.
     pub norm: PreNorm<'a>,
     /// fc's weight `(hidden, C)`.
     pub fc_w: &'a Tensor,
@@ -63,7 +66,7 @@ pub struct MlpParams<'a> {
 /// CUDA flash kernels take `Dh = 64`).
 #[derive(Clone, Copy, Debug)]
 pub struct AttentionParams<'a> {
-    /// The LayerNorm before the projection.
+    /// The norm before the projection.
     pub norm: PreNorm<'a>,
     /// The q/k/v projection's weight, rows `[q heads | k heads | v heads]`.
     pub qkv_w: &'a Tensor,
@@ -79,27 +82,88 @@ pub struct AttentionParams<'a> {
     pub n_kv_head: usize,
 }
 
-/// One half of a pre-LayerNorm transformer block, `x ← x + branch(layer_norm(x))`.
+/// One op of a half-block's branch, applied in order from the norm's output `(B, T, C)` in the
+/// compute dtype; each takes its predecessor's output as its activation input.
+#[derive(Clone, Copy, Debug)]
+pub enum Layer<'a> {
+    /// [`crate::ops::linear`] by the weight that `parts` stack along the output rows (each
+    /// `(out_i, in)`, in the compute dtype; one part is the weight itself), with an optional
+    /// bias `(sum out_i,)`. Each part gets its own rows of the gradient.
+    Linear {
+        /// The weight's parts, in row order.
+        parts: &'a [Tensor],
+        /// The bias.
+        b: Option<&'a Tensor>,
+    },
+    /// [`crate::ops::act_linear`]: `act(h) @ w^T + b`.
+    ActLinear {
+        /// `(out, in)`.
+        w: &'a Tensor,
+        /// `(out,)`.
+        b: &'a Tensor,
+        /// The activation.
+        act: Activation,
+    },
+    /// [`crate::ops::lora_linear_grouped`]: a frozen base weight with LoRA adapters.
+    LoraLinear {
+        /// The frozen base `(N, K)`.
+        w: &'a Tensor,
+        /// The stacked down projections `(sum r_i, K)`.
+        a: &'a Tensor,
+        /// The stacked up projections `(adapted rows, r)`.
+        b: &'a Tensor,
+        /// `(N_i, r_i)` per stacked module.
+        parts: &'a [(usize, usize)],
+        /// LoRA's `alpha / r`.
+        scale: f64,
+    },
+    /// [`crate::ops::rotary_qkv`] with RoPE tables `(T, Dh/2)` f32.
+    Rotary {
+        /// cos of the angles.
+        cos: &'a Tensor,
+        /// sin of the angles.
+        sin: &'a Tensor,
+        /// Query heads H.
+        n_head: usize,
+        /// Key/value heads Hkv.
+        n_kv_head: usize,
+    },
+    /// [`crate::ops::grouped_causal_attention`] of a `(B, T, (H + 2 Hkv) Dh)` qkv.
+    Attention {
+        /// Query heads H.
+        n_head: usize,
+        /// Key/value heads Hkv.
+        n_kv_head: usize,
+    },
+    /// [`crate::ops::swiglu`] of a `(.., 2F)` gate|up.
+    SwiGlu,
+}
+
+/// One half of a pre-norm transformer block, `x ← x + branch(norm(x))`.
 #[derive(Clone, Copy, Debug)]
 pub enum Half<'a> {
     /// Attention: see [`attention_block`].
     Attention(AttentionParams<'a>),
     /// MLP: see [`mlp_block`].
     Mlp(MlpParams<'a>),
+    /// Any branch: the norm, then the layers in order (the last one's output is the branch's,
+    /// `(B, T, C)`). Llama's attention half is `[Linear, Rotary, Attention, Linear]` (or
+    /// [`Layer::LoraLinear`] for an adapted projection), its MLP half `[Linear, SwiGlu, Linear]`.
+    Branch(PreNorm<'a>, &'a [Layer<'a>]),
 }
 
-/// `x` through `halves` in order, each `x ← x + branch(layer_norm_with_dtype(x, ..))` (the
-/// LayerNorm writing the `compute` dtype, the branch's output widened into the f32 stream):
-/// `x: (B, T, C)` f32 → `(B, T, C)` f32. A GPT-2 block is `[Attention, Mlp]`; a model's blocks
-/// in a row are one stack.
+/// `x` through `halves` in order, each `x ← x + branch(norm_with_dtype(x, ..))` (the norm
+/// writing the `compute` dtype, the branch's output widened into the f32 stream): `x: (B, T,
+/// C)` f32 → `(B, T, C)` f32. A GPT-2 block is `[Attention, Mlp]`; a model's blocks in a row are
+/// one stack.
 ///
 /// Under [`crate::grad_sink::forward_for_sink`] the whole stack is one graph node (module
 /// docs), which also saves the zero-filled buffer and the add of the f32 stream between halves;
-/// elsewhere, or when x is not tracked, a LayerNorm gain is not an f32 variable, a parameter
-/// is neither a variable nor untracked (a tensor computed from one), or an attention half
-/// would take the composed attention (CUDA in f32, head width other than 64), each half is
-/// [`mlp_block`] / [`attention_block`]'s composition. The same values and gradients either
-/// way, bit for bit when the stack is x's only consumer (with another, candle sums x's
+/// elsewhere, or when neither x nor any parameter is tracked, a norm parameter is tracked but
+/// not an f32 variable, a parameter is neither a variable nor untracked (a tensor computed
+/// from one), or an attention half would take the composed attention (CUDA in f32, head width
+/// other than 64), each half is the composition of its ops. The same values and gradients
+/// either way, bit for bit when the stack is x's only consumer (with another, candle sums x's
 /// gradients in another order). An empty `halves` returns x.
 ///
 /// Errors (no panics): those of the ops the halves are made of, for these arguments; from the
@@ -116,8 +180,8 @@ pub fn pre_norm_stack(x: &Tensor, halves: &[Half<'_>], compute: DType) -> Result
 
 /// `x + act_linear(linear(layer_norm_with_dtype(x, ..), fc_w, fc_b), fc2_w, fc2_b, act)` with
 /// `x: (.., C)` f32 (the residual stream) → f32 of x's shape: the MLP half of a pre-LayerNorm
-/// transformer block (GPT-2's with [`Activation::GeluTanh`]), the LayerNorm writing the
-/// `compute` dtype. [`pre_norm_stack`] of this one half: one node under
+/// transformer block (GPT-2's with [`Activation::GeluTanh`]), the norm writing the `compute`
+/// dtype. [`pre_norm_stack`] of this one half: one node under
 /// [`crate::grad_sink::forward_for_sink`], the composition of those four ops elsewhere.
 ///
 /// Errors (no panics): those of [`crate::ops::layer_norm_with_dtype`], [`crate::ops::linear`],
@@ -129,7 +193,7 @@ pub fn mlp_block(x: &Tensor, p: &MlpParams<'_>, compute: DType) -> Result<Tensor
 
 /// `x + linear(grouped_causal_attention(linear(layer_norm_with_dtype(x, ..), qkv_w, qkv_b), H,
 /// Hkv), proj_w, proj_b)` with `x: (B, T, C)` f32 → `(B, T, C)` f32: the attention half of a
-/// pre-LayerNorm transformer block (GPT-2's with Hkv = H), the LayerNorm writing the `compute`
+/// pre-LayerNorm transformer block (GPT-2's with Hkv = H), the norm writing the `compute`
 /// dtype. [`pre_norm_stack`] of this one half: one node under
 /// [`crate::grad_sink::forward_for_sink`] where the attention itself is one (the CPU reference,
 /// or the flash kernels on CUDA: see [`crate::ops::grouped_causal_attention`]), the composition
@@ -141,60 +205,90 @@ pub fn attention_block(x: &Tensor, p: &AttentionParams<'_>, compute: DType) -> R
     pre_norm_stack(x, &[Half::Attention(*p)], compute)
 }
 
-impl Half<'_> {
-    fn norm(&self) -> &PreNorm<'_> {
+impl<'a> Half<'a> {
+    fn norm(&self) -> &PreNorm<'a> {
         match self {
             Half::Attention(p) => &p.norm,
             Half::Mlp(p) => &p.norm,
+            Half::Branch(n, _) => n,
         }
     }
 
-    fn params(&self) -> [&Tensor; 6] {
+    /// The branch's layers in order.
+    fn layers(&self) -> Vec<Layer<'a>> {
+        match *self {
+            Half::Attention(p) => vec![
+                Layer::Linear {
+                    parts: std::slice::from_ref(p.qkv_w),
+                    b: Some(p.qkv_b),
+                },
+                Layer::Attention {
+                    n_head: p.n_head,
+                    n_kv_head: p.n_kv_head,
+                },
+                Layer::Linear {
+                    parts: std::slice::from_ref(p.proj_w),
+                    b: Some(p.proj_b),
+                },
+            ],
+            Half::Mlp(p) => vec![
+                Layer::Linear {
+                    parts: std::slice::from_ref(p.fc_w),
+                    b: Some(p.fc_b),
+                },
+                Layer::ActLinear {
+                    w: p.fc2_w,
+                    b: p.fc2_b,
+                    act: p.act,
+                },
+            ],
+            Half::Branch(_, layers) => layers.to_vec(),
+        }
+    }
+
+    /// Every parameter and constant the half reads.
+    fn tensors(&self) -> Vec<&'a Tensor> {
         let n = self.norm();
-        match self {
-            Half::Attention(p) => [n.w, n.b, p.qkv_w, p.qkv_b, p.proj_w, p.proj_b],
-            Half::Mlp(p) => [n.w, n.b, p.fc_w, p.fc_b, p.fc2_w, p.fc2_b],
+        let mut out: Vec<&Tensor> = std::iter::once(n.w).chain(n.b).collect();
+        for layer in self.layers() {
+            match layer {
+                Layer::Linear { parts, b } => out.extend(parts.iter().chain(b)),
+                Layer::ActLinear { w, b, .. } => out.extend([w, b]),
+                Layer::LoraLinear { w, a, b, .. } => out.extend([w, a, b]),
+                Layer::Rotary { cos, sin, .. } => out.extend([cos, sin]),
+                Layer::Attention { .. } | Layer::SwiGlu => {}
+            }
         }
+        out
     }
+}
 
-    /// The branch on the LayerNorm's output `a` as one-node steps (the last one's output is the
-    /// branch's), or `None` where the composition must run instead.
-    fn branch(&self, a: &Tensor) -> Result<Option<Vec<Step>>> {
-        match self {
-            Half::Mlp(p) => {
-                let Some([a, w, b]) = ready(linear::operands(linear::OP, a, p.fc_w, Some(p.fc_b))?)
-                else {
-                    return Ok(None);
-                };
-                let h = a.apply_op3(&w, &b, Linear)?;
-                let fc = Step::Linear([a, w, b, h.clone()]);
-                let op = p.act.name();
-                let Some([h, w, b]) = ready(linear::operands(op, &h, p.fc2_w, Some(p.fc2_b))?)
-                else {
-                    return Ok(None);
-                };
-                let h = h.contiguous()?;
-                let m = h.apply_op3(&w, &b, ActLinear(p.act))?;
-                Ok(Some(vec![fc, Step::ActLinear(p.act, [h, w, b, m])]))
+impl Layer<'_> {
+    /// The layer as its public op (the composition's).
+    fn composed(&self, x: &Tensor) -> Result<Tensor> {
+        match *self {
+            Layer::Linear { parts, b } => match parts {
+                [w] => super::linear(x, w, b),
+                parts => super::linear(x, &Tensor::cat(parts, 0)?, b),
+            },
+            Layer::ActLinear { w, b, act } => super::act_linear(x, w, b, act),
+            Layer::LoraLinear {
+                w,
+                a,
+                b,
+                parts,
+                scale,
+            } => super::lora_linear_grouped(x, w, a, b, parts, scale),
+            Layer::Rotary {
+                cos,
+                sin,
+                n_head,
+                n_kv_head,
+            } => super::rotary_qkv(x, cos, sin, n_head, n_kv_head),
+            Layer::Attention { n_head, n_kv_head } => {
+                super::grouped_causal_attention(x, n_head, n_kv_head)
             }
-            Half::Attention(p) => {
-                let qkv = linear::operands(linear::OP, a, p.qkv_w, Some(p.qkv_b))?;
-                let Some([a, w, b]) = ready(qkv) else {
-                    return Ok(None);
-                };
-                let qkv = a.apply_op3(&w, &b, Linear)?;
-                let proj_in = Step::Linear([a, w, b, qkv.clone()]);
-                let Some((y, op)) = fused_attention(&qkv, p.n_head, p.n_kv_head)? else {
-                    return Ok(None);
-                };
-                let att = Step::Attention(op, [qkv.contiguous()?, y.clone()]);
-                let proj = linear::operands(linear::OP, &y, p.proj_w, Some(p.proj_b))?;
-                let Some([y, w, b]) = ready(proj) else {
-                    return Ok(None);
-                };
-                let o = y.apply_op3(&w, &b, Linear)?;
-                Ok(Some(vec![proj_in, att, Step::Linear([y, w, b, o])]))
-            }
+            Layer::SwiGlu => super::swiglu(x),
         }
     }
 }
@@ -202,98 +296,56 @@ impl Half<'_> {
 /// One half as separate ops (the reference the one-node form matches).
 fn composed(x: &Tensor, half: &Half<'_>, compute: DType) -> Result<Tensor> {
     let n = half.norm();
-    let a = super::layer_norm_with_dtype(x, n.w, n.b, n.eps, compute)?;
-    let m = match half {
-        Half::Mlp(p) => {
-            let h = super::linear(&a, p.fc_w, Some(p.fc_b))?;
-            super::act_linear(&h, p.fc2_w, p.fc2_b, p.act)?
-        }
-        Half::Attention(p) => {
-            let qkv = super::linear(&a, p.qkv_w, Some(p.qkv_b))?;
-            let y = super::grouped_causal_attention(&qkv, p.n_head, p.n_kv_head)?;
-            super::linear(&y, p.proj_w, Some(p.proj_b))?
-        }
+    let a = match n.b {
+        Some(b) => super::layer_norm_with_dtype(x, n.w, b, n.eps, compute)?,
+        None => super::rms_norm_with_dtype(x, n.w, n.eps, compute)?,
     };
+    let m = half
+        .layers()
+        .iter()
+        .try_fold(a, |h, layer| layer.composed(&h))?;
     residual_add(x, &m)
 }
 
-/// One inner op of a branch as it ran (inputs and output), for the backward.
-enum Step {
-    /// [`crate::ops::linear`]: `[x, w, b, y]`.
-    Linear([Tensor; 4]),
-    /// [`crate::ops::act_linear`]: `[h, w, b, y]`.
-    ActLinear(Activation, [Tensor; 4]),
-    /// The fused attention: the op (holding its log-sum-exp), `[qkv, y]`.
-    Attention(AttentionOp, [Tensor; 2]),
-}
-
-impl Step {
-    /// The step's output.
-    fn output(&self) -> &Tensor {
-        match self {
-            Step::Linear([.., y]) | Step::ActLinear(_, [.., y]) | Step::Attention(_, [_, y]) => y,
-        }
-    }
-
-    /// The parameters as the op took them (after any layout change).
-    fn params(&self) -> &[Tensor] {
-        match self {
-            Step::Linear(t) | Step::ActLinear(_, t) => &t[1..3],
-            Step::Attention(..) => &[],
-        }
-    }
-
-    /// The gradient of the step's activation input from that of its output; the parameter
-    /// gradients go to the sink.
-    fn backward(&self, dy: &Tensor) -> Result<Tensor> {
-        let (dx, grads) = match self {
-            Step::Linear([x, w, b, y]) => {
-                let (dx, dw, db) = CustomOp3::bwd(&Linear, x, w, b, y, dy)?;
-                (dx, vec![dw, db])
-            }
-            Step::ActLinear(act, [h, w, b, y]) => {
-                let (dh, dw, db) = ActLinear(*act).bwd(h, w, b, y, dy)?;
-                (dh, vec![dw, db])
-            }
-            Step::Attention(op, [qkv, y]) => (op.bwd(qkv, y, dy)?, vec![]),
-        };
-        for (p, g) in self.params().iter().zip(grads) {
-            sunk(p, g)?;
-        }
-        match dx {
-            Some(dx) => Ok(dx),
-            None => bail!("residual block: an inner op gave no input gradient (internal error)"),
-        }
-    }
-}
-
-/// Builds the whole stack as one node when it applies (a sink ahead, x tracked and f32, each
-/// parameter a variable or untracked, each LayerNorm gain an f32 variable, attention that
-/// would be one op): every half on detached
-/// inputs (candle's backward never walks into them), the node `x_last + m_last` over
-/// `(x, x_last, m_last)`. `None`: take the composition.
+/// Builds the whole stack as one node when it applies (a sink ahead, x f32, x or a parameter
+/// tracked, each parameter a variable or untracked, each tracked norm parameter an f32
+/// variable, attention that would be one op): every half on detached inputs (candle's backward
+/// never walks into them), the node `x_last + m_last` over `(anchor, x_last, m_last)`, the
+/// anchor x (or, for an untracked x, the first tracked parameter: the node must be tracked to
+/// be differentiated). `None`: take the composition.
 fn one_node(x: &Tensor, halves: &[Half<'_>], compute: DType) -> Result<Option<Tensor>> {
     let free = |t: &&Tensor| t.is_variable() || !t.track_op();
-    // known before any work: LayerNorm parameters that prepare would cast (no longer the
+    let fused_attention = x.device().is_cpu() || matches!(compute, DType::BF16 | DType::F16);
+    // known before any work: norm parameters that prepare would cast (no longer the
     // variables), and attention that would take the composition on CUDA (f32 compute)
     let half_ok = |h: &Half<'_>| {
         let n = h.norm();
-        let f32_norm = n.w.dtype() == DType::F32 && n.b.dtype() == DType::F32;
-        let fused = !matches!(h, Half::Attention(_))
-            || x.device().is_cpu()
-            || matches!(compute, DType::BF16 | DType::F16);
-        n.w.is_variable() && f32_norm && fused && h.params().iter().all(free)
+        let f32_norm = std::iter::once(n.w)
+            .chain(n.b)
+            .all(|p| !p.track_op() || p.dtype() == DType::F32);
+        let attention = h
+            .layers()
+            .iter()
+            .any(|l| matches!(l, Layer::Attention { .. }));
+        f32_norm && (fused_attention || !attention) && h.tensors().iter().all(free)
+    };
+    let anchor = match x.track_op() {
+        true => Some(x),
+        false => halves
+            .iter()
+            .flat_map(|h| h.tensors())
+            .find(|t| t.track_op()),
     };
     let applies = crate::grad_sink::sink_ahead()
         && !halves.is_empty()
-        && x.track_op()
         && x.dtype() == DType::F32
         && x.elem_count() > 0
         && halves.iter().all(half_ok);
-    if !applies {
+    let Some(anchor) = anchor.filter(|_| applies) else {
         return Ok(None);
-    }
-    let kind = Kind::Layer;
+    };
+    // whether the composition's autograd would track the next op's input
+    let mut tracked = x.track_op();
     let mut built: Vec<Built> = Vec::with_capacity(halves.len());
     let mut cur = x.detach().contiguous()?;
     for half in halves {
@@ -301,98 +353,70 @@ fn one_node(x: &Tensor, halves: &[Half<'_>], compute: DType) -> Result<Option<Te
             // the next half's input: x + m of the previous one, outside any graph
             cur = cur.apply_op2_no_bwd(prev.output(), &ResidualAdd)?;
         }
-        let n = half.norm();
-        let (xn, w, d) = prepare(kind, &cur, n.w, n.eps, compute)?;
-        let b = prepare_param(kind.name(), "b", &xn, n.b, d)?;
-        let norm = || NormFwd {
-            kind,
-            eps: n.eps as f32,
-            out: compute,
-        };
-        let a = xn.apply_op3(&w, &b, norm())?;
-        let Some(steps) = half.branch(&a)? else {
-            return Ok(None);
-        };
-        // the linear layers' parameters as the ops took them must still be the variables (no
-        // cast in between), or the sink could not take their gradients (the LayerNorm's are
-        // f32, checked above, which prepare keeps as they are)
-        let taken = steps.iter().flat_map(Step::params);
-        if taken.into_iter().any(|t| t.track_op() && !t.is_variable()) {
+        let norm = Step::norm(&cur, half.norm(), compute, tracked)?;
+        tracked |= norm.tracks_params();
+        let mut steps = vec![norm];
+        for layer in half.layers() {
+            let input = steps[steps.len() - 1].output();
+            let Some(step) = Step::layer(&layer, input, tracked)? else {
+                return Ok(None);
+            };
+            tracked |= step.tracks_params();
+            steps.push(step);
+        }
+        // the parameters as the ops took them must still be the variables (no cast or copy in
+        // between), or the sink could not take their gradients
+        if !steps.iter().all(Step::params_sinkable) {
             return Ok(None);
         }
-        built.push(Built {
-            norm: norm(),
-            ln: [xn, w, b, a],
-            steps,
-        });
+        built.push(Built(steps));
     }
     let Some(last) = built.last() else {
         bail!("pre_norm_stack: no halves (internal error)")
     };
     let m = last.output().detach();
-    let node = Stack(built);
-    Ok(Some(x.apply_op3(&cur, &m, node)?))
+    let node = Stack {
+        halves: built,
+        x_grad: x.track_op(),
+    };
+    Ok(Some(anchor.apply_op3(&cur, &m, node)?))
 }
 
-/// A linear layer's laid-out `[x, w, b]`, or `None` for shapes the composition special-cases.
-fn ready(o: Operands) -> Option<[Tensor; 3]> {
-    match o {
-        Operands::Ready { x, w, b: Some(b) } => Some([x, w, b]),
-        _ => None,
-    }
-}
-
-/// What became of parameter `p`'s gradient `g`: taken by the sink (`None`), or dropped when
-/// `p` is untracked (a frozen constant, whose gradient the composition would leave unused too);
-/// an error when a tracked parameter's gradient came back (no sink was open).
-fn sunk(p: &Tensor, g: Option<Tensor>) -> Result<()> {
-    if g.is_some() && p.track_op() {
-        bail!(
-            "residual block: a parameter gradient was not taken by a sink: a graph built under \
-             grad_sink::forward_for_sink (or Engine::step) must be differentiated with \
-             wick::grad_sink::backward, not candle's backward"
-        )
-    }
-    Ok(())
-}
-
-/// One half as it ran: its LayerNorm (`[x, w, b, out]`) and branch steps.
-struct Built {
-    norm: NormFwd,
-    ln: [Tensor; 4],
-    steps: Vec<Step>,
-}
+/// One half as it ran: its norm, then its branch's steps.
+struct Built(Vec<Step>);
 
 impl Built {
     /// The branch's output.
     fn output(&self) -> &Tensor {
-        match self.steps.last() {
-            Some(s) => s.output(),
-            None => &self.ln[3],
-        }
+        self.0[self.0.len() - 1].output()
     }
 
     /// The gradient of the half's input `x` from that of its output `x + m`, as the residual
-    /// add and the ops of the composition give it: `d + layer_norm'(branch'(d in m's dtype))`.
-    fn backward(&self, d: Tensor) -> Result<Tensor> {
+    /// add and the ops of the composition give it: `d + norm'(branch'(d in m's dtype))`;
+    /// `None` where nothing before the half is tracked.
+    fn backward(&self, d: Tensor) -> Result<Option<Tensor>> {
         let mut g = d.to_dtype(self.output().dtype())?;
-        for step in self.steps.iter().rev() {
-            g = step.backward(&g)?;
+        for step in self.0.iter().rev() {
+            if !step.needed() {
+                // nothing earlier is tracked either
+                return Ok(None);
+            }
+            match step.backward(&g)? {
+                Some(dx) => g = dx,
+                None => return Ok(None),
+            }
         }
-        let [xn, w, b, a] = &self.ln;
-        let (dxn, dw, db) = CustomOp3::bwd(&self.norm, xn, w, b, a, &g)?;
-        sunk(w, dw)?;
-        sunk(b, db)?;
-        match dxn {
-            Some(dxn) => d + dxn,
-            None => Ok(d),
-        }
+        Ok(Some((d + g)?))
     }
 }
 
-/// The node over `(x, x_last, m_last)`: `x_last + m_last` (the residual add's kernels), the
-/// halves kept for the backward.
-struct Stack(Vec<Built>);
+/// The node over `(anchor, x_last, m_last)`: `x_last + m_last` (the residual add's kernels),
+/// the halves kept for the backward; `x_grad`: whether the anchor is the stack's input (and
+/// gets its gradient).
+struct Stack {
+    halves: Vec<Built>,
+    x_grad: bool,
+}
 
 impl CustomOp3 for Stack {
     fn name(&self) -> &'static str {
@@ -433,9 +457,12 @@ impl CustomOp3 for Stack {
         dout: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let mut d = dout.detach();
-        for half in self.0.iter().rev() {
-            d = half.backward(d)?;
+        for half in self.halves.iter().rev() {
+            match half.backward(d)? {
+                Some(dx) => d = dx,
+                None => return Ok((None, None, None)),
+            }
         }
-        Ok((Some(d), None, None))
+        Ok((self.x_grad.then_some(d), None, None))
     }
 }

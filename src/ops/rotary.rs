@@ -91,6 +91,21 @@ pub fn rotary_qkv(
     n_head: usize,
     n_kv_head: usize,
 ) -> Result<Tensor> {
+    match operands(qkv, cos, sin, n_head, n_kv_head)? {
+        Some(([x, cos, sin], rot)) => x.apply_op3(&cos, &sin, rot),
+        None => Ok(qkv.clone()),
+    }
+}
+
+/// [`rotary_qkv`]'s arguments checked (its errors) and laid out, `[qkv, cos, sin]`, with the
+/// op; `None` for an empty qkv (returned as is).
+pub(super) fn operands(
+    qkv: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    n_head: usize,
+    n_kv_head: usize,
+) -> Result<Option<([Tensor; 3], Rotary)>> {
     let op = "rotary_qkv";
     check_float(op, "qkv", qkv.dtype())?;
     let (b, t, w) = match qkv.dims() {
@@ -125,20 +140,21 @@ pub fn rotary_qkv(
         check_device(op, what, qkv, tab)?;
     }
     if b * t == 0 {
-        return Ok(qkv.clone());
+        return Ok(None);
     }
     let rot = Rotary {
         n_rot: n_head + n_kv_head,
         half,
         inverse: false,
     };
-    qkv.contiguous()?
-        .apply_op3(&cos.contiguous()?, &sin.contiguous()?, rot)
+    let laid = [qkv.contiguous()?, cos.contiguous()?, sin.contiguous()?];
+    Ok(Some((laid, rot)))
 }
 
 /// The rotation of the first `n_rot` heads of each row (q and k heads, `2 half` columns each)
 /// by the tables; the rest of the row is copied. `inverse` rotates by `-angle` (the backward).
-struct Rotary {
+#[derive(Clone, Copy)]
+pub(super) struct Rotary {
     n_rot: usize,
     half: usize,
     inverse: bool,

@@ -46,7 +46,8 @@ pub fn swiglu(gate_up: &Tensor) -> Result<Tensor> {
     gate_up.contiguous()?.apply_op1(SwiGlu)
 }
 
-struct SwiGlu;
+/// The op of [`swiglu`] (for a block op that keeps it and calls its backward itself).
+pub(super) struct SwiGlu;
 struct SwiGluBwd;
 
 /// `(rows, F)` of a `(.., 2F)` layout.

@@ -1,0 +1,287 @@
+//! The inner ops of a block node ([`super::residual_block`]) as they ran, and their backward.
+//!
+//! Each step runs the same op, on the same laid-out operands, as the public function the
+//! per-op composition calls ([`super::linear`], [`super::act_linear`],
+//! [`super::lora_linear_grouped`], [`super::rotary_qkv`], [`super::swiglu`],
+//! [`super::grouped_causal_attention`], the norms), so both forms give the same bits. The
+//! backward asks each op for the gradients that the composition's autograd would ask for: an
+//! input's gradient when some earlier op of the stack (or the stack's input) is tracked
+//! (`want_x`, fixed when the step is built), a parameter's when it is tracked. Parameter
+//! gradients go to [`crate::grad_sink`]; a tracked parameter whose gradient no sink took is an
+//! error.
+
+use super::act_linear::ActLinear;
+use super::attention::{fused_attention, AttentionOp};
+use super::layer_norm::{prepare, prepare_param, Kind, NormFwd};
+use super::linear::{self, Linear, Operands};
+use super::lora_linear::{self, LoraLinear};
+use super::residual_block::{Layer, PreNorm};
+use super::rotary::{self, Rotary};
+use super::swiglu::SwiGlu;
+use crate::grad_sink::offer;
+use candle_core::{bail, CustomOp1, CustomOp2, CustomOp3, DType, Result, Tensor};
+
+/// One inner op as it ran: its input `x` (laid out as the op took it), its output `y`, the op
+/// with its other operands, and whether the backward must return x's gradient.
+pub(super) struct Step {
+    op: Op,
+    x: Tensor,
+    y: Tensor,
+    want_x: bool,
+}
+
+/// The op and the operands other than x, as the op took them.
+enum Op {
+    Norm {
+        op: NormFwd,
+        w: Tensor,
+        b: Option<Tensor>,
+    },
+    /// `w` is the stacked `parts` (the single part itself when there is one); the gradient goes
+    /// to the parts.
+    Linear {
+        w: Tensor,
+        parts: Vec<Tensor>,
+        b: Option<Tensor>,
+    },
+    ActLinear {
+        op: ActLinear,
+        w: Tensor,
+        b: Tensor,
+    },
+    Lora {
+        op: LoraLinear,
+        a: Tensor,
+        b: Tensor,
+    },
+    Rotary {
+        op: Rotary,
+        cos: Tensor,
+        sin: Tensor,
+    },
+    SwiGlu,
+    Attention(AttentionOp),
+}
+
+impl Step {
+    /// The pre-norm of f32 `x` (contiguous, detached) writing `compute`: LayerNorm with a bias,
+    /// RMSNorm without.
+    pub(super) fn norm(x: &Tensor, n: &PreNorm<'_>, compute: DType, want_x: bool) -> Result<Self> {
+        let kind = if n.b.is_some() {
+            Kind::Layer
+        } else {
+            Kind::Rms
+        };
+        let (x, w, d) = prepare(kind, x, n.w, n.eps, compute)?;
+        let op = NormFwd {
+            kind,
+            eps: n.eps as f32,
+            out: compute,
+        };
+        let (y, b) = match n.b {
+            Some(b) => {
+                let b = prepare_param(kind.name(), "b", &x, b, d)?;
+                (x.apply_op3(&w, &b, op.clone())?, Some(b))
+            }
+            None => (x.apply_op2(&w, op.clone())?, None),
+        };
+        Ok(Self {
+            op: Op::Norm { op, w, b },
+            x,
+            y,
+            want_x,
+        })
+    }
+
+    /// `layer` on `x`, or `None` for shapes where the composition takes another path (empty
+    /// operands, attention without the fused kernels).
+    pub(super) fn layer(layer: &Layer<'_>, x: &Tensor, want_x: bool) -> Result<Option<Self>> {
+        let (x, y, op) = match *layer {
+            Layer::Linear { parts, b } => {
+                let w = match parts {
+                    [w] => w.clone(),
+                    parts => {
+                        let detached: Vec<Tensor> = parts.iter().map(Tensor::detach).collect();
+                        Tensor::cat(&detached, 0)?
+                    }
+                };
+                let Operands::Ready { x, w, b } = linear::operands(linear::OP, x, &w, b)? else {
+                    return Ok(None);
+                };
+                let y = match &b {
+                    Some(b) => x.apply_op3(&w, b, Linear)?,
+                    None => x.apply_op2(&w, Linear)?,
+                };
+                let parts = parts.to_vec();
+                (x, y, Op::Linear { w, parts, b })
+            }
+            Layer::ActLinear { w, b, act } => {
+                let Operands::Ready { x, w, b: Some(b) } =
+                    linear::operands(act.name(), x, w, Some(b))?
+                else {
+                    return Ok(None);
+                };
+                let x = x.contiguous()?;
+                let y = x.apply_op3(&w, &b, ActLinear(act))?;
+                (
+                    x,
+                    y,
+                    Op::ActLinear {
+                        op: ActLinear(act),
+                        w,
+                        b,
+                    },
+                )
+            }
+            Layer::LoraLinear {
+                w,
+                a,
+                b,
+                parts,
+                scale,
+            } => {
+                let ([x, a, b], op) = lora_linear::operands(x, w, a, b, parts, scale)?;
+                let y = x.apply_op3(&a, &b, op.clone())?;
+                (x, y, Op::Lora { op, a, b })
+            }
+            Layer::Rotary {
+                cos,
+                sin,
+                n_head,
+                n_kv_head,
+            } => {
+                let Some(([x, cos, sin], op)) = rotary::operands(x, cos, sin, n_head, n_kv_head)?
+                else {
+                    return Ok(None);
+                };
+                let y = x.apply_op3(&cos, &sin, op)?;
+                (x, y, Op::Rotary { op, cos, sin })
+            }
+            Layer::SwiGlu => {
+                if x.elem_count() == 0 {
+                    return Ok(None);
+                }
+                let x = x.contiguous()?;
+                (x.clone(), super::swiglu(&x)?, Op::SwiGlu)
+            }
+            Layer::Attention { n_head, n_kv_head } => {
+                let Some((y, op)) = fused_attention(x, n_head, n_kv_head)? else {
+                    return Ok(None);
+                };
+                (x.contiguous()?, y, Op::Attention(op))
+            }
+        };
+        Ok(Some(Self { op, x, y, want_x }))
+    }
+
+    /// The step's output.
+    pub(super) fn output(&self) -> &Tensor {
+        &self.y
+    }
+
+    /// The parameters whose gradients the step hands to the sink.
+    fn params(&self) -> Vec<&Tensor> {
+        match &self.op {
+            Op::Norm { w, b, .. } => std::iter::once(w).chain(b).collect(),
+            Op::Linear { parts, b, .. } => parts.iter().chain(b).collect(),
+            Op::ActLinear { w, b, .. } | Op::Lora { a: w, b, .. } => vec![w, b],
+            Op::Rotary { .. } | Op::SwiGlu | Op::Attention(_) => vec![],
+        }
+    }
+
+    /// Whether autograd tracks one of the step's parameters.
+    pub(super) fn tracks_params(&self) -> bool {
+        self.params().iter().any(|p| p.track_op())
+    }
+
+    /// Whether a sink can take every gradient of the step's parameters: each tracked one is a
+    /// variable (not a cast or copy of one made on the way into the op).
+    pub(super) fn params_sinkable(&self) -> bool {
+        self.params()
+            .iter()
+            .all(|p| p.is_variable() || !p.track_op())
+    }
+
+    /// Whether the backward has anything to compute: x's gradient or a parameter's.
+    pub(super) fn needed(&self) -> bool {
+        self.want_x || self.tracks_params()
+    }
+
+    /// x's gradient from the output's (`None` unless `want_x`); the parameter gradients go to
+    /// the sink.
+    pub(super) fn backward(&self, dy: &Tensor) -> Result<Option<Tensor>> {
+        let (x, y, want_x) = (&self.x, &self.y, self.want_x);
+        let dx = match &self.op {
+            Op::Norm { op, w, b: Some(b) } => {
+                let (dx, dw, db) = CustomOp3::bwd(op, x, w, b, y, dy)?;
+                give(w, dw)?;
+                give(b, db)?;
+                dx
+            }
+            Op::Norm { op, w, b: None } => {
+                let (dx, dw) = CustomOp2::bwd(op, x, w, y, dy)?;
+                give(w, dw)?;
+                dx
+            }
+            Op::Linear { w, parts, b } => {
+                let want_w = parts.iter().any(Tensor::track_op);
+                let (dx, dw, db) = linear::grads_wanted(x, w, b.as_ref(), dy, want_x, want_w)?;
+                if let Some(b) = b {
+                    give(b, db)?;
+                }
+                match (parts.as_slice(), dw) {
+                    ([part], dw) => give(part, dw)?,
+                    (parts, Some(dw)) => {
+                        let mut row = 0;
+                        for part in parts {
+                            let n = part.dim(0)?;
+                            give(
+                                part,
+                                part.track_op().then(|| dw.narrow(0, row, n)).transpose()?,
+                            )?;
+                            row += n;
+                        }
+                    }
+                    (_, None) => {}
+                }
+                dx
+            }
+            Op::ActLinear { op, w, b } => {
+                let (dx, dw, db) = op.grads(x, w, b, dy, want_x)?;
+                give(w, dw)?;
+                give(b, db)?;
+                dx
+            }
+            Op::Lora { op, a, b } => {
+                let (dx, da, db) = op.grads(x, a, b, dy, want_x)?;
+                give(a, Some(da))?;
+                give(b, Some(db))?;
+                dx
+            }
+            Op::Rotary { op, cos, sin } => CustomOp3::bwd(op, x, cos, sin, y, dy)?.0,
+            Op::SwiGlu => CustomOp1::bwd(&SwiGlu, x, y, dy)?,
+            Op::Attention(op) => op.bwd(x, y, dy)?,
+        };
+        match (want_x, dx) {
+            (false, _) => Ok(None),
+            (true, Some(dx)) => Ok(Some(dx)),
+            (true, None) => {
+                bail!("residual block: an inner op gave no input gradient (internal error)")
+            }
+        }
+    }
+}
+
+/// Hands parameter `p`'s gradient `g` to the sink. Dropped when `p` is untracked (a frozen
+/// constant, whose gradient the composition would leave unused too); an error when `p` is
+/// tracked and no sink took it (no sink was open).
+fn give(p: &Tensor, g: Option<Tensor>) -> Result<()> {
+    if offer(p, g)?.is_some() && p.track_op() {
+        bail!(
+            "residual block: a parameter gradient was not taken by a sink: a graph built under \
+             grad_sink::forward_for_sink (or Engine::step) must be differentiated with \
+             wick::grad_sink::backward, not candle's backward"
+        )
+    }
+    Ok(())
+}
