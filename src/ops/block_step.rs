@@ -81,9 +81,9 @@ impl Step {
         let (y, b) = match n.b {
             Some(b) => {
                 let b = prepare_param(kind.name(), "b", &x, b, d)?;
-                (x.apply_op3(&w, &b, op.clone())?, Some(b))
+                (x.apply_op3(&w, &b, op)?, Some(b))
             }
-            None => (x.apply_op2(&w, op.clone())?, None),
+            None => (x.apply_op2(&w, op)?, None),
         };
         Ok(Self {
             op: Op::Norm { op, w, b },
