@@ -320,10 +320,10 @@ impl LayerNorm {
         &self.bias
     }
 
-    /// The layer as a block op's pre-norm ([`crate::ops::mlp_block`],
+    /// The layer as a block op's norm ([`crate::ops::mlp_block`], [`crate::ops::post_norm_block`],
     /// [`crate::ops::attention_block`]).
-    pub fn pre_norm(&self) -> crate::ops::PreNorm<'_> {
-        crate::ops::PreNorm {
+    pub fn norm_params(&self) -> crate::ops::NormParams<'_> {
+        crate::ops::NormParams {
             w: &self.weight,
             b: Some(&self.bias),
             eps: self.eps,

@@ -401,6 +401,45 @@ fn every_gradient_of_a_tiny_bert_matches_the_composed_reference() -> Result<()> 
     Ok(())
 }
 
+#[test]
+fn the_feed_forward_block_node_gives_the_per_op_loss_and_gradients() -> Result<()> {
+    // the engine's path (each feed-forward sub-block one wick::ops::post_norm_block node)
+    // against the per-op graph under candle's backward: the same kernels in the same order, so
+    // equal exactly, in fp32 and bf16-mixed
+    for precision in [Precision::Fp32, Precision::Bf16Mixed] {
+        let store = ParamStore::new(precision, Device::Cpu, 12);
+        let bert = Bert::new(&store, BertConfig::tiny())?;
+        let rows: Vec<Vec<u32>> = vec![(1..12).collect(), (20..25).collect(), vec![3, 4]];
+        let batch = PaddedBatch::new(&rows, 0, 8, &Device::Cpu)?;
+        let r = Tensor::randn(0f32, 1.0, (3, 16, 32), &Device::Cpu)?;
+        let loss =
+            |h: Tensor| -> Result<Tensor> { Ok(mean_pool(&(h * &r)?, &batch.lengths)?.sum_all()?) };
+        let one = wick::grad_sink::forward_for_sink(|| loss(bert.forward(&batch)?))?;
+        let g1 = wick::grad_sink::backward(&one)?;
+        let per_op = loss(bert.forward(&batch)?)?;
+        let g2 = per_op.backward()?;
+        assert_eq!(
+            one.to_scalar::<f32>()?,
+            per_op.to_scalar::<f32>()?,
+            "{precision}"
+        );
+        let again = wick::grad_sink::forward_for_sink(|| loss(bert.forward(&batch)?))?;
+        assert!(
+            again.backward().is_err(),
+            "{precision}: no block node was built"
+        );
+        for p in store.params() {
+            let t = p.differentiated();
+            let (Some(a), Some(b)) = (g1.get(t), g2.get(t)) else {
+                panic!("{precision}: no gradient for {}", p.name)
+            };
+            let (a, b) = (a.to_dtype(DType::F32)?, b.to_dtype(DType::F32)?);
+            assert_eq!(max_abs(&a, &b)?, 0.0, "{precision}: gradient of {}", p.name);
+        }
+    }
+    Ok(())
+}
+
 /// `cargo test --release --features cuda --test bert` on a GPU machine.
 #[cfg(feature = "cuda")]
 mod cuda {

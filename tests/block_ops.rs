@@ -3,13 +3,13 @@
 //! per-op composition it replaces (candle's backward): GPT-2's halves (LayerNorm, linear,
 //! act_linear or attention and linear, residual add) and Llama's (RMSNorm, stacked linears
 //! without bias, rotary embedding, grouped attention, SwiGLU; full fine-tuning and LoRA with a
-//! frozen base). The same kernels run in the same order, so the value and every gradient must be
+//! frozen base) and BERT's post-LayerNorm feed-forward sub-block. The same kernels run in the same order, so the value and every gradient must be
 //! equal exactly, on the CPU and, with the `cuda` feature, on the GPU.
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 use rand::{Rng, SeedableRng};
 use wick::grad_sink;
-use wick::ops::{self, Activation, AttentionParams, Half, Layer, MlpParams, PreNorm};
+use wick::ops::{self, Activation, AttentionParams, Half, Layer, MlpParams, NormParams};
 
 fn uniform(shape: &[usize], lo: f32, hi: f32, seed: u64, dtype: DType, dev: &Device) -> Tensor {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
@@ -76,8 +76,8 @@ impl Case {
     fn p(&self, i: usize) -> &Tensor {
         self.params[i].1.as_tensor()
     }
-    fn norm(&self) -> PreNorm<'_> {
-        PreNorm {
+    fn norm(&self) -> NormParams<'_> {
+        NormParams {
             w: self.p(0),
             b: Some(self.p(1)),
             eps: 1e-5,
@@ -325,7 +325,7 @@ fn check_llama_stack(dev: &Device, compute: DType, lora: bool) -> Result<()> {
     let layers: Vec<[Vec<Layer<'_>>; 2]> = blocks.iter().map(|b| b.layers(&cos, &sin)).collect();
     let mut halves = Vec::new();
     for (b, [attn, mlp]) in blocks.iter().zip(&layers) {
-        let norm = |w| PreNorm {
+        let norm = |w| NormParams {
             w,
             b: None,
             eps: 1e-5,
@@ -364,6 +364,78 @@ fn check_llama_stack(dev: &Device, compute: DType, lora: bool) -> Result<()> {
         "{name}: no node was built"
     );
     Ok(())
+}
+
+/// BERT's post-LayerNorm feed-forward sub-block (and the RMSNorm variant) under the sink
+/// against its composition: the value and every gradient equal exactly; with x a constant,
+/// the node hangs on a parameter.
+fn check_post_norm(dev: &Device) -> Result<()> {
+    for (i, compute) in [DType::F32, DType::BF16, DType::F16]
+        .into_iter()
+        .enumerate()
+    {
+        let k = case(32, 64, 64, compute, 8000 + 10 * i as u64, dev)?;
+        let layers = [
+            Layer::Linear {
+                parts: std::slice::from_ref(k.p(2)),
+                b: Some(k.p(3)),
+            },
+            Layer::ActLinear {
+                w: k.p(4),
+                b: k.p(5),
+                act: Activation::GeluErf,
+            },
+        ];
+        let ln = k.norm();
+        let f = |x: &Tensor| ops::post_norm_block(x, &layers, &ln);
+        same(&format!("post_norm_block {compute:?}"), &k, &f)?;
+        // the RMSNorm variant (the LayerNorm's bias left out: it gets no gradient)
+        let rms = NormParams { b: None, ..ln };
+        let x = k.x.as_tensor();
+        let one = grad_sink::forward_for_sink(|| ops::post_norm_block(x, &layers, &rms))?;
+        let g1 = grad_sink::backward(&(&one * &k.r)?.sum_all()?)?;
+        let per_op = ops::post_norm_block(x, &layers, &rms)?;
+        let g2 = (&per_op * &k.r)?.sum_all()?.backward()?;
+        assert_eq!(
+            max_diff(&one, &per_op)?,
+            0.0,
+            "RMS post-norm {compute:?}: value"
+        );
+        for t in [x, k.p(0), k.p(2), k.p(3), k.p(4), k.p(5)] {
+            let (Some(a), Some(b)) = (g1.get(t), g2.get(t)) else {
+                panic!("RMS post-norm {compute:?}: a gradient is missing")
+            };
+            assert_eq!(max_diff(a, b)?, 0.0, "RMS post-norm {compute:?}");
+        }
+        // x a constant: the parameters' gradients still equal, x gets none
+        let c = x.detach();
+        let one = grad_sink::forward_for_sink(|| ops::post_norm_block(&c, &layers, &ln))?;
+        let again = grad_sink::forward_for_sink(|| ops::post_norm_block(&c, &layers, &ln))?;
+        assert!(
+            (&again * &k.r)?.sum_all()?.backward().is_err(),
+            "no node was built"
+        );
+        let g1 = grad_sink::backward(&(&one * &k.r)?.sum_all()?)?;
+        let g2 = (&ops::post_norm_block(&c, &layers, &ln)? * &k.r)?
+            .sum_all()?
+            .backward()?;
+        assert!(g1.get(&c).is_none());
+        for (name, v) in &k.params {
+            let (Some(a), Some(b)) = (g1.get(v.as_tensor()), g2.get(v.as_tensor())) else {
+                panic!("constant x: no gradient for {name}")
+            };
+            assert_eq!(max_diff(a, b)?, 0.0, "constant x {compute:?}: {name}");
+        }
+    }
+    let k = case(8, 16, 16, DType::F32, 8100, dev)?;
+    let e = ops::post_norm_block(k.x.as_tensor(), &[], &k.norm()).unwrap_err();
+    assert!(e.to_string().contains("no layers"), "{e}");
+    Ok(())
+}
+
+#[test]
+fn post_norm_blocks_equal_their_composition_on_cpu() -> Result<()> {
+    check_post_norm(&Device::Cpu)
 }
 
 #[test]
@@ -460,6 +532,11 @@ mod cuda {
     #[test]
     fn block_ops_equal_the_per_op_composition_on_cuda() -> Result<()> {
         super::check_against_composition(&Device::new_cuda(0)?)
+    }
+
+    #[test]
+    fn post_norm_blocks_equal_their_composition_on_cuda() -> Result<()> {
+        super::check_post_norm(&Device::new_cuda(0)?)
     }
 
     #[test]

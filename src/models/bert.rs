@@ -9,8 +9,10 @@
 //! a = LayerNorm(x + Wo · attention(Wq x, Wk x, Wv x; key padding))     attention.output.LayerNorm
 //! y = LayerNorm(a + W2 · gelu_erf(W1 a))                                 output.LayerNorm
 //! ```
-//! The feed-forward's second half is one node, [`crate::ops::gelu_linear`], which keeps
-//! `W1 a` but not its GELU (recomputed in the backward).
+//! The feed-forward sub-block is one node under the engine's backward,
+//! [`crate::ops::post_norm_block`]; its second half, [`crate::ops::gelu_linear`], keeps `W1 a`
+//! but not its GELU (recomputed in the backward). The attention sub-block is the composition
+//! of its ops: its key-padding mask and non-causal softmax have no fused kernel yet.
 //! The embeddings are `word[ids] + position[0..T] + token_type[0]`, then LayerNorm. The
 //! residual stream is f32; the matmuls run in the compute dtype (bf16 under bf16-mixed), the
 //! norms and the softmax in f32 ([`crate::precision`]). Attention is the masked composition
@@ -467,16 +469,29 @@ impl Layer {
     }
 
     /// The feed-forward sub-block, `LayerNorm(a + W2 · gelu_erf(W1 a))`: `(B, T, C)` f32 →
-    /// `(B, T, C)` f32.
+    /// `(B, T, C)` f32, one graph node under the engine's backward ([`ops::post_norm_block`]).
+    /// The GELU output is recomputed in the backward, not kept ([`ops::gelu_linear`]).
     fn feed_forward_block(&self, a: &Tensor) -> Result<Tensor> {
-        let h = self.ffn_in.forward(a)?;
-        let bias = self
-            .ffn_out
-            .bias()
-            .context("BERT layer: output.dense has no bias (internal error)")?;
-        // the GELU output is recomputed in the backward, not kept (ops::gelu_linear)
-        let y = ops::gelu_linear(&h, self.ffn_out.weight(), bias)?;
-        Ok(self.ffn_norm.forward(&ops::residual_add(a, &y)?)?)
+        fn bias(l: &Linear) -> Result<&Tensor> {
+            l.bias()
+                .context("BERT layer: a feed-forward linear has no bias (internal error)")
+        }
+        let layers = [
+            ops::Layer::Linear {
+                parts: std::slice::from_ref(self.ffn_in.weight()),
+                b: Some(bias(&self.ffn_in)?),
+            },
+            ops::Layer::ActLinear {
+                w: self.ffn_out.weight(),
+                b: bias(&self.ffn_out)?,
+                act: ops::Activation::GeluErf,
+            },
+        ];
+        Ok(ops::post_norm_block(
+            a,
+            &layers,
+            &self.ffn_norm.norm_params(),
+        )?)
     }
 }
 

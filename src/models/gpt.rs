@@ -321,7 +321,7 @@ impl Block {
             }
         }
         let attention = crate::ops::AttentionParams {
-            norm: self.ln1.pre_norm(),
+            norm: self.ln1.norm_params(),
             qkv_w: self.qkv.weight(),
             qkv_b: bias(&self.qkv)?,
             proj_w: self.proj.weight(),
@@ -330,7 +330,7 @@ impl Block {
             n_kv_head: self.n_head,
         };
         let mlp = crate::ops::MlpParams {
-            norm: self.ln2.pre_norm(),
+            norm: self.ln2.norm_params(),
             fc_w: self.fc.weight(),
             fc_b: bias(&self.fc)?,
             fc2_w: self.fc2.weight(),

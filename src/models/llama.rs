@@ -20,7 +20,7 @@
 
 use super::llama_config::{LlamaConfig, EMBED, FINAL_NORM, HEAD};
 use crate::lora::{LoraAdapter, LoraConfig};
-use crate::ops::{self, Half, Layer, PreNorm};
+use crate::ops::{self, Half, Layer, NormParams};
 use crate::params::{ParamStore, Role};
 use crate::precision::{to_f32, Precision};
 use anyhow::{bail, Context, Result};
@@ -305,7 +305,7 @@ impl Block {
 
     /// The halves of [`Block::layers`] with their RMSNorms.
     fn halves<'a>(&'a self, layers: &'a [Vec<Layer<'a>>; 2]) -> [Half<'a>; 2] {
-        let norm = |w| PreNorm {
+        let norm = |w| NormParams {
             w,
             b: None,
             eps: self.dims.eps,

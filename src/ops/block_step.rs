@@ -15,7 +15,7 @@ use super::attention::{fused_attention, AttentionOp};
 use super::layer_norm::{prepare, prepare_param, Kind, NormFwd};
 use super::linear::{self, Linear, Operands};
 use super::lora_linear::{self, LoraLinear};
-use super::residual_block::{Layer, PreNorm};
+use super::residual_block::{Layer, NormParams};
 use super::rotary::{self, Rotary};
 use super::swiglu::SwiGlu;
 use crate::grad_sink::offer;
@@ -66,7 +66,12 @@ enum Op {
 impl Step {
     /// The pre-norm of f32 `x` (contiguous, detached) writing `compute`: LayerNorm with a bias,
     /// RMSNorm without.
-    pub(super) fn norm(x: &Tensor, n: &PreNorm<'_>, compute: DType, want_x: bool) -> Result<Self> {
+    pub(super) fn norm(
+        x: &Tensor,
+        n: &NormParams<'_>,
+        compute: DType,
+        want_x: bool,
+    ) -> Result<Self> {
         let kind = if n.b.is_some() {
             Kind::Layer
         } else {
@@ -284,4 +289,33 @@ fn give(p: &Tensor, g: Option<Tensor>) -> Result<()> {
         )
     }
     Ok(())
+}
+
+/// Ops in a row as they ran (a half-block: its norm, then its branch), the first one's input
+/// being a residual stream `x` and the last one's output the branch's `m`.
+pub(super) struct Chain(pub(super) Vec<Step>);
+
+impl Chain {
+    /// The last op's output.
+    pub(super) fn output(&self) -> &Tensor {
+        self.0[self.0.len() - 1].output()
+    }
+
+    /// The gradient of `x` from that of `x + m`, as the residual add and the ops of the
+    /// composition give it: `d + chain'(d in m's dtype)`; `None` where nothing before the
+    /// chain is tracked.
+    pub(super) fn backward(&self, d: Tensor) -> Result<Option<Tensor>> {
+        let mut g = d.to_dtype(self.output().dtype())?;
+        for step in self.0.iter().rev() {
+            if !step.needed() {
+                // nothing earlier is tracked either
+                return Ok(None);
+            }
+            match step.backward(&g)? {
+                Some(dx) => g = dx,
+                None => return Ok(None),
+            }
+        }
+        Ok(Some((d + g)?))
+    }
 }

@@ -81,6 +81,7 @@ mod linear_cross_entropy;
 #[cfg(feature = "cuda")]
 mod lora_cuda;
 mod lora_linear;
+mod post_norm_block;
 mod residual;
 mod residual_block;
 mod rms_norm;
@@ -103,9 +104,10 @@ pub use linear::linear;
 pub use linear_cross_entropy::linear_cross_entropy_rows;
 pub(crate) use lora_linear::block_diagonal as lora_block_diagonal;
 pub use lora_linear::{lora_linear, lora_linear_grouped};
+pub use post_norm_block::post_norm_block;
 pub use residual::residual_add;
 pub use residual_block::{
-    attention_block, mlp_block, pre_norm_stack, AttentionParams, Half, Layer, MlpParams, PreNorm,
+    attention_block, mlp_block, pre_norm_stack, AttentionParams, Half, Layer, MlpParams, NormParams,
 };
 pub use rms_norm::{rms_norm, rms_norm_with_dtype};
 pub use rotary::{rotary_qkv, rotary_tables};

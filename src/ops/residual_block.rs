@@ -24,7 +24,7 @@
 //! op is asked for the gradients the composition's autograd asks for ([`super::block_step`]).
 
 use super::act_linear::Activation;
-use super::block_step::Step;
+use super::block_step::{Chain, Step};
 use super::residual::{residual_add, ResidualAdd};
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
@@ -33,7 +33,7 @@ use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result,
 /// The one-node form needs the gain and bias f32 variables (wick's masters) or untracked
 /// constants (frozen, as in LoRA); others take the composition.
 #[derive(Clone, Copy, Debug)]
-pub struct PreNorm<'a> {
+pub struct NormParams<'a> {
     /// Gain `(C,)`.
     pub w: &'a Tensor,
     /// Bias `(C,)`: `Some` for a LayerNorm, `None` for an RMSNorm.
@@ -48,7 +48,7 @@ pub struct PreNorm<'a> {
 #[derive(Clone, Copy, Debug)]
 pub struct MlpParams<'a> {
     /// The norm before fc.
-    pub norm: PreNorm<'a>,
+    pub norm: NormParams<'a>,
     /// fc's weight `(hidden, C)`.
     pub fc_w: &'a Tensor,
     /// fc's bias `(hidden,)`.
@@ -67,7 +67,7 @@ pub struct MlpParams<'a> {
 #[derive(Clone, Copy, Debug)]
 pub struct AttentionParams<'a> {
     /// The norm before the projection.
-    pub norm: PreNorm<'a>,
+    pub norm: NormParams<'a>,
     /// The q/k/v projection's weight, rows `[q heads | k heads | v heads]`.
     pub qkv_w: &'a Tensor,
     /// Its bias.
@@ -149,7 +149,7 @@ pub enum Half<'a> {
     /// Any branch: the norm, then the layers in order (the last one's output is the branch's,
     /// `(B, T, C)`). Llama's attention half is `[Linear, Rotary, Attention, Linear]` (or
     /// [`Layer::LoraLinear`] for an adapted projection), its MLP half `[Linear, SwiGlu, Linear]`.
-    Branch(PreNorm<'a>, &'a [Layer<'a>]),
+    Branch(NormParams<'a>, &'a [Layer<'a>]),
 }
 
 /// `x` through `halves` in order, each `x ← x + branch(norm_with_dtype(x, ..))` (the norm
@@ -206,7 +206,7 @@ pub fn attention_block(x: &Tensor, p: &AttentionParams<'_>, compute: DType) -> R
 }
 
 impl<'a> Half<'a> {
-    fn norm(&self) -> &PreNorm<'a> {
+    fn norm(&self) -> &NormParams<'a> {
         match self {
             Half::Attention(p) => &p.norm,
             Half::Mlp(p) => &p.norm,
@@ -248,24 +248,51 @@ impl<'a> Half<'a> {
 
     /// Every parameter and constant the half reads.
     fn tensors(&self) -> Vec<&'a Tensor> {
-        let n = self.norm();
-        let mut out: Vec<&Tensor> = std::iter::once(n.w).chain(n.b).collect();
+        let mut out = self.norm().tensors();
         for layer in self.layers() {
-            match layer {
-                Layer::Linear { parts, b } => out.extend(parts.iter().chain(b)),
-                Layer::ActLinear { w, b, .. } => out.extend([w, b]),
-                Layer::LoraLinear { w, a, b, .. } => out.extend([w, a, b]),
-                Layer::Rotary { cos, sin, .. } => out.extend([cos, sin]),
-                Layer::Attention { .. } | Layer::SwiGlu => {}
-            }
+            layer.tensors(&mut out);
         }
         out
     }
 }
 
-impl Layer<'_> {
+impl<'a> NormParams<'a> {
+    /// The gain, and the bias when there is one.
+    pub(super) fn tensors(&self) -> Vec<&'a Tensor> {
+        std::iter::once(self.w).chain(self.b).collect()
+    }
+
+    /// Whether the one-node form can take the norm: each tracked parameter f32 (and checked by
+    /// the caller to be a variable), which the norm's prepare keeps as it is.
+    pub(super) fn one_node_ok(&self) -> bool {
+        self.tensors()
+            .iter()
+            .all(|p| !p.track_op() || p.dtype() == DType::F32)
+    }
+
+    /// The norm as its public op (the composition's), output in `out`.
+    pub(super) fn composed(&self, x: &Tensor, out: DType) -> Result<Tensor> {
+        match self.b {
+            Some(b) => super::layer_norm_with_dtype(x, self.w, b, self.eps, out),
+            None => super::rms_norm_with_dtype(x, self.w, self.eps, out),
+        }
+    }
+}
+
+impl<'a> Layer<'a> {
+    /// Appends the parameters and constants the layer reads to `out`.
+    pub(super) fn tensors(&self, out: &mut Vec<&'a Tensor>) {
+        match *self {
+            Layer::Linear { parts, b } => out.extend(parts.iter().chain(b)),
+            Layer::ActLinear { w, b, .. } => out.extend([w, b]),
+            Layer::LoraLinear { w, a, b, .. } => out.extend([w, a, b]),
+            Layer::Rotary { cos, sin, .. } => out.extend([cos, sin]),
+            Layer::Attention { .. } | Layer::SwiGlu => {}
+        }
+    }
+
     /// The layer as its public op (the composition's).
-    fn composed(&self, x: &Tensor) -> Result<Tensor> {
+    pub(super) fn composed(&self, x: &Tensor) -> Result<Tensor> {
         match *self {
             Layer::Linear { parts, b } => match parts {
                 [w] => super::linear(x, w, b),
@@ -295,11 +322,7 @@ impl Layer<'_> {
 
 /// One half as separate ops (the reference the one-node form matches).
 fn composed(x: &Tensor, half: &Half<'_>, compute: DType) -> Result<Tensor> {
-    let n = half.norm();
-    let a = match n.b {
-        Some(b) => super::layer_norm_with_dtype(x, n.w, b, n.eps, compute)?,
-        None => super::rms_norm_with_dtype(x, n.w, n.eps, compute)?,
-    };
+    let a = half.norm().composed(x, compute)?;
     let m = half
         .layers()
         .iter()
@@ -319,23 +342,13 @@ fn one_node(x: &Tensor, halves: &[Half<'_>], compute: DType) -> Result<Option<Te
     // known before any work: norm parameters that prepare would cast (no longer the
     // variables), and attention that would take the composition on CUDA (f32 compute)
     let half_ok = |h: &Half<'_>| {
-        let n = h.norm();
-        let f32_norm = std::iter::once(n.w)
-            .chain(n.b)
-            .all(|p| !p.track_op() || p.dtype() == DType::F32);
         let attention = h
             .layers()
             .iter()
             .any(|l| matches!(l, Layer::Attention { .. }));
-        f32_norm && (fused_attention || !attention) && h.tensors().iter().all(free)
+        h.norm().one_node_ok() && (fused_attention || !attention) && h.tensors().iter().all(free)
     };
-    let anchor = match x.track_op() {
-        true => Some(x),
-        false => halves
-            .iter()
-            .flat_map(|h| h.tensors())
-            .find(|t| t.track_op()),
-    };
+    let anchor = anchor(x, halves.iter().flat_map(|h| h.tensors()));
     let applies = crate::grad_sink::sink_ahead()
         && !halves.is_empty()
         && x.dtype() == DType::F32
@@ -346,7 +359,7 @@ fn one_node(x: &Tensor, halves: &[Half<'_>], compute: DType) -> Result<Option<Te
     };
     // whether the composition's autograd would track the next op's input
     let mut tracked = x.track_op();
-    let mut built: Vec<Built> = Vec::with_capacity(halves.len());
+    let mut built: Vec<Chain> = Vec::with_capacity(halves.len());
     let mut cur = x.detach().contiguous()?;
     for half in halves {
         if let Some(prev) = built.last() {
@@ -369,7 +382,7 @@ fn one_node(x: &Tensor, halves: &[Half<'_>], compute: DType) -> Result<Option<Te
         if !steps.iter().all(Step::params_sinkable) {
             return Ok(None);
         }
-        built.push(Built(steps));
+        built.push(Chain(steps));
     }
     let Some(last) = built.last() else {
         bail!("pre_norm_stack: no halves (internal error)")
@@ -382,31 +395,15 @@ fn one_node(x: &Tensor, halves: &[Half<'_>], compute: DType) -> Result<Option<Te
     Ok(Some(anchor.apply_op3(&cur, &m, node)?))
 }
 
-/// One half as it ran: its norm, then its branch's steps.
-struct Built(Vec<Step>);
-
-impl Built {
-    /// The branch's output.
-    fn output(&self) -> &Tensor {
-        self.0[self.0.len() - 1].output()
-    }
-
-    /// The gradient of the half's input `x` from that of its output `x + m`, as the residual
-    /// add and the ops of the composition give it: `d + norm'(branch'(d in m's dtype))`;
-    /// `None` where nothing before the half is tracked.
-    fn backward(&self, d: Tensor) -> Result<Option<Tensor>> {
-        let mut g = d.to_dtype(self.output().dtype())?;
-        for step in self.0.iter().rev() {
-            if !step.needed() {
-                // nothing earlier is tracked either
-                return Ok(None);
-            }
-            match step.backward(&g)? {
-                Some(dx) => g = dx,
-                None => return Ok(None),
-            }
-        }
-        Ok(Some((d + g)?))
+/// What a block node hangs on: x when tracked, else the first tracked parameter (the node
+/// must be tracked to be differentiated); `None` when nothing is tracked.
+pub(super) fn anchor<'a>(
+    x: &'a Tensor,
+    mut params: impl Iterator<Item = &'a Tensor>,
+) -> Option<&'a Tensor> {
+    match x.track_op() {
+        true => Some(x),
+        false => params.find(|t| t.track_op()),
     }
 }
 
@@ -414,7 +411,7 @@ impl Built {
 /// the halves kept for the backward; `x_grad`: whether the anchor is the stack's input (and
 /// gets its gradient).
 struct Stack {
-    halves: Vec<Built>,
+    halves: Vec<Chain>,
     x_grad: bool,
 }
 
