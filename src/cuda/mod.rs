@@ -15,6 +15,8 @@ pub mod debug;
 #[cfg(feature = "cuda")]
 pub(crate) mod gemm;
 #[cfg(feature = "cuda")]
+pub(crate) mod gemm_bias;
+#[cfg(feature = "cuda")]
 pub mod grad_norm;
 #[cfg(feature = "cuda")]
 pub(crate) mod launch;

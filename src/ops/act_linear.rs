@@ -15,8 +15,8 @@
 //! kernel and [`super::linear`]'s kernels (the forward on the storages, the activation's output
 //! a temporary buffer), so the results are those of the composition, bit for bit.
 
+use super::gelu;
 use super::linear::{self, Operands};
-use super::{bias, gelu};
 use crate::grad_sink::offer;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
@@ -138,7 +138,7 @@ impl CustomOp3 for ActLinear {
     ) -> Result<(CpuStorage, Shape)> {
         let g = self.0.cpu(h, lh)?;
         let lg = Layout::contiguous(lh.shape());
-        linear::forward((&g, &lg), (w, lw), Some((b, lb)), bias::add_cpu)
+        linear::forward_cpu_bias((&g, &lg), (w, lw), (b, lb))
     }
 
     #[cfg(feature = "cuda")]
@@ -153,7 +153,7 @@ impl CustomOp3 for ActLinear {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let g = self.0.cuda(h, lh)?;
         let lg = Layout::contiguous(lh.shape());
-        linear::forward((&g, &lg), (w, lw), Some((b, lb)), bias::add_cuda)
+        linear::forward_cuda_bias((&g, &lg), (w, lw), (b, lb))
     }
 
     fn bwd(

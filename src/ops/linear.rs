@@ -11,8 +11,12 @@
 //! `bias_add`) is five graph nodes; candle's backward pays, per node, a zeroed gradient buffer
 //! and an add of the full activation size, several kernel launches of host time each. Here the
 //! forward is one `CustomOp` (the cast, candle's own GEMM with `w^T` as a transposed operand,
-//! bias_add's kernel) with the numerics of the composed version, and the backward is three GEMMs
-//! and a column sum on detached tensors.
+//! bias_add's kernel) and the backward is three GEMMs and a column sum on detached tensors.
+//! With bf16/f16 weights and a bias, the bias is added to the GEMM's f32 result before its one
+//! rounding: on CUDA in cuBLASLt's epilogue (`CUBLASLT_EPILOGUE_BIAS`, so the output is
+//! written once, not written, read and written again), on the CPU in the same order. The
+//! composed version rounds the GEMM's output, then the sum: one rounding apart. f32 weights,
+//! or no bias: the composed version's numerics exactly.
 
 use super::{bias, check_device, check_float};
 use crate::grad_sink::offer;
@@ -30,8 +34,9 @@ pub(super) const OP: &str = "linear";
 /// - `w: (out, in)`: f32, bf16 or f16 (the compute dtype); contiguous or a transposed view of a
 ///   contiguous tensor is used without a copy.
 /// - `b: (out,)`: f32, bf16 or f16 (wick keeps it as an fp32 master in mixed precision); cast to
-///   w's dtype and added as [`crate::ops::bias_add`] does (f32 arithmetic). Its gradient (the
-///   column sum of dy, rounded to w's dtype as through the cast) comes back in b's dtype.
+///   w's dtype and added in f32: for bf16/f16 w to the GEMM's f32 result before its rounding
+///   (module docs), for f32 w as [`crate::ops::bias_add`] does. Its gradient (the column sum
+///   of dy, rounded to w's dtype as through the cast) comes back in b's dtype.
 ///
 /// Returns `(.., out)` in w's dtype. The GEMMs are candle's (cuBLAS on CUDA). Not twice
 /// differentiable. Empty shapes (no rows, `in = 0` or `out = 0`) take the composed candle ops.
@@ -209,6 +214,79 @@ pub(super) fn forward<S: BackendStorage>(
     Ok((add_bias(&y, &Layout::contiguous((m, n)), b, &lb)?, shape))
 }
 
+/// The CPU forward with a bias. For bf16/f16 weights, the order of the CUDA path's cuBLASLt
+/// bias epilogue ([`forward_cuda_bias`]): the GEMM of x and w (both in w's dtype) in f32, plus
+/// the bias rounded to w's dtype, rounded once to w's dtype. Other dtypes: [`forward`].
+pub(super) fn forward_cpu_bias(
+    x: (&CpuStorage, &Layout),
+    w: (&CpuStorage, &Layout),
+    b: (&CpuStorage, &Layout),
+) -> Result<(CpuStorage, Shape)> {
+    use candle_core::DType::{BF16, F16, F32};
+    let dtype = w.0.dtype();
+    if !matches!(dtype, BF16 | F16) {
+        return forward(x, w, Some(b), bias::add_cpu);
+    }
+    let (m, n, k, shape) = gemm_dims(x.1, w.1)?;
+    let wide = |s: &CpuStorage, l: &Layout, rows_cols: (usize, usize)| -> Result<CpuStorage> {
+        // through w's dtype first (what the GEMM reads), then f32 (exact)
+        match s.dtype() == dtype {
+            true => s.to_dtype(l, F32),
+            false => s
+                .to_dtype(l, dtype)?
+                .to_dtype(&Layout::contiguous(rows_cols), F32),
+        }
+    };
+    let (x32, w32, b32) = (
+        wide(x.0, x.1, (m, k))?,
+        wide(w.0, w.1, (n, k))?,
+        wide(b.0, b.1, (1, n))?,
+    );
+    let w_t = Layout::contiguous((n, k)).transpose(0, 1)?;
+    let y = x32.matmul(&w32, (1, m, n, k), &Layout::contiguous((m, k)), &w_t)?;
+    let lb = Layout::contiguous(n);
+    let y = bias::add_cpu(&y, &Layout::contiguous((m, n)), &b32, &lb)?;
+    Ok((y.to_dtype(&Layout::contiguous((m, n)), dtype)?, shape))
+}
+
+/// The CUDA forward with a bias: one cuBLASLt matmul with the bias in its epilogue
+/// ([`crate::cuda::gemm_bias`]) for bf16/f16 with w and b contiguous (x cast first when its
+/// dtype differs), else [`forward`] with `bias.cu`'s add. The epilogue adds the bias before the
+/// output's one rounding; the unfused form rounds the GEMM's output, then adds in f32 and
+/// rounds again (the CPU path, [`forward_cpu_bias`], takes the epilogue's order).
+#[cfg(feature = "cuda")]
+pub(super) fn forward_cuda_bias(
+    x: (&candle_core::CudaStorage, &Layout),
+    w: (&candle_core::CudaStorage, &Layout),
+    b: (&candle_core::CudaStorage, &Layout),
+) -> Result<(candle_core::CudaStorage, Shape)> {
+    let (m, n, k, shape) = gemm_dims(x.1, w.1)?;
+    let dtype = w.0.dtype();
+    let fused = matches!(dtype, candle_core::DType::BF16 | candle_core::DType::F16)
+        && w.1.is_contiguous()
+        && b.1.is_contiguous()
+        && (x.0.dtype() != dtype || x.1.is_contiguous());
+    if !fused {
+        return forward(x, w, Some(b), bias::add_cuda);
+    }
+    let (mut xc, mut bc) = (None, None);
+    let (xs, x_off) = match x.0.dtype() == dtype {
+        true => (x.0, x.1.start_offset()),
+        false => (&*xc.insert(x.0.to_dtype(x.1, dtype)?), 0),
+    };
+    let (bs, b_off) = match b.0.dtype() == dtype {
+        true => (b.0, b.1.start_offset()),
+        false => (&*bc.insert(b.0.to_dtype(b.1, dtype)?), 0),
+    };
+    let dev = &x.0.device;
+    let ws = (w.0, w.1.start_offset());
+    // no cuBLASLt algorithm for the shape (or another cuBLASLt failure): the unfused path
+    match crate::cuda::gemm_bias::linear_bias(dev, (m, n, k), (xs, x_off), ws, (bs, b_off)) {
+        Ok(Some(y)) => Ok((y, shape)),
+        Ok(None) | Err(_) => forward(x, w, Some(b), bias::add_cuda),
+    }
+}
+
 impl CustomOp2 for Linear {
     fn name(&self) -> &'static str {
         OP
@@ -261,7 +339,7 @@ impl CustomOp3 for Linear {
         b: &CpuStorage,
         lb: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        forward((x, lx), (w, lw), Some((b, lb)), bias::add_cpu)
+        forward_cpu_bias((x, lx), (w, lw), (b, lb))
     }
 
     #[cfg(feature = "cuda")]
@@ -274,7 +352,7 @@ impl CustomOp3 for Linear {
         b: &candle_core::CudaStorage,
         lb: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        forward((x, lx), (w, lw), Some((b, lb)), bias::add_cuda)
+        forward_cuda_bias((x, lx), (w, lw), (b, lb))
     }
 
     fn bwd(
