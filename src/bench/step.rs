@@ -27,7 +27,10 @@ const BENCH_STEP_DEVICE: &str = if cfg!(feature = "cuda") {
 /// `--steps` steps between two device synchronisations. For the MLP a "token" is a sample. Reports ms/step, tokens/s, peak device memory (the CUDA pool's high-water
 /// mark since before the model was built, like `torch.cuda.max_memory_allocated`; n/a on the
 /// CPU), MFU (6 × parameters × tokens per step over the GPU's peak for the compute dtype, from
-/// `crate::profile::peak_flops`), the host time per phase, and one JSON line with the
+/// `crate::profile::peak_flops`), the host time per phase (on CUDA the time to queue the work,
+/// which includes waits on a full launch queue when the GPU runs behind: a small `--batch`
+/// leaves the same graph and launches with little GPU work, so there it is the host's own
+/// cost), and one JSON line with the
 /// reference's keys (`gptmini_bf16_ms`, `..._tok_per_s`, `..._peak_GB`). On CUDA, TF32 is on
 /// for f32 matmuls (the reference sets `allow_tf32`).
 #[derive(clap::Args, Debug)]
@@ -309,7 +312,8 @@ pub fn run(args: &StepArgs) -> Result<()> {
         );
     }
     println!(
-        "\nhost time per phase (on CUDA: time to queue the work):\n{}",
+        "\nhost time per phase (on CUDA: time to queue the work, waits on a full launch queue \
+         included when the GPU runs behind; --batch 1 shows the host's own cost):\n{}",
         phases.table(args.steps as u64)
     );
     let tag = match args.precision {
