@@ -2056,6 +2056,28 @@ mod cuda {
         Ok(())
     }
 
+    #[test]
+    fn linear_bias_epilogue_takes_offset_and_misaligned_operands() -> Result<()> {
+        // bf16 x at a row offset (16-byte aligned: cuBLASLt's bias epilogue) and one element
+        // off a 16-byte boundary (the unfused path): both give the CPU's forward (the
+        // epilogue's order) within one bf16 rounding of the output
+        let dev = gpu();
+        let dtypes = (DType::BF16, DType::BF16, Some(DType::F32));
+        let (args, _) = linear_args(&[64, 384], 1152, dtypes, 9700);
+        let cpu = linear_epilogue_ref(&args)?;
+        let scale = err(&cpu, &cpu.zeros_like()?);
+        let big = Tensor::cat(&[&args[0], &args[0]], 0)?.to_device(&dev)?;
+        let (w, b) = (args[1].to_device(&dev)?, args[2].to_device(&dev)?);
+        for (what, x) in [
+            ("row offset", big.narrow(0, 64, 64)?),
+            ("misaligned", misaligned(&args[0], &dev)?),
+        ] {
+            let e = err(&ops::linear(&x, &w, Some(&b))?, &cpu) / scale;
+            assert!(e <= 2.0 * 2f32.powi(-8), "{what}: relative error {e}");
+        }
+        Ok(())
+    }
+
     /// `x` with its elements moved one place along a fresh buffer, so that its first element is
     /// off a 16-byte boundary (the kernels' vector paths must not apply).
     fn misaligned(x: &Tensor, dev: &Device) -> Result<Tensor> {

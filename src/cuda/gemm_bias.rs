@@ -5,46 +5,50 @@
 //!
 //! bf16 and f16 only (cudarc's cuBLASLt wrapper runs f32 in TF32, which wick's f32 path does
 //! not use unless asked), w contiguous `(n, k)`, x contiguous `(m, k)` in w's dtype, b `(n,)`
-//! in w's dtype. The cuBLASLt handle (with its 32 MiB workspace on sm_90) is made once per
-//! stream and kept. cuBLASLt is column-major: the row-major `y (m, n)` is the column-major
+//! in w's dtype, `k` and `n` multiples of 8 and every operand 16-byte aligned. The cuBLASLt
+//! handle (with its 32 MiB workspace on sm_90) is made once per thread and device and kept. cuBLASLt is column-major: the row-major `y (m, n)` is the column-major
 //! `y^T = w x^T`, so w (column-major `(k, n)`, ld k) is operand A transposed and x (column-major
 //! `(k, m)`) is operand B; the bias runs along y^T's rows, the output features.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc::cublaslt::{CudaBlasLT, Matmul, MatmulConfig};
+use candle_core::cuda::cudarc::driver::CudaSlice;
 use candle_core::cuda::cudarc::driver::CudaView;
-use candle_core::cuda::cudarc::driver::{CudaSlice, CudaStream};
+use candle_core::cuda_backend::DeviceId;
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Result};
 use half::{bf16, f16};
+use std::cell::RefCell;
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Arc;
 
-/// One cuBLASLt handle per stream (keyed by the stream's address), made on first use.
-fn handle(stream: &Arc<CudaStream>) -> Result<Arc<CudaBlasLT>> {
-    static HANDLES: OnceLock<Mutex<HashMap<usize, Arc<CudaBlasLT>>>> = OnceLock::new();
-    let key = stream.cu_stream() as usize;
-    let mut map = HANDLES
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|e| e.into_inner());
-    if let Some(h) = map.get(&key) {
-        return Ok(h.clone());
+/// The calling thread's cuBLASLt handle for `dev`, made on first use. Per thread because
+/// candle's devices launch on the calling thread's own stream (cudarc names every per-thread
+/// stream alike), and because a handle's workspace must not serve two matmuls at once.
+fn handle(dev: &CudaDevice) -> Result<Arc<CudaBlasLT>> {
+    thread_local! {
+        static HANDLES: RefCell<HashMap<DeviceId, Arc<CudaBlasLT>>> = RefCell::new(HashMap::new());
     }
-    let h = Arc::new(
-        CudaBlasLT::new(stream.clone())
-            .map_err(|e| candle_core::Error::Msg(format!("cuBLASLt handle: {e:?}")))?,
-    );
-    map.insert(key, h.clone());
-    Ok(h)
+    HANDLES.with(|h| {
+        let mut map = h.borrow_mut();
+        if let Some(h) = map.get(&dev.id()) {
+            return Ok(h.clone());
+        }
+        let lt = CudaBlasLT::new(dev.cuda_stream())
+            .map_err(|e| candle_core::Error::Msg(format!("cuBLASLt handle: {e:?}")))?;
+        let lt = Arc::new(lt);
+        map.insert(dev.id(), lt.clone());
+        Ok(lt)
+    })
 }
 
-/// `y (m, n) = x (m, k) @ w (n, k)^T + b (n,)` into a new buffer, all in `dtype` (bf16 or
-/// f16); `x_off`, `w_off`, `b_off`: the operands' first elements in their storages. `Ok(None)`
-/// for another dtype (the caller takes the unfused path).
+/// `y (m, n) = x (m, k) @ w (n, k)^T + b (n,)` into a new buffer, all in x's dtype (bf16 or
+/// f16); the second member of each operand pair is its first element in its storage.
+/// `Ok(None)` where the epilogue is not taken (the caller runs the unfused path): another
+/// dtype, `k` or `n` not a multiple of 8, or an operand not 16-byte aligned (cuBLASLt's
+/// heuristic assumes aligned operands and rows).
 ///
 /// Errors: a size beyond cuBLASLt's range, or a cuBLASLt failure (no algorithm for the shape
 /// included).
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn linear_bias(
     dev: &CudaDevice,
     (m, n, k): (usize, usize, usize),
@@ -52,6 +56,10 @@ pub(crate) fn linear_bias(
     w: (&CudaStorage, usize),
     b: (&CudaStorage, usize),
 ) -> Result<Option<CudaStorage>> {
+    let aligned = [x.1, w.1, b.1].iter().all(|off| (off * 2) % 16 == 0);
+    if n % 8 != 0 || k % 8 != 0 || !aligned {
+        return Ok(None);
+    }
     match x.0.dtype() {
         DType::BF16 => Ok(Some(typed::<bf16>(dev, (m, n, k), x, w, b)?)),
         DType::F16 => Ok(Some(typed::<f16>(dev, (m, n, k), x, w, b)?)),
@@ -95,8 +103,7 @@ where
         batch_size: None,
     };
     let (xv, wv, bv) = (view::<T>(x, m * k)?, view::<T>(w, n * k)?, view::<T>(b, n)?);
-    let stream = dev.cuda_stream();
-    let lt = handle(&stream)?;
+    let lt = handle(dev)?;
     // SAFETY: the output covers m * n elements, each written by the matmul (beta = 0).
     let mut y = unsafe { dev.alloc::<T>(m * n)? };
     // SAFETY: the views cover the operands' m * k, n * k and n elements (bounds-checked by

@@ -592,26 +592,31 @@ impl Llama {
                 .map(|b| b.layers(&cos, &sin, true))
                 .collect(),
         };
-        if let Some(layers) = &layers {
-            let halves: Vec<Half<'_>> = self
-                .blocks
-                .iter()
-                .zip(layers)
-                .flat_map(|(b, l)| b.halves(l))
-                .collect();
-            x = ops::pre_norm_stack(&x, &halves, self.compute())?;
-        }
-        for block in self.blocks.iter().filter(|_| layers.is_none()) {
-            x = if self.checkpointing {
-                let (l, cos, sin) = (block.clone(), cos.clone(), sin.clone());
-                let segment: crate::recompute::SegmentFn = Arc::new(move |x: &Tensor| {
-                    l.forward(x, &cos, &sin, true)
-                        .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
-                });
-                crate::recompute::checkpoint(&x, &block.tensors(), segment)?
-            } else {
-                block.forward(&x, &cos, &sin, true)?
-            };
+        match &layers {
+            Some(layers) => {
+                let halves: Vec<Half<'_>> = self
+                    .blocks
+                    .iter()
+                    .zip(layers)
+                    .flat_map(|(b, l)| b.halves(l))
+                    .collect();
+                x = ops::pre_norm_stack(&x, &halves, self.compute())?;
+            }
+            // LoRA dropout or checkpointing: the blocks one by one, per op
+            None => {
+                for block in &self.blocks {
+                    x = if self.checkpointing {
+                        let (l, cos, sin) = (block.clone(), cos.clone(), sin.clone());
+                        let segment: crate::recompute::SegmentFn = Arc::new(move |x: &Tensor| {
+                            l.forward(x, &cos, &sin, true)
+                                .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
+                        });
+                        crate::recompute::checkpoint(&x, &block.tensors(), segment)?
+                    } else {
+                        block.forward(&x, &cos, &sin, true)?
+                    };
+                }
+            }
         }
         let c = self.config.hidden_size;
         let h = ops::rms_norm_with_dtype(&x, &self.norm, self.config.rms_norm_eps, self.compute())?

@@ -1,4 +1,5 @@
-//! The inner ops of a block node ([`super::residual_block`]) as they ran, and their backward.
+//! The inner ops of a block node ([`super::pre_norm_stack`], [`super::post_norm_block`]) as
+//! they ran, and their backward.
 //!
 //! Each step runs the same op, on the same laid-out operands, as the public function the
 //! per-op composition calls ([`super::linear`], [`super::act_linear`],
@@ -64,8 +65,8 @@ enum Op {
 }
 
 impl Step {
-    /// The pre-norm of f32 `x` (contiguous, detached) writing `compute`: LayerNorm with a bias,
-    /// RMSNorm without.
+    /// The norm of f32 `x` (contiguous, detached) writing `compute`: LayerNorm with a bias,
+    /// RMSNorm without (a half's pre-norm, or a post-norm block's norm).
     pub(super) fn norm(
         x: &Tensor,
         n: &NormParams<'_>,
@@ -271,7 +272,7 @@ impl Step {
             (false, _) => Ok(None),
             (true, Some(dx)) => Ok(Some(dx)),
             (true, None) => {
-                bail!("residual block: an inner op gave no input gradient (internal error)")
+                bail!("block op: an inner op gave no input gradient (internal error)")
             }
         }
     }
@@ -283,7 +284,7 @@ impl Step {
 fn give(p: &Tensor, g: Option<Tensor>) -> Result<()> {
     if offer(p, g)?.is_some() && p.track_op() {
         bail!(
-            "residual block: a parameter gradient was not taken by a sink: a graph built under \
+            "block op: a parameter gradient was not taken by a sink: a graph built under \
              grad_sink::forward_for_sink (or Engine::step) must be differentiated with \
              wick::grad_sink::backward, not candle's backward"
         )
@@ -291,21 +292,25 @@ fn give(p: &Tensor, g: Option<Tensor>) -> Result<()> {
     Ok(())
 }
 
-/// Ops in a row as they ran (a half-block: its norm, then its branch), the first one's input
-/// being a residual stream `x` and the last one's output the branch's `m`.
+/// Ops in a row as they ran (a pre-norm half: its norm, then its branch; a post-norm block:
+/// its branch), the first one's input being a residual stream `x` and the last one's output
+/// the branch's `m`.
 pub(super) struct Chain(pub(super) Vec<Step>);
 
 impl Chain {
     /// The last op's output.
-    pub(super) fn output(&self) -> &Tensor {
-        self.0[self.0.len() - 1].output()
+    pub(super) fn output(&self) -> Result<&Tensor> {
+        match self.0.last() {
+            Some(step) => Ok(step.output()),
+            None => bail!("block op: an empty chain of ops (internal error)"),
+        }
     }
 
     /// The gradient of `x` from that of `x + m`, as the residual add and the ops of the
     /// composition give it: `d + chain'(d in m's dtype)`; `None` where nothing before the
     /// chain is tracked.
     pub(super) fn backward(&self, d: Tensor) -> Result<Option<Tensor>> {
-        let mut g = d.to_dtype(self.output().dtype())?;
+        let mut g = d.to_dtype(self.output()?.dtype())?;
         for step in self.0.iter().rev() {
             if !step.needed() {
                 // nothing earlier is tracked either

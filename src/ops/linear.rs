@@ -11,12 +11,14 @@
 //! `bias_add`) is five graph nodes; candle's backward pays, per node, a zeroed gradient buffer
 //! and an add of the full activation size, several kernel launches of host time each. Here the
 //! forward is one `CustomOp` (the cast, candle's own GEMM with `w^T` as a transposed operand,
-//! bias_add's kernel) and the backward is three GEMMs and a column sum on detached tensors.
-//! With bf16/f16 weights and a bias, the bias is added to the GEMM's f32 result before its one
-//! rounding: on CUDA in cuBLASLt's epilogue (`CUBLASLT_EPILOGUE_BIAS`, so the output is
-//! written once, not written, read and written again), on the CPU in the same order. The
-//! composed version rounds the GEMM's output, then the sum: one rounding apart. f32 weights,
-//! or no bias: the composed version's numerics exactly.
+//! then bias_add's kernel, or one cuBLASLt matmul with the bias in its epilogue) and the
+//! backward is three GEMMs and a column sum on detached tensors. With bf16/f16 weights and a
+//! bias, the bias is added to the GEMM's f32 result before its one rounding: on CUDA in
+//! cuBLASLt's epilogue (`CUBLASLT_EPILOGUE_BIAS`, so the output is written once, not written,
+//! read and written again) where it takes the operands (contiguous, aligned, sizes multiples
+//! of 8; elsewhere bias_add's kernel after the rounding), on the CPU always. The composed
+//! version rounds the GEMM's output, then the sum: one rounding apart. f32 weights, or no bias:
+//! the composed version's numerics exactly.
 
 use super::{bias, check_device, check_float};
 use crate::grad_sink::offer;
@@ -38,7 +40,8 @@ pub(super) const OP: &str = "linear";
 ///   (module docs), for f32 w as [`crate::ops::bias_add`] does. Its gradient (the column sum
 ///   of dy, rounded to w's dtype as through the cast) comes back in b's dtype.
 ///
-/// Returns `(.., out)` in w's dtype. The GEMMs are candle's (cuBLAS on CUDA). Not twice
+/// Returns `(.., out)` in w's dtype. The GEMMs are candle's (cuBLAS on CUDA), or with a bias
+/// and bf16/f16 weights on CUDA one cuBLASLt matmul (module docs). Not twice
 /// differentiable. Empty shapes (no rows, `in = 0` or `out = 0`) take the composed candle ops.
 ///
 /// Errors (no panics): a scalar x; w not 2-D; x's last dimension not w's `in`; b not `(out,)`;
@@ -250,10 +253,11 @@ pub(super) fn forward_cpu_bias(
 }
 
 /// The CUDA forward with a bias: one cuBLASLt matmul with the bias in its epilogue
-/// ([`crate::cuda::gemm_bias`]) for bf16/f16 with w and b contiguous (x cast first when its
-/// dtype differs), else [`forward`] with `bias.cu`'s add. The epilogue adds the bias before the
-/// output's one rounding; the unfused form rounds the GEMM's output, then adds in f32 and
-/// rounds again (the CPU path, [`forward_cpu_bias`], takes the epilogue's order).
+/// ([`crate::cuda::gemm_bias`]) for bf16/f16 with w and b contiguous, sizes multiples of 8 and
+/// aligned operands (x cast first when its dtype differs), else [`forward`] with `bias.cu`'s
+/// add. The epilogue adds the bias before the output's one rounding, as the CPU path
+/// ([`forward_cpu_bias`]) does; the unfused form rounds the GEMM's output, then adds in f32 and
+/// rounds again (one rounding apart).
 #[cfg(feature = "cuda")]
 pub(super) fn forward_cuda_bias(
     x: (&candle_core::CudaStorage, &Layout),
@@ -274,10 +278,8 @@ pub(super) fn forward_cuda_bias(
         true => (x.0, x.1.start_offset()),
         false => (&*xc.insert(x.0.to_dtype(x.1, dtype)?), 0),
     };
-    let (bs, b_off) = match b.0.dtype() == dtype {
-        true => (b.0, b.1.start_offset()),
-        false => (&*bc.insert(b.0.to_dtype(b.1, dtype)?), 0),
-    };
+    let (bs, lb) = cast_bias(b.0, b.1, dtype, &mut bc)?;
+    let b_off = lb.start_offset();
     let dev = &x.0.device;
     let ws = (w.0, w.1.start_offset());
     // no cuBLASLt algorithm for the shape (or another cuBLASLt failure): the unfused path

@@ -69,7 +69,7 @@ fn one_node(x: &Tensor, layers: &[Layer<'_>], norm: &NormParams<'_>) -> Result<O
         steps.push(step);
     }
     let branch = Chain(steps);
-    let sum = x_in.apply_op2_no_bwd(branch.output(), &ResidualAdd)?;
+    let sum = x_in.apply_op2_no_bwd(branch.output()?, &ResidualAdd)?;
     let norm = Step::norm(&sum, norm, DType::F32, tracked)?;
     // the parameters as the ops took them must still be the variables
     if !branch.0.iter().chain([&norm]).all(Step::params_sinkable) {

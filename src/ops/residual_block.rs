@@ -180,8 +180,8 @@ pub fn pre_norm_stack(x: &Tensor, halves: &[Half<'_>], compute: DType) -> Result
 
 /// `x + act_linear(linear(layer_norm_with_dtype(x, ..), fc_w, fc_b), fc2_w, fc2_b, act)` with
 /// `x: (.., C)` f32 (the residual stream) → f32 of x's shape: the MLP half of a pre-LayerNorm
-/// transformer block (GPT-2's with [`Activation::GeluTanh`]), the norm writing the `compute`
-/// dtype. [`pre_norm_stack`] of this one half: one node under
+/// transformer block (GPT-2's with [`Activation::GeluTanh`]; an RMSNorm when the norm has no
+/// bias), the norm writing the `compute` dtype. [`pre_norm_stack`] of this one half: one node under
 /// [`crate::grad_sink::forward_for_sink`], the composition of those four ops elsewhere.
 ///
 /// Errors (no panics): those of [`crate::ops::layer_norm_with_dtype`], [`crate::ops::linear`],
@@ -193,8 +193,8 @@ pub fn mlp_block(x: &Tensor, p: &MlpParams<'_>, compute: DType) -> Result<Tensor
 
 /// `x + linear(grouped_causal_attention(linear(layer_norm_with_dtype(x, ..), qkv_w, qkv_b), H,
 /// Hkv), proj_w, proj_b)` with `x: (B, T, C)` f32 → `(B, T, C)` f32: the attention half of a
-/// pre-LayerNorm transformer block (GPT-2's with Hkv = H), the norm writing the `compute`
-/// dtype. [`pre_norm_stack`] of this one half: one node under
+/// pre-LayerNorm transformer block (GPT-2's with Hkv = H; an RMSNorm when the norm has no
+/// bias), the norm writing the `compute` dtype. [`pre_norm_stack`] of this one half: one node under
 /// [`crate::grad_sink::forward_for_sink`] where the attention itself is one (the CPU reference,
 /// or the flash kernels on CUDA: see [`crate::ops::grouped_causal_attention`]), the composition
 /// of those five ops elsewhere.
@@ -364,7 +364,7 @@ fn one_node(x: &Tensor, halves: &[Half<'_>], compute: DType) -> Result<Option<Te
     for half in halves {
         if let Some(prev) = built.last() {
             // the next half's input: x + m of the previous one, outside any graph
-            cur = cur.apply_op2_no_bwd(prev.output(), &ResidualAdd)?;
+            cur = cur.apply_op2_no_bwd(prev.output()?, &ResidualAdd)?;
         }
         let norm = Step::norm(&cur, half.norm(), compute, tracked)?;
         tracked |= norm.tracks_params();
@@ -387,7 +387,7 @@ fn one_node(x: &Tensor, halves: &[Half<'_>], compute: DType) -> Result<Option<Te
     let Some(last) = built.last() else {
         bail!("pre_norm_stack: no halves (internal error)")
     };
-    let m = last.output().detach();
+    let m = last.output()?.detach();
     let node = Stack {
         halves: built,
         x_grad: x.track_op(),
