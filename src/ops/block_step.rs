@@ -203,9 +203,29 @@ impl Step {
     /// Whether a sink can take every gradient of the step's parameters: each tracked one is a
     /// variable (not a cast or copy of one made on the way into the op).
     pub(super) fn params_sinkable(&self) -> bool {
-        self.params()
-            .iter()
-            .all(|p| p.is_variable() || !p.track_op())
+        self.params().into_iter().all(sinkable)
+    }
+
+    /// `layers` in order from `input`, each step's `want_x` from `tracked` (whether the
+    /// composition's autograd would track that op's input), which the steps' parameters
+    /// update. `None` where a layer takes another path, or where a parameter as an op took it
+    /// is no longer a variable (cast or copied on the way in), whose gradient no sink could
+    /// take: the caller builds the composition.
+    pub(super) fn layers(
+        input: &Tensor,
+        layers: &[Layer<'_>],
+        tracked: &mut bool,
+    ) -> Result<Option<Vec<Step>>> {
+        let mut steps: Vec<Step> = Vec::with_capacity(layers.len());
+        for layer in layers {
+            let x = steps.last().map_or(input, Step::output);
+            let Some(step) = Step::layer(layer, x, *tracked)? else {
+                return Ok(None);
+            };
+            *tracked |= step.tracks_params();
+            steps.push(step);
+        }
+        Ok(steps.iter().all(Step::params_sinkable).then_some(steps))
     }
 
     /// Whether the backward has anything to compute: x's gradient or a parameter's.
@@ -276,6 +296,11 @@ impl Step {
             }
         }
     }
+}
+
+/// Whether a sink can take `t`'s gradient, or it needs none: a variable, or untracked.
+pub(super) fn sinkable(t: &Tensor) -> bool {
+    t.is_variable() || !t.track_op()
 }
 
 /// Hands parameter `p`'s gradient `g` to the sink. Dropped when `p` is untracked (a frozen

@@ -8,7 +8,7 @@
 //! branch, so candle's zero-filled buffers and adds for the sum, the branch's output and its
 //! inner activations are not made.
 
-use super::block_step::{Chain, Step};
+use super::block_step::{sinkable, Chain, Step};
 use super::residual::{residual_add, ResidualAdd};
 use super::residual_block::{anchor, Layer, NormParams};
 use candle_core::backend::BackendStorage;
@@ -47,7 +47,7 @@ fn one_node(x: &Tensor, layers: &[Layer<'_>], norm: &NormParams<'_>) -> Result<O
     for layer in layers {
         layer.tensors(&mut params);
     }
-    let free = params.iter().all(|t| t.is_variable() || !t.track_op());
+    let free = params.iter().all(|t| sinkable(t));
     let applies = crate::grad_sink::sink_ahead()
         && x.dtype() == DType::F32
         && x.elem_count() > 0
@@ -59,20 +59,13 @@ fn one_node(x: &Tensor, layers: &[Layer<'_>], norm: &NormParams<'_>) -> Result<O
     let x_in = x.detach().contiguous()?;
     // whether the composition's autograd would track the next op's input
     let mut tracked = x.track_op();
-    let mut steps: Vec<Step> = Vec::with_capacity(layers.len());
-    for layer in layers {
-        let input = steps.last().map_or(&x_in, Step::output);
-        let Some(step) = Step::layer(layer, input, tracked)? else {
-            return Ok(None);
-        };
-        tracked |= step.tracks_params();
-        steps.push(step);
-    }
+    let Some(steps) = Step::layers(&x_in, layers, &mut tracked)? else {
+        return Ok(None);
+    };
     let branch = Chain(steps);
     let sum = x_in.apply_op2_no_bwd(branch.output()?, &ResidualAdd)?;
     let norm = Step::norm(&sum, norm, DType::F32, tracked)?;
-    // the parameters as the ops took them must still be the variables
-    if !branch.0.iter().chain([&norm]).all(Step::params_sinkable) {
+    if !norm.params_sinkable() {
         return Ok(None);
     }
     let y = norm.output().detach();

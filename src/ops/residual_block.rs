@@ -24,7 +24,7 @@
 //! op is asked for the gradients the composition's autograd asks for ([`super::block_step`]).
 
 use super::act_linear::Activation;
-use super::block_step::{Chain, Step};
+use super::block_step::{sinkable, Chain, Step};
 use super::residual::{residual_add, ResidualAdd};
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
@@ -337,7 +337,6 @@ fn composed(x: &Tensor, half: &Half<'_>, compute: DType) -> Result<Tensor> {
 /// anchor x (or, for an untracked x, the first tracked parameter: the node must be tracked to
 /// be differentiated). `None`: take the composition.
 fn one_node(x: &Tensor, halves: &[Half<'_>], compute: DType) -> Result<Option<Tensor>> {
-    let free = |t: &&Tensor| t.is_variable() || !t.track_op();
     let fused_attention = x.device().is_cpu() || matches!(compute, DType::BF16 | DType::F16);
     // known before any work: norm parameters that prepare would cast (no longer the
     // variables), and attention that would take the composition on CUDA (f32 compute)
@@ -346,7 +345,9 @@ fn one_node(x: &Tensor, halves: &[Half<'_>], compute: DType) -> Result<Option<Te
             .layers()
             .iter()
             .any(|l| matches!(l, Layer::Attention { .. }));
-        h.norm().one_node_ok() && (fused_attention || !attention) && h.tensors().iter().all(free)
+        h.norm().one_node_ok()
+            && (fused_attention || !attention)
+            && h.tensors().into_iter().all(sinkable)
     };
     let anchor = anchor(x, halves.iter().flat_map(|h| h.tensors()));
     let applies = crate::grad_sink::sink_ahead()
@@ -368,21 +369,14 @@ fn one_node(x: &Tensor, halves: &[Half<'_>], compute: DType) -> Result<Option<Te
         }
         let norm = Step::norm(&cur, half.norm(), compute, tracked)?;
         tracked |= norm.tracks_params();
-        let mut steps = vec![norm];
-        for layer in half.layers() {
-            let input = steps[steps.len() - 1].output();
-            let Some(step) = Step::layer(&layer, input, tracked)? else {
-                return Ok(None);
-            };
-            tracked |= step.tracks_params();
-            steps.push(step);
-        }
-        // the parameters as the ops took them must still be the variables (no cast or copy in
-        // between), or the sink could not take their gradients
-        if !steps.iter().all(Step::params_sinkable) {
+        let a = norm.output().clone();
+        let Some(branch) = Step::layers(&a, &half.layers(), &mut tracked)? else {
+            return Ok(None);
+        };
+        if !norm.params_sinkable() {
             return Ok(None);
         }
-        built.push(Chain(steps));
+        built.push(Chain(std::iter::once(norm).chain(branch).collect()));
     }
     let Some(last) = built.last() else {
         bail!("pre_norm_stack: no halves (internal error)")
