@@ -23,6 +23,8 @@
 //! | [`linear_cross_entropy_rows`] | `loss = lse(h W^T) - (h W^T)[t]` per row, the logits never a graph tensor | f32, bf16, f16 | f32 loss |
 //! | [`residual_add`] | `out = x + f32(y)`, the residual stream f32, the branch in any float dtype (elementwise) | x f32, y f32/bf16/f16 | f32 |
 //! | [`cross_entropy_rows`] | `loss = lse(x) - x[t]` per row, `dx = g (softmax(x) - onehot(t))` | f32, bf16, f16 | f32 loss, x's dx |
+//! | [`pre_norm_stack`] / [`mlp_block`] / [`attention_block`] | halves `x ← x + branch(norm(x))` in a row ([`Half`]: GPT-2's attention and MLP, or any [`Layer`]s after a LayerNorm or RMSNorm) as one node under the engine's backward ([`crate::grad_sink`]), the composition elsewhere | x f32 | f32 |
+//! | [`post_norm_block`] | `norm(x + branch(x))` (BERT's sub-blocks) likewise | x f32 | f32 |
 //!
 //! Statistics and arithmetic are f32 whatever the storage dtype, as wick's autocast policy asks
 //! for norms and softmax ([`crate::precision`]); storing the output in x's dtype halves the
