@@ -3,6 +3,7 @@
 //! calls) and a tiny random config; plus the silent no-gradient trap of candle-transformers'
 //! `BertModel` on `ParamStore::var_builder()`, pinned by name.
 
+mod common;
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, D};
 use candle_nn::VarBuilder;
@@ -414,28 +415,8 @@ fn the_feed_forward_block_node_gives_the_per_op_loss_and_gradients() -> Result<(
         let r = Tensor::randn(0f32, 1.0, (3, 16, 32), &Device::Cpu)?;
         let loss =
             |h: Tensor| -> Result<Tensor> { Ok(mean_pool(&(h * &r)?, &batch.lengths)?.sum_all()?) };
-        let one = wick::grad_sink::forward_for_sink(|| loss(bert.forward(&batch)?))?;
-        let g1 = wick::grad_sink::backward(&one)?;
-        let per_op = loss(bert.forward(&batch)?)?;
-        let g2 = per_op.backward()?;
-        assert_eq!(
-            one.to_scalar::<f32>()?,
-            per_op.to_scalar::<f32>()?,
-            "{precision}"
-        );
-        let again = wick::grad_sink::forward_for_sink(|| loss(bert.forward(&batch)?))?;
-        assert!(
-            again.backward().is_err(),
-            "{precision}: no block node was built"
-        );
-        for p in store.params() {
-            let t = p.differentiated();
-            let (Some(a), Some(b)) = (g1.get(t), g2.get(t)) else {
-                panic!("{precision}: no gradient for {}", p.name)
-            };
-            let (a, b) = (a.to_dtype(DType::F32)?, b.to_dtype(DType::F32)?);
-            assert_eq!(max_abs(&a, &b)?, 0.0, "{precision}: gradient of {}", p.name);
-        }
+        let what = format!("{precision}");
+        common::assert_sink_matches_per_op(&store, &what, || loss(bert.forward(&batch)?))?;
     }
     Ok(())
 }

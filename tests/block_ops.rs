@@ -126,6 +126,36 @@ fn same(name: &str, k: &Case, block: &dyn Fn(&Tensor) -> Result<Tensor>) -> Resu
     Ok(())
 }
 
+/// `f` under the sink (one node, differentiated with `grad_sink::backward`) and as the
+/// composition under candle's backward, each weighted by `r`: the values, and the gradients
+/// (dtype and value) of every tensor in `trained`, equal exactly; and the one-node form was
+/// built (candle's own backward cannot carry its parameters). Returns the sink's gradients.
+fn one_node_matches(
+    name: &str,
+    f: &dyn Fn() -> Result<Tensor>,
+    trained: &[&Tensor],
+    r: &Tensor,
+) -> Result<candle_core::backprop::GradStore> {
+    let one = grad_sink::forward_for_sink(f)?;
+    let g1 = grad_sink::backward(&(&one * r)?.sum_all()?)?;
+    let per_op = f()?;
+    let g2 = (&per_op * r)?.sum_all()?.backward()?;
+    assert_eq!(max_diff(&one, &per_op)?, 0.0, "{name}: value");
+    for (i, t) in trained.iter().enumerate() {
+        let (Some(a), Some(b)) = (g1.get(t), g2.get(t)) else {
+            panic!("{name}: no gradient for tensor {i}")
+        };
+        assert_eq!(a.dtype(), b.dtype(), "{name}: tensor {i}'s gradient dtype");
+        assert_eq!(max_diff(a, b)?, 0.0, "{name}: gradient of tensor {i}");
+    }
+    let again = grad_sink::forward_for_sink(f)?;
+    assert!(
+        (&again * r)?.sum_all()?.backward().is_err(),
+        "{name}: no node was built"
+    );
+    Ok(g1)
+}
+
 fn check_against_composition(dev: &Device) -> Result<()> {
     let acts = [Activation::GeluTanh, Activation::GeluErf, Activation::Relu];
     for (i, compute) in [DType::F32, DType::BF16, DType::F16]
@@ -171,25 +201,12 @@ fn check_stack(dev: &Device, compute: DType) -> Result<()> {
         Half::Mlp(cases[3].mlp(Activation::GeluTanh)),
     ];
     let (x, r) = (cases[0].x.as_tensor(), &cases[0].r);
-    let one = grad_sink::forward_for_sink(|| ops::pre_norm_stack(x, &halves, compute))?;
-    let g1 = grad_sink::backward(&(&one * r)?.sum_all()?)?;
-    let per_op = ops::pre_norm_stack(x, &halves, compute)?;
-    let g2 = (&per_op * r)?.sum_all()?.backward()?;
-    let name = format!("pre_norm_stack {compute:?}");
-    assert_eq!(max_diff(&one, &per_op)?, 0.0, "{name}: value");
-    let params = cases.iter().flat_map(|k| k.params.iter().map(|(_, v)| v));
-    for (i, v) in std::iter::once(&cases[0].x).chain(params).enumerate() {
-        let (Some(a), Some(b)) = (g1.get(v.as_tensor()), g2.get(v.as_tensor())) else {
-            panic!("{name}: no gradient for tensor {i}")
-        };
-        assert_eq!(max_diff(a, b)?, 0.0, "{name}: gradient of tensor {i}");
-    }
-    // the one-node form was built: candle's own backward cannot carry its parameters
-    let again = grad_sink::forward_for_sink(|| ops::pre_norm_stack(x, &halves, compute))?;
-    assert!(
-        (&again * r)?.sum_all()?.backward().is_err(),
-        "{name}: no node was built"
-    );
+    let params = cases
+        .iter()
+        .flat_map(|k| k.params.iter().map(|(_, v)| v.as_tensor()));
+    let trained: Vec<&Tensor> = std::iter::once(x).chain(params).collect();
+    let f = || ops::pre_norm_stack(x, &halves, compute);
+    one_node_matches(&format!("pre_norm_stack {compute:?}"), &f, &trained, r)?;
     Ok(())
 }
 
@@ -340,29 +357,14 @@ fn check_llama_stack(dev: &Device, compute: DType, lora: bool) -> Result<()> {
         x.as_tensor().clone()
     };
     let r = uniform(&[2, 7, 128], -1.0, 1.0, 7300, DType::F32, dev);
-    let one = grad_sink::forward_for_sink(|| ops::pre_norm_stack(&x, &halves, compute))?;
-    let g1 = grad_sink::backward(&(&one * &r)?.sum_all()?)?;
-    let per_op = ops::pre_norm_stack(&x, &halves, compute)?;
-    let g2 = (&per_op * &r)?.sum_all()?.backward()?;
     let name = format!("Llama stack {compute:?} lora {lora}");
-    assert_eq!(max_diff(&one, &per_op)?, 0.0, "{name}: value");
     let vars = blocks
         .iter()
         .flat_map(|b| b.vars.iter().map(Var::as_tensor));
     let trained: Vec<&Tensor> = (!lora).then_some(&x).into_iter().chain(vars).collect();
     assert_eq!(trained.len(), if lora { 12 } else { 19 });
-    for (i, t) in trained.into_iter().enumerate() {
-        let (Some(a), Some(b)) = (g1.get(t), g2.get(t)) else {
-            panic!("{name}: no gradient for tensor {i}")
-        };
-        assert_eq!(a.dtype(), b.dtype(), "{name}: tensor {i}'s gradient dtype");
-        assert_eq!(max_diff(a, b)?, 0.0, "{name}: gradient of tensor {i}");
-    }
-    let again = grad_sink::forward_for_sink(|| ops::pre_norm_stack(&x, &halves, compute))?;
-    assert!(
-        (&again * &r)?.sum_all()?.backward().is_err(),
-        "{name}: no node was built"
-    );
+    let f = || ops::pre_norm_stack(&x, &halves, compute);
+    one_node_matches(&name, &f, &trained, &r)?;
     Ok(())
 }
 
@@ -392,40 +394,15 @@ fn check_post_norm(dev: &Device) -> Result<()> {
         // the RMSNorm variant (the LayerNorm's bias left out: it gets no gradient)
         let rms = NormParams { b: None, ..ln };
         let x = k.x.as_tensor();
-        let one = grad_sink::forward_for_sink(|| ops::post_norm_block(x, &layers, &rms))?;
-        let g1 = grad_sink::backward(&(&one * &k.r)?.sum_all()?)?;
-        let per_op = ops::post_norm_block(x, &layers, &rms)?;
-        let g2 = (&per_op * &k.r)?.sum_all()?.backward()?;
-        assert_eq!(
-            max_diff(&one, &per_op)?,
-            0.0,
-            "RMS post-norm {compute:?}: value"
-        );
-        for t in [x, k.p(0), k.p(2), k.p(3), k.p(4), k.p(5)] {
-            let (Some(a), Some(b)) = (g1.get(t), g2.get(t)) else {
-                panic!("RMS post-norm {compute:?}: a gradient is missing")
-            };
-            assert_eq!(max_diff(a, b)?, 0.0, "RMS post-norm {compute:?}");
-        }
+        let f = || ops::post_norm_block(x, &layers, &rms);
+        let trained = [x, k.p(0), k.p(2), k.p(3), k.p(4), k.p(5)];
+        one_node_matches(&format!("RMS post-norm {compute:?}"), &f, &trained, &k.r)?;
         // x a constant: the parameters' gradients still equal, x gets none
         let c = x.detach();
-        let one = grad_sink::forward_for_sink(|| ops::post_norm_block(&c, &layers, &ln))?;
-        let again = grad_sink::forward_for_sink(|| ops::post_norm_block(&c, &layers, &ln))?;
-        assert!(
-            (&again * &k.r)?.sum_all()?.backward().is_err(),
-            "no node was built"
-        );
-        let g1 = grad_sink::backward(&(&one * &k.r)?.sum_all()?)?;
-        let g2 = (&ops::post_norm_block(&c, &layers, &ln)? * &k.r)?
-            .sum_all()?
-            .backward()?;
+        let f = || ops::post_norm_block(&c, &layers, &ln);
+        let trained: Vec<&Tensor> = k.params.iter().map(|(_, v)| v.as_tensor()).collect();
+        let g1 = one_node_matches(&format!("constant x {compute:?}"), &f, &trained, &k.r)?;
         assert!(g1.get(&c).is_none());
-        for (name, v) in &k.params {
-            let (Some(a), Some(b)) = (g1.get(v.as_tensor()), g2.get(v.as_tensor())) else {
-                panic!("constant x: no gradient for {name}")
-            };
-            assert_eq!(max_diff(a, b)?, 0.0, "constant x {compute:?}: {name}");
-        }
     }
     let k = case(8, 16, 16, DType::F32, 8100, dev)?;
     let e = ops::post_norm_block(k.x.as_tensor(), &[], &k.norm()).unwrap_err();

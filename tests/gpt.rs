@@ -2,6 +2,7 @@
 //! and the loss at initialisation, causal masking, a loss that falls under bf16-mixed training,
 //! gradient coverage, generation.
 
+mod common;
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -205,29 +206,8 @@ fn block_ops_under_grad_sink_give_the_per_op_loss_and_gradients() -> Result<()> 
         let gpt = Gpt::new(&store, tiny())?;
         let x = random_ids(&mut rng, 2, 32, 256)?;
         let y = random_ids(&mut rng, 2, 32, 256)?;
-        let loss = wick::grad_sink::forward_for_sink(|| gpt.loss(&x, &y))?;
-        let g1 = wick::grad_sink::backward(&loss)?;
-        let per_op = gpt.loss(&x, &y)?;
-        let g2 = per_op.backward()?;
-        assert_eq!(loss.to_scalar::<f32>()?, per_op.to_scalar::<f32>()?);
-        // the one-node form was built: candle's own backward cannot carry its parameters
-        let again = wick::grad_sink::forward_for_sink(|| gpt.loss(&x, &y))?;
-        assert!(
-            again.backward().is_err(),
-            "{precision}: no block node was built"
-        );
-        for p in store.params() {
-            let t = p.differentiated();
-            let (Some(a), Some(b)) = (g1.get(t), g2.get(t)) else {
-                panic!("{precision}: no gradient for {}", p.name)
-            };
-            let d = (a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?
-                .abs()?
-                .flatten_all()?
-                .max(0)?
-                .to_scalar::<f32>()?;
-            assert_eq!(d, 0.0, "{precision}: gradient of {}", p.name);
-        }
+        let what = format!("{precision}");
+        common::assert_sink_matches_per_op(&store, &what, || Ok(gpt.loss(&x, &y)?))?;
     }
     Ok(())
 }

@@ -13,14 +13,14 @@
 
 use super::act_linear::ActLinear;
 use super::attention::{fused_attention, AttentionOp};
-use super::layer_norm::{prepare, prepare_param, Kind, NormFwd};
+use super::layer_norm::{self, prepare, prepare_param, Kind, NormFwd};
 use super::linear::{self, Linear, Operands};
 use super::lora_linear::{self, LoraLinear};
 use super::residual_block::{Layer, NormParams};
 use super::rotary::{self, Rotary};
 use super::swiglu::SwiGlu;
 use crate::grad_sink::offer;
-use candle_core::{bail, CustomOp1, CustomOp2, CustomOp3, DType, Result, Tensor};
+use candle_core::{bail, CustomOp1, CustomOp3, DType, Result, Tensor};
 
 /// One inner op as it ran: its input `x` (laid out as the op took it), its output `y`, the op
 /// with its other operands, and whether the backward must return x's gradient.
@@ -171,10 +171,12 @@ impl Step {
                 (x.clone(), super::swiglu(&x)?, Op::SwiGlu)
             }
             Layer::Attention { n_head, n_kv_head } => {
-                let Some((y, op)) = fused_attention(x, n_head, n_kv_head)? else {
+                // contiguous once: the op runs on (and its backward reads) this very tensor
+                let x = x.contiguous()?;
+                let Some((y, op)) = fused_attention(&x, n_head, n_kv_head)? else {
                     return Ok(None);
                 };
-                (x.contiguous()?, y, Op::Attention(op))
+                (x, y, Op::Attention(op))
             }
         };
         Ok(Some(Self { op, x, y, want_x }))
@@ -238,16 +240,14 @@ impl Step {
     pub(super) fn backward(&self, dy: &Tensor) -> Result<Option<Tensor>> {
         let (x, y, want_x) = (&self.x, &self.y, self.want_x);
         let dx = match &self.op {
-            Op::Norm { op, w, b: Some(b) } => {
-                let (dx, dw, db) = CustomOp3::bwd(op, x, w, b, y, dy)?;
-                give(w, dw)?;
-                give(b, db)?;
-                dx
-            }
-            Op::Norm { op, w, b: None } => {
-                let (dx, dw) = CustomOp2::bwd(op, x, w, y, dy)?;
-                give(w, dw)?;
-                dx
+            Op::Norm { op, w, b } => {
+                // dx, and the gain's (and bias's) gradient as rows of one f32 buffer
+                let (dx, p) = layer_norm::backward(op, x, w, dy)?;
+                give(w, Some(p.get(0)?))?;
+                if let Some(b) = b {
+                    give(b, Some(p.get(1)?))?;
+                }
+                Some(dx)
             }
             Op::Linear { w, parts, b } => {
                 let want_w = parts.iter().any(Tensor::track_op);

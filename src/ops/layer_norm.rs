@@ -421,7 +421,12 @@ struct NormBwd {
 }
 
 /// dx (x's dtype) and the `(np, D)` f32 parameter gradients for the forward op `fwd`.
-fn backward(fwd: &NormFwd, x: &Tensor, w: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+pub(super) fn backward(
+    fwd: &NormFwd,
+    x: &Tensor,
+    w: &Tensor,
+    dy: &Tensor,
+) -> Result<(Tensor, Tensor)> {
     let dy = if dy.dtype() == fwd.out {
         dy.clone()
     } else {

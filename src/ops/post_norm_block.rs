@@ -10,7 +10,7 @@
 
 use super::block_step::{sinkable, Chain, Step};
 use super::residual::{residual_add, ResidualAdd};
-use super::residual_block::{anchor, Layer, NormParams};
+use super::residual_block::{anchor, tensors, Layer, NormParams};
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
@@ -43,10 +43,7 @@ pub fn post_norm_block(x: &Tensor, layers: &[Layer<'_>], norm: &NormParams<'_>) 
 
 /// The one-node form when it applies (see [`post_norm_block`]); `None`: take the composition.
 fn one_node(x: &Tensor, layers: &[Layer<'_>], norm: &NormParams<'_>) -> Result<Option<Tensor>> {
-    let mut params = norm.tensors();
-    for layer in layers {
-        layer.tensors(&mut params);
-    }
+    let params = tensors(norm, layers);
     let free = params.iter().all(|t| sinkable(t));
     let applies = crate::grad_sink::sink_ahead()
         && x.dtype() == DType::F32

@@ -245,15 +245,15 @@ impl<'a> Half<'a> {
             Half::Branch(_, layers) => layers.to_vec(),
         }
     }
+}
 
-    /// Every parameter and constant the half reads.
-    fn tensors(&self) -> Vec<&'a Tensor> {
-        let mut out = self.norm().tensors();
-        for layer in self.layers() {
-            layer.tensors(&mut out);
-        }
-        out
+/// Every parameter and constant that a norm and a branch's `layers` read.
+pub(super) fn tensors<'a>(norm: &NormParams<'a>, layers: &[Layer<'a>]) -> Vec<&'a Tensor> {
+    let mut out = norm.tensors();
+    for layer in layers {
+        layer.tensors(&mut out);
     }
+    out
 }
 
 impl<'a> NormParams<'a> {
@@ -337,32 +337,34 @@ fn composed(x: &Tensor, half: &Half<'_>, compute: DType) -> Result<Tensor> {
 /// anchor x (or, for an untracked x, the first tracked parameter: the node must be tracked to
 /// be differentiated). `None`: take the composition.
 fn one_node(x: &Tensor, halves: &[Half<'_>], compute: DType) -> Result<Option<Tensor>> {
-    let fused_attention = x.device().is_cpu() || matches!(compute, DType::BF16 | DType::F16);
+    let sink = crate::grad_sink::sink_ahead();
+    if !sink || halves.is_empty() || x.dtype() != DType::F32 || x.elem_count() == 0 {
+        return Ok(None);
+    }
+    let layers: Vec<Vec<Layer<'_>>> = halves.iter().map(Half::layers).collect();
+    let read: Vec<&Tensor> = halves
+        .iter()
+        .zip(&layers)
+        .flat_map(|(h, l)| tensors(h.norm(), l))
+        .collect();
     // known before any work: norm parameters that prepare would cast (no longer the
     // variables), and attention that would take the composition on CUDA (f32 compute)
-    let half_ok = |h: &Half<'_>| {
-        let attention = h
-            .layers()
-            .iter()
-            .any(|l| matches!(l, Layer::Attention { .. }));
-        h.norm().one_node_ok()
-            && (fused_attention || !attention)
-            && h.tensors().into_iter().all(sinkable)
-    };
-    let anchor = anchor(x, halves.iter().flat_map(|h| h.tensors()));
-    let applies = crate::grad_sink::sink_ahead()
-        && !halves.is_empty()
-        && x.dtype() == DType::F32
-        && x.elem_count() > 0
-        && halves.iter().all(half_ok);
-    let Some(anchor) = anchor.filter(|_| applies) else {
+    let fused_attention = x.device().is_cpu() || matches!(compute, DType::BF16 | DType::F16);
+    let attention = layers
+        .iter()
+        .flatten()
+        .any(|l| matches!(l, Layer::Attention { .. }));
+    let applies = halves.iter().all(|h| h.norm().one_node_ok())
+        && (fused_attention || !attention)
+        && read.iter().all(|t| sinkable(t));
+    let Some(anchor) = anchor(x, read.into_iter()).filter(|_| applies) else {
         return Ok(None);
     };
     // whether the composition's autograd would track the next op's input
     let mut tracked = x.track_op();
     let mut built: Vec<Chain> = Vec::with_capacity(halves.len());
     let mut cur = x.detach().contiguous()?;
-    for half in halves {
+    for (half, layers) in halves.iter().zip(&layers) {
         if let Some(prev) = built.last() {
             // the next half's input: x + m of the previous one, outside any graph
             cur = cur.apply_op2_no_bwd(prev.output()?, &ResidualAdd)?;
@@ -370,7 +372,7 @@ fn one_node(x: &Tensor, halves: &[Half<'_>], compute: DType) -> Result<Option<Te
         let norm = Step::norm(&cur, half.norm(), compute, tracked)?;
         tracked |= norm.tracks_params();
         let a = norm.output().clone();
-        let Some(branch) = Step::layers(&a, &half.layers(), &mut tracked)? else {
+        let Some(branch) = Step::layers(&a, layers, &mut tracked)? else {
             return Ok(None);
         };
         if !norm.params_sinkable() {

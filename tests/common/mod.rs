@@ -124,3 +124,37 @@ pub fn example(name: &str) -> PathBuf {
     );
     bin
 }
+
+/// The engine's path (`loss` built under `wick::grad_sink::forward_for_sink` and differentiated
+/// with `wick::grad_sink::backward`, where wick's block ops are one graph node each) against the
+/// per-op graph under candle's own backward. The same kernels run in the same order, so the
+/// loss and every gradient of `store`'s parameters must be equal exactly, and the one-node form
+/// must have been built (candle's backward cannot carry its parameters). `what` names the case
+/// in failures. Returns the engine path's gradients by parameter name, in store order.
+pub fn assert_sink_matches_per_op(
+    store: &ParamStore,
+    what: &str,
+    loss: impl Fn() -> anyhow::Result<Tensor>,
+) -> anyhow::Result<Vec<(String, Tensor)>> {
+    let one = wick::grad_sink::forward_for_sink(&loss)?;
+    let g1 = wick::grad_sink::backward(&one)?;
+    let per_op = loss()?;
+    let g2 = per_op.backward()?;
+    assert_eq!(
+        one.to_scalar::<f32>()?,
+        per_op.to_scalar::<f32>()?,
+        "{what}: loss"
+    );
+    let again = wick::grad_sink::forward_for_sink(&loss)?;
+    assert!(again.backward().is_err(), "{what}: no block node was built");
+    let mut out = Vec::new();
+    for p in store.params() {
+        let t = p.differentiated();
+        let (Some(a), Some(b)) = (g1.get(t), g2.get(t)) else {
+            panic!("{what}: no gradient for {}", p.name)
+        };
+        assert_eq!(max_abs(a, b), 0.0, "{what}: gradient of {}", p.name);
+        out.push((p.name.clone(), a.clone()));
+    }
+    Ok(out)
+}
