@@ -32,6 +32,14 @@ use crate::timing::{Mark, StepSpans};
 use anyhow::{bail, Result};
 use candle_core::{backprop::GradStore, DType, Tensor};
 
+#[cfg(feature = "cuda")]
+mod graph;
+#[cfg(feature = "cuda")]
+pub use graph::CapturedStep;
+
+/// Source of [`Engine`] identities (a [`CapturedStep`] replays only on its own engine).
+static NEXT_ENGINE_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// Which optimizer the engine runs.
 #[derive(Debug, Clone, PartialEq)]
 pub enum OptimizerConfig {
@@ -205,6 +213,12 @@ pub struct Engine {
     boundaries: u64,
     /// The gradient-coverage check runs on every backward until one passes it.
     check_coverage_next: bool,
+    /// This engine's identity, and a count of the times its state was replaced
+    /// ([`Engine::load_state`], [`Engine::with_collective`]): what a captured CUDA graph
+    /// checks before a replay.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    id: u64,
+    generation: u64,
 }
 
 impl Engine {
@@ -248,6 +262,8 @@ impl Engine {
             sync: GradSync::Solo,
             boundaries: 0,
             check_coverage_next: true,
+            id: NEXT_ENGINE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            generation: 0,
         })
     }
 
@@ -271,6 +287,7 @@ impl Engine {
             self.config.stochastic_rounding,
         )?;
         self.optimizer.set_owned(self.sync.owned());
+        self.generation += 1;
         Ok(self)
     }
 
@@ -519,6 +536,7 @@ impl Engine {
         self.amp.load(state.scaler, state.applied_steps)?;
         self.boundaries = state.boundaries;
         self.grads.clear();
+        self.generation += 1;
         Ok(())
     }
 

@@ -62,6 +62,11 @@ pub struct StepArgs {
     /// plain DDP.
     #[arg(long)]
     pub zero1: bool,
+    /// CUDA: capture the step as a CUDA graph after the warm-up ([`crate::Engine::capture_step`],
+    /// whose ordinary step is the last warm-up step) and time its replays; when capture fails the
+    /// report says why and times ordinary steps.
+    #[arg(long)]
+    pub cuda_graph: bool,
 }
 
 /// What `wick bench step` trains.
@@ -231,16 +236,21 @@ pub fn run(args: &StepArgs) -> Result<()> {
         engine.implementation().is_fused()
     );
     println!("{}", perf.header());
-    for _ in 0..args.warmup {
+    let graph_warmup = u32::from(args.cuda_graph);
+    for _ in 0..args.warmup.saturating_sub(graph_warmup) {
         engine.step(|_| net.loss(&x, &y))?;
     }
+    let graph = capture(&mut engine, args, || net.loss(&x, &y))?;
     dev.synchronize()?;
     let mut phases = PhaseTimes::default();
     let mut pending = crate::timing::PendingPhases::default();
     let started = Instant::now();
     let mut last = None;
     for _ in 0..args.steps {
-        let r = engine.step(|_| net.loss(&x, &y))?;
+        let r = match &graph {
+            Some(g) => replay(&mut engine, g)?,
+            None => engine.step(|_| net.loss(&x, &y))?,
+        };
         phases.add(&r.times());
         pending.push(None, r.spans.clone());
         last = Some(r);
@@ -275,15 +285,32 @@ pub fn run(args: &StepArgs) -> Result<()> {
     let mfu = peak_rate.map(|p| flops / (ms_per_step / 1e3) / p);
 
     println!(
-        "{} warm-up + {} timed steps; last loss {loss:.4}",
-        args.warmup, args.steps
+        "{} warm-up + {} timed steps{}; last loss {loss:.4}",
+        args.warmup,
+        args.steps,
+        if graph.is_some() {
+            " (CUDA graph replays)"
+        } else {
+            ""
+        },
     );
     println!("ms/step     {ms_per_step:.3}");
     println!("tokens/s    {tok_per_s:.0}");
+    #[cfg(feature = "cuda")]
+    if let (Device::Cuda(d), Some(p)) = (&dev, peak.as_mut()) {
+        if graph.is_some() {
+            *p += crate::cuda::memory::graph_memory_peak(d)?; // the graph's own pool
+        }
+    }
     match peak {
         Some(b) => println!(
-            "peak memory {:.2} GB (CUDA pool high-water mark)",
-            b as f64 / 1e9
+            "peak memory {:.2} GB (CUDA pool high-water mark{})",
+            b as f64 / 1e9,
+            if graph.is_some() {
+                " + the graph pool's"
+            } else {
+                ""
+            }
         ),
         None => println!("peak memory n/a (CPU)"),
     }
@@ -347,6 +374,7 @@ pub fn run(args: &StepArgs) -> Result<()> {
         }),
         "params": params,
         "batch": batch,
+        "cuda_graph": graph.is_some(),
         "world_size": world,
         "device": args.device,
         "gpu": gpu,
@@ -354,4 +382,47 @@ pub fn run(args: &StepArgs) -> Result<()> {
     });
     println!("{json}");
     Ok(())
+}
+
+#[cfg(feature = "cuda")]
+type Graph = crate::engine::CapturedStep;
+#[cfg(not(feature = "cuda"))]
+type Graph = std::convert::Infallible;
+
+/// With `--cuda-graph`: the last warm-up step and the capture of the next one; `None` (after
+/// saying why) when capture fails, so that ordinary steps are timed.
+fn capture(
+    engine: &mut crate::Engine,
+    args: &StepArgs,
+    loss: impl Fn() -> candle_core::Result<Tensor>,
+) -> Result<Option<Graph>> {
+    if !args.cuda_graph {
+        return Ok(None);
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let (_, captured) = engine.capture_step(|_| loss())?;
+        match captured {
+            Ok(g) => Ok(Some(g)),
+            Err(e) => {
+                println!("CUDA graph: not captured, timing ordinary steps: {e:#}");
+                Ok(None)
+            }
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (engine, loss);
+        anyhow::bail!("--cuda-graph needs a build with the cuda feature and --device cuda")
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn replay(engine: &mut crate::Engine, g: &Graph) -> Result<crate::engine::StepReport> {
+    engine.replay(g)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn replay(_: &mut crate::Engine, g: &Graph) -> Result<crate::engine::StepReport> {
+    match *g {}
 }

@@ -60,6 +60,27 @@ pub fn memory_stats(dev: &CudaDevice) -> Result<MemoryStats> {
     })
 }
 
+/// Peak bytes of the driver's graph memory pool on `dev` (`CU_GRAPH_MEM_ATTR_USED_MEM_HIGH`):
+/// what captured CUDA graphs ([`crate::engine::CapturedStep`]) allocated, which the default
+/// pool's figures of [`memory_stats`] do not include.
+/// Errors: the driver fails.
+pub fn graph_memory_peak(dev: &CudaDevice) -> Result<u64> {
+    let ctx = dev.cuda_stream().context().clone();
+    ctx.bind_to_thread().context("binding the CUDA context")?;
+    let mut v: u64 = 0;
+    // SAFETY: USED_MEM_HIGH is a cuuint64_t; the device comes from a live context.
+    unsafe {
+        sys::cuDeviceGetGraphMemAttribute(
+            ctx.cu_device(),
+            sys::CUgraphMem_attribute::CU_GRAPH_MEM_ATTR_USED_MEM_HIGH,
+            &mut v as *mut u64 as *mut _,
+        )
+    }
+    .result()
+    .context("cuDeviceGetGraphMemAttribute")?;
+    Ok(v)
+}
+
 /// Resets the peaks to the current values.
 pub fn reset_peak(dev: &CudaDevice) -> Result<()> {
     use sys::CUmemPool_attribute::*;
