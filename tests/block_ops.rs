@@ -292,7 +292,7 @@ impl LlamaBlock {
     /// The block's two halves' layers: `[qkv, rotary, attention, o]` and `[gate_up, swiglu,
     /// down]`.
     fn layers<'a>(&'a self, cos: &'a Tensor, sin: &'a Tensor) -> [Vec<Layer<'a>>; 2] {
-        let plain = |parts: &'a [Tensor]| Layer::Linear { parts, b: None };
+        let plain = |parts: &'a [Tensor]| Layer::Linear { parts, b: &[] };
         let adapted = |parts: &'a [Tensor], i: usize, rows: &'a [(usize, usize)]| match &self.lora {
             Some(ad) => Layer::LoraLinear {
                 w: &parts[0],
@@ -380,7 +380,7 @@ fn check_post_norm(dev: &Device) -> Result<()> {
         let layers = [
             Layer::Linear {
                 parts: std::slice::from_ref(k.p(2)),
-                b: Some(k.p(3)),
+                b: std::slice::from_ref(k.p(3)),
             },
             Layer::ActLinear {
                 w: k.p(4),
@@ -403,10 +403,80 @@ fn check_post_norm(dev: &Device) -> Result<()> {
         let trained: Vec<&Tensor> = k.params.iter().map(|(_, v)| v.as_tensor()).collect();
         let g1 = one_node_matches(&format!("constant x {compute:?}"), &f, &trained, &k.r)?;
         assert!(g1.get(&c).is_none());
+        check_bert_attention(&k, compute, 8200 + 10 * i as u64, dev)?;
     }
     let k = case(8, 16, 16, DType::F32, 8100, dev)?;
     let e = ops::post_norm_block(k.x.as_tensor(), &[], &k.norm()).unwrap_err();
     assert!(e.to_string().contains("no layers"), "{e}");
+    Ok(())
+}
+
+/// BERT's attention sub-block as a post-norm node: q, k and v projections stacked as parts
+/// with their biases, bidirectional attention of 2 heads over right-padded rows (lengths 7 and
+/// 4 of 7), the output projection; value and every gradient equal to the composition's.
+fn check_bert_attention(k: &Case, compute: DType, seed: u64, dev: &Device) -> Result<()> {
+    let c = k.x.as_tensor().dim(2)?;
+    let var = |shape: &[usize], lo, hi, s, dtype| {
+        Var::from_tensor(&uniform(shape, lo, hi, seed + s, dtype, dev))
+    };
+    let mut vars = Vec::new();
+    for j in 0..3 {
+        vars.push(var(&[c, c], -0.5, 0.5, j, compute)?);
+    }
+    for j in 0..3 {
+        vars.push(var(&[c], -0.5, 0.5, 3 + j, DType::F32)?);
+    }
+    vars.push(var(&[c, c], -0.3, 0.3, 6, compute)?);
+    vars.push(var(&[c], -0.5, 0.5, 7, DType::F32)?);
+    let t: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    let layers = [
+        Layer::Linear {
+            parts: &t[0..3],
+            b: &t[3..6],
+        },
+        Layer::PaddedAttention {
+            n_head: 2,
+            key_lengths: &[7, 4],
+        },
+        Layer::Linear {
+            parts: &t[6..7],
+            b: &t[7..8],
+        },
+    ];
+    let (x, ln) = (k.x.as_tensor(), k.norm());
+    let f = || ops::post_norm_block(x, &layers, &ln);
+    let trained: Vec<&Tensor> = [x, k.p(0), k.p(1)].into_iter().chain(&t).collect();
+    one_node_matches(&format!("BERT attention {compute:?}"), &f, &trained, &k.r)?;
+    // the padded keys get no weight: the rows of batch entry 1 do not change when its keys
+    // 4.. change
+    let y = ops::key_padding_attention(
+        &ops::linear(
+            x,
+            &Tensor::cat(&t[0..3], 0)?,
+            Some(&Tensor::cat(&t[3..6], 0)?),
+        )?,
+        2,
+        &[7, 4],
+    )?;
+    let x2 = x.slice_assign(
+        &[1..2, 4..7, 0..c],
+        &x.narrow(1, 4, 3)?.narrow(0, 1, 1)?.affine(3.0, 1.0)?,
+    )?;
+    let y2 = ops::key_padding_attention(
+        &ops::linear(
+            &x2,
+            &Tensor::cat(&t[0..3], 0)?,
+            Some(&Tensor::cat(&t[3..6], 0)?),
+        )?,
+        2,
+        &[7, 4],
+    )?;
+    let rows = |y: &Tensor| y.narrow(0, 1, 1).and_then(|r| r.narrow(1, 0, 4));
+    assert_eq!(
+        max_diff(&rows(&y)?, &rows(&y2)?)?,
+        0.0,
+        "BERT attention {compute:?}: padding"
+    );
     Ok(())
 }
 

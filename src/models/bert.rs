@@ -9,10 +9,11 @@
 //! a = LayerNorm(x + Wo · attention(Wq x, Wk x, Wv x; key padding))     attention.output.LayerNorm
 //! y = LayerNorm(a + W2 · gelu_erf(W1 a))                                 output.LayerNorm
 //! ```
-//! The feed-forward sub-block is one node under the engine's backward,
-//! [`crate::ops::post_norm_block`]; its second half, [`crate::ops::gelu_linear`], keeps `W1 a`
-//! but not its GELU (recomputed in the backward). The attention sub-block is the composition
-//! of its ops: its key-padding mask and non-causal softmax have no fused kernel yet.
+//! Each sub-block is one node under the engine's backward, [`crate::ops::post_norm_block`]:
+//! the attention one with [`crate::ops::key_padding_attention`] inside (scores materialised:
+//! the key-padding, non-causal attention at MiniLM's head width 32 has no flash kernel), the
+//! feed-forward one with [`crate::ops::gelu_linear`], which keeps `W1 a` but not its GELU
+//! (recomputed in the backward).
 //! The embeddings are `word[ids] + position[0..T] + token_type[0]`, then LayerNorm. The
 //! residual stream is f32; the matmuls run in the compute dtype (bf16 under bf16-mixed), the
 //! norms and the softmax in f32 ([`crate::precision`]). Attention is the masked composition
@@ -448,42 +449,43 @@ impl Layer {
     }
 
     /// The attention sub-block, `a = LayerNorm(x + Wo · attention(..))`: `x: (B, T, C)` f32 →
-    /// `(B, T, C)` f32.
+    /// `(B, T, C)` f32, one graph node under the engine's backward ([`ops::post_norm_block`]:
+    /// the q/k/v projection as one GEMM of the stacked weights, [`ops::key_padding_attention`],
+    /// the output projection).
     fn attention_block(&self, x: &Tensor, lengths: &[usize]) -> Result<Tensor> {
-        let heads = self.heads;
-        let dh = x.dim(D::Minus1)? / heads;
-        let (w, b) = (
-            Tensor::cat(&self.qkv_weights, 0)?,
-            Tensor::cat(&self.qkv_biases, 0)?,
-        );
-        let qkv = ops::linear(x, &w, Some(&b))?; // (B, T, 3C)
-        let qkv = ops::split_heads(&qkv, heads)?; // (3, B, H, T, Dh)
-        let q = qkv.get(0)?.affine(1.0 / (dh as f64).sqrt(), 0.0)?;
-        let (k, v) = (qkv.get(1)?, qkv.get(2)?);
-        let scores = q.matmul(&k.t()?)?; // (B, H, T, T)
-        let probs = ops::key_padding_softmax_last_dim(&scores, lengths)?;
-        let y = ops::merge_heads(&probs.matmul(&v)?)?; // (B, T, C)
-        Ok(self
-            .attn_norm
-            .forward(&ops::residual_add(x, &self.attn_out.forward(&y)?)?)?)
+        let layers = [
+            ops::Layer::Linear {
+                parts: &self.qkv_weights,
+                b: &self.qkv_biases,
+            },
+            ops::Layer::PaddedAttention {
+                n_head: self.heads,
+                key_lengths: lengths,
+            },
+            ops::Layer::Linear {
+                parts: std::slice::from_ref(self.attn_out.weight()),
+                b: std::slice::from_ref(linear_bias(&self.attn_out)?),
+            },
+        ];
+        Ok(ops::post_norm_block(
+            x,
+            &layers,
+            &self.attn_norm.norm_params(),
+        )?)
     }
 
     /// The feed-forward sub-block, `LayerNorm(a + W2 · gelu_erf(W1 a))`: `(B, T, C)` f32 →
     /// `(B, T, C)` f32, one graph node under the engine's backward ([`ops::post_norm_block`]).
     /// The GELU output is recomputed in the backward, not kept ([`ops::gelu_linear`]).
     fn feed_forward_block(&self, a: &Tensor) -> Result<Tensor> {
-        fn bias(l: &Linear) -> Result<&Tensor> {
-            l.bias()
-                .context("BERT layer: a feed-forward linear has no bias (internal error)")
-        }
         let layers = [
             ops::Layer::Linear {
                 parts: std::slice::from_ref(self.ffn_in.weight()),
-                b: Some(bias(&self.ffn_in)?),
+                b: std::slice::from_ref(linear_bias(&self.ffn_in)?),
             },
             ops::Layer::ActLinear {
                 w: self.ffn_out.weight(),
-                b: bias(&self.ffn_out)?,
+                b: linear_bias(&self.ffn_out)?,
                 act: ops::Activation::GeluErf,
             },
         ];
@@ -493,6 +495,12 @@ impl Layer {
             &self.ffn_norm.norm_params(),
         )?)
     }
+}
+
+/// The bias of a BERT linear layer (every one has one).
+fn linear_bias(l: &Linear) -> Result<&Tensor> {
+    l.bias()
+        .context("BERT layer: a linear layer has no bias (internal error)")
 }
 
 /// Mean of `hidden: (B, T, C)` over each row's first `lengths[b]` positions, `(B, C)` f32

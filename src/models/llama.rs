@@ -188,7 +188,7 @@ impl Proj {
             None => self.parts.as_slice(),
         };
         match (&self.lora, parts) {
-            (None, parts) => Some(Layer::Linear { parts, b: None }),
+            (None, parts) => Some(Layer::Linear { parts, b: &[] }),
             (Some(_), _) if train && self.dropout > 0.0 => None,
             (Some((_, LoraAdapter { a, b })), [w]) => Some(Layer::LoraLinear {
                 w,

@@ -183,7 +183,8 @@ impl ActLinear {
         // the activation's output again (no graph); its gradient only when h wants one
         let h = h.detach();
         let g = self.0.apply(&h)?;
-        let (dg, dw, db) = linear::grads_wanted(&g, w, Some(b), dy, want_h, w.track_op())?;
+        let (dg, dw, db) =
+            linear::grads_wanted(&g, w, Some(b), dy, want_h, w.track_op(), b.track_op())?;
         let dh = match dg {
             Some(dg) => Some(self.0.backward(&h, &g, &dg)?),
             None => None,

@@ -16,7 +16,8 @@ use super::attention::{fused_attention, AttentionOp};
 use super::layer_norm::{self, prepare, prepare_param, Kind, NormFwd};
 use super::linear::{self, Linear, Operands};
 use super::lora_linear::{self, LoraLinear};
-use super::residual_block::{Layer, NormParams};
+use super::padded_attention::PaddedAttention;
+use super::residual_block::{stacked, Layer, NormParams};
 use super::rotary::{self, Rotary};
 use super::swiglu::SwiGlu;
 use crate::grad_sink::offer;
@@ -38,12 +39,13 @@ enum Op {
         w: Tensor,
         b: Option<Tensor>,
     },
-    /// `w` is the stacked `parts` (the single part itself when there is one); the gradient goes
-    /// to the parts.
+    /// `w` and `b` are the stacked `parts` and `b_parts` (the single part itself when there is
+    /// one); the gradients go to the parts.
     Linear {
         w: Tensor,
         parts: Vec<Tensor>,
         b: Option<Tensor>,
+        b_parts: Vec<Tensor>,
     },
     ActLinear {
         op: ActLinear,
@@ -62,6 +64,7 @@ enum Op {
     },
     SwiGlu,
     Attention(AttentionOp),
+    PaddedAttention(PaddedAttention),
 }
 
 impl Step {
@@ -103,23 +106,30 @@ impl Step {
     /// operands, attention without the fused kernels).
     pub(super) fn layer(layer: &Layer<'_>, x: &Tensor, want_x: bool) -> Result<Option<Self>> {
         let (x, y, op) = match *layer {
-            Layer::Linear { parts, b } => {
-                let w = match parts {
-                    [w] => w.clone(),
-                    parts => {
-                        let detached: Vec<Tensor> = parts.iter().map(Tensor::detach).collect();
-                        Tensor::cat(&detached, 0)?
-                    }
+            Layer::Linear { parts, b: b_parts } => {
+                let Some(w) = joined(parts)? else {
+                    bail!("block op: a linear layer without weight parts")
                 };
-                let Operands::Ready { x, w, b } = linear::operands(linear::OP, x, &w, b)? else {
+                let b = joined(b_parts)?;
+                let Operands::Ready { x, w, b } = linear::operands(linear::OP, x, &w, b.as_ref())?
+                else {
                     return Ok(None);
                 };
                 let y = match &b {
                     Some(b) => x.apply_op3(&w, b, Linear)?,
                     None => x.apply_op2(&w, Linear)?,
                 };
-                let parts = parts.to_vec();
-                (x, y, Op::Linear { w, parts, b })
+                let (parts, b_parts) = (parts.to_vec(), b_parts.to_vec());
+                (
+                    x,
+                    y,
+                    Op::Linear {
+                        w,
+                        parts,
+                        b,
+                        b_parts,
+                    },
+                )
             }
             Layer::ActLinear { w, b, act } => {
                 let Operands::Ready { x, w, b: Some(b) } =
@@ -178,6 +188,17 @@ impl Step {
                 };
                 (x, y, Op::Attention(op))
             }
+            Layer::PaddedAttention {
+                n_head,
+                key_lengths,
+            } => {
+                if x.elem_count() == 0 {
+                    return Ok(None);
+                }
+                let x = x.contiguous()?;
+                let (y, op) = PaddedAttention::forward(&x, n_head, key_lengths)?;
+                (x, y, Op::PaddedAttention(op))
+            }
         };
         Ok(Some(Self { op, x, y, want_x }))
     }
@@ -191,9 +212,9 @@ impl Step {
     fn params(&self) -> Vec<&Tensor> {
         match &self.op {
             Op::Norm { w, b, .. } => std::iter::once(w).chain(b).collect(),
-            Op::Linear { parts, b, .. } => parts.iter().chain(b).collect(),
+            Op::Linear { parts, b_parts, .. } => parts.iter().chain(b_parts).collect(),
             Op::ActLinear { w, b, .. } | Op::Lora { a: w, b, .. } => vec![w, b],
-            Op::Rotary { .. } | Op::SwiGlu | Op::Attention(_) => vec![],
+            Op::Rotary { .. } | Op::SwiGlu | Op::Attention(_) | Op::PaddedAttention(_) => vec![],
         }
     }
 
@@ -249,27 +270,18 @@ impl Step {
                 }
                 Some(dx)
             }
-            Op::Linear { w, parts, b } => {
+            Op::Linear {
+                w,
+                parts,
+                b,
+                b_parts,
+            } => {
                 let want_w = parts.iter().any(Tensor::track_op);
-                let (dx, dw, db) = linear::grads_wanted(x, w, b.as_ref(), dy, want_x, want_w)?;
-                if let Some(b) = b {
-                    give(b, db)?;
-                }
-                match (parts.as_slice(), dw) {
-                    ([part], dw) => give(part, dw)?,
-                    (parts, Some(dw)) => {
-                        let mut row = 0;
-                        for part in parts {
-                            let n = part.dim(0)?;
-                            give(
-                                part,
-                                part.track_op().then(|| dw.narrow(0, row, n)).transpose()?,
-                            )?;
-                            row += n;
-                        }
-                    }
-                    (_, None) => {}
-                }
+                let want_b = b_parts.iter().any(Tensor::track_op);
+                let (dx, dw, db) =
+                    linear::grads_wanted(x, w, b.as_ref(), dy, want_x, want_w, want_b)?;
+                give_rows(b_parts, db)?;
+                give_rows(parts, dw)?;
                 dx
             }
             Op::ActLinear { op, w, b } => {
@@ -287,6 +299,7 @@ impl Step {
             Op::Rotary { op, cos, sin } => CustomOp3::bwd(op, x, cos, sin, y, dy)?.0,
             Op::SwiGlu => CustomOp1::bwd(&SwiGlu, x, y, dy)?,
             Op::Attention(op) => op.bwd(x, y, dy)?,
+            Op::PaddedAttention(op) => Some(op.backward(dy)?),
         };
         match (want_x, dx) {
             (false, _) => Ok(None),
@@ -315,6 +328,35 @@ fn give(p: &Tensor, g: Option<Tensor>) -> Result<()> {
         )
     }
     Ok(())
+}
+
+/// `parts` stacked along their first dimension for an op (detached when several: the
+/// concatenation is the op's operand, the parts get the gradient's rows).
+fn joined(parts: &[Tensor]) -> Result<Option<Tensor>> {
+    match parts {
+        [_] | [] => stacked(parts),
+        parts => stacked(&parts.iter().map(Tensor::detach).collect::<Vec<_>>()),
+    }
+}
+
+/// Hands each of the stacked `parts` its rows of `g` (the gradient of their concatenation).
+fn give_rows(parts: &[Tensor], g: Option<Tensor>) -> Result<()> {
+    match (parts, g) {
+        ([part], g) => give(part, g),
+        (parts, Some(g)) => {
+            let mut row = 0;
+            for part in parts {
+                let n = part.dim(0)?;
+                give(
+                    part,
+                    part.track_op().then(|| g.narrow(0, row, n)).transpose()?,
+                )?;
+                row += n;
+            }
+            Ok(())
+        }
+        (_, None) => Ok(()),
+    }
 }
 
 /// Ops in a row as they ran (a pre-norm half: its norm, then its branch; a post-norm block:

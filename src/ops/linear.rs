@@ -382,12 +382,13 @@ pub(super) fn grads(
     b: Option<&Tensor>,
     dy: &Tensor,
 ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-    grads_wanted(x, w, b, dy, x.track_op(), w.track_op())
+    let want_b = b.is_some_and(Tensor::track_op);
+    grads_wanted(x, w, b, dy, x.track_op(), w.track_op(), want_b)
 }
 
-/// [`grads`] with `dx` computed when `want_x` and `dw` when `want_w`, whether or not autograd
+/// [`grads`] with `dx` computed when `want_x`, `dw` when `want_w` and `db` when `want_b`, whether or not autograd
 /// tracks x and w (an op that recomputes its GEMM input, [`super::act_linear`], needs `dx` of
-/// an untracked tensor; a block op, `dw` of a weight it stacked from tracked parts).
+/// an untracked tensor; a block op, `dw` and `db` of a weight and bias it stacked from tracked parts).
 pub(super) fn grads_wanted(
     x: &Tensor,
     w: &Tensor,
@@ -395,6 +396,7 @@ pub(super) fn grads_wanted(
     dy: &Tensor,
     want_x: bool,
     want_w: bool,
+    want_b: bool,
 ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
     let (x, w, dy) = (x.detach(), w.detach(), dy.detach());
     let (n, k) = w.dims2()?;
@@ -420,7 +422,7 @@ pub(super) fn grads_wanted(
     } else {
         None
     };
-    let db = match b.filter(|b| b.track_op()) {
+    let db = match b.filter(|_| want_b) {
         Some(b) => {
             let db = bias::column_sum(&dy2, n)?;
             Some(if db.dtype() == b.dtype() {

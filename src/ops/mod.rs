@@ -83,6 +83,7 @@ mod linear_cross_entropy;
 #[cfg(feature = "cuda")]
 mod lora_cuda;
 mod lora_linear;
+mod padded_attention;
 mod post_norm_block;
 mod residual;
 mod residual_block;
@@ -106,6 +107,7 @@ pub use linear::linear;
 pub use linear_cross_entropy::linear_cross_entropy_rows;
 pub(crate) use lora_linear::block_diagonal as lora_block_diagonal;
 pub use lora_linear::{lora_linear, lora_linear_grouped};
+pub use padded_attention::key_padding_attention;
 pub use post_norm_block::post_norm_block;
 pub use residual::residual_add;
 pub use residual_block::{

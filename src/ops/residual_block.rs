@@ -87,13 +87,14 @@ pub struct AttentionParams<'a> {
 #[derive(Clone, Copy, Debug)]
 pub enum Layer<'a> {
     /// [`crate::ops::linear`] by the weight that `parts` stack along the output rows (each
-    /// `(out_i, in)`, in the compute dtype; one part is the weight itself), with an optional
-    /// bias `(sum out_i,)`. Each part gets its own rows of the gradient.
+    /// `(out_i, in)`, in the compute dtype; one part is the weight itself), with the bias that
+    /// `b` stacks the same way (`(out_i,)` per part; empty: no bias). Each part gets its own
+    /// rows of the gradients.
     Linear {
         /// The weight's parts, in row order.
         parts: &'a [Tensor],
-        /// The bias.
-        b: Option<&'a Tensor>,
+        /// The bias's parts, one per weight part, or none.
+        b: &'a [Tensor],
     },
     /// [`crate::ops::act_linear`]: `act(h) @ w^T + b`.
     ActLinear {
@@ -137,6 +138,14 @@ pub enum Layer<'a> {
     },
     /// [`crate::ops::swiglu`] of a `(.., 2F)` gate|up.
     SwiGlu,
+    /// [`crate::ops::key_padding_attention`] of a `(B, T, 3C)` qkv: bidirectional, batch
+    /// entry b attending to its first `key_lengths[b]` positions.
+    PaddedAttention {
+        /// Heads H.
+        n_head: usize,
+        /// Valid positions per batch entry.
+        key_lengths: &'a [usize],
+    },
 }
 
 /// One half of a pre-norm transformer block, `x ← x + branch(norm(x))`.
@@ -220,7 +229,7 @@ impl<'a> Half<'a> {
             Half::Attention(p) => vec![
                 Layer::Linear {
                     parts: std::slice::from_ref(p.qkv_w),
-                    b: Some(p.qkv_b),
+                    b: std::slice::from_ref(p.qkv_b),
                 },
                 Layer::Attention {
                     n_head: p.n_head,
@@ -228,13 +237,13 @@ impl<'a> Half<'a> {
                 },
                 Layer::Linear {
                     parts: std::slice::from_ref(p.proj_w),
-                    b: Some(p.proj_b),
+                    b: std::slice::from_ref(p.proj_b),
                 },
             ],
             Half::Mlp(p) => vec![
                 Layer::Linear {
                     parts: std::slice::from_ref(p.fc_w),
-                    b: Some(p.fc_b),
+                    b: std::slice::from_ref(p.fc_b),
                 },
                 Layer::ActLinear {
                     w: p.fc2_w,
@@ -287,17 +296,19 @@ impl<'a> Layer<'a> {
             Layer::ActLinear { w, b, .. } => out.extend([w, b]),
             Layer::LoraLinear { w, a, b, .. } => out.extend([w, a, b]),
             Layer::Rotary { cos, sin, .. } => out.extend([cos, sin]),
-            Layer::Attention { .. } | Layer::SwiGlu => {}
+            Layer::Attention { .. } | Layer::SwiGlu | Layer::PaddedAttention { .. } => {}
         }
     }
 
     /// The layer as its public op (the composition's).
     pub(super) fn composed(&self, x: &Tensor) -> Result<Tensor> {
         match *self {
-            Layer::Linear { parts, b } => match parts {
-                [w] => super::linear(x, w, b),
-                parts => super::linear(x, &Tensor::cat(parts, 0)?, b),
-            },
+            Layer::Linear { parts, b } => {
+                let Some(w) = stacked(parts)? else {
+                    bail!("block op: a linear layer without weight parts")
+                };
+                super::linear(x, &w, stacked(b)?.as_ref())
+            }
             Layer::ActLinear { w, b, act } => super::act_linear(x, w, b, act),
             Layer::LoraLinear {
                 w,
@@ -316,8 +327,22 @@ impl<'a> Layer<'a> {
                 super::grouped_causal_attention(x, n_head, n_kv_head)
             }
             Layer::SwiGlu => super::swiglu(x),
+            Layer::PaddedAttention {
+                n_head,
+                key_lengths,
+            } => super::key_padding_attention(x, n_head, key_lengths),
         }
     }
+}
+
+/// `parts` stacked along their first dimension: the one part itself, a concatenation of
+/// several, `None` for none.
+pub(super) fn stacked(parts: &[Tensor]) -> Result<Option<Tensor>> {
+    Ok(match parts {
+        [] => None,
+        [p] => Some(p.clone()),
+        parts => Some(Tensor::cat(parts, 0)?),
+    })
 }
 
 /// One half as separate ops (the reference the one-node form matches).

@@ -103,6 +103,18 @@ pub fn key_padding_softmax_last_dim(x: &Tensor, key_lengths: &[usize]) -> Result
     })
 }
 
+/// The backward of the softmaxes here (masked or not): `dx = y * (dy - sum(y * dy))` per row
+/// from the output `y` and its gradient `dy` (cast to y's dtype); what their autograd runs, for
+/// block nodes that keep `y` themselves.
+pub(super) fn softmax_backward(y: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    let dy = if dy.dtype() == y.dtype() {
+        dy.clone()
+    } else {
+        dy.to_dtype(y.dtype())?
+    };
+    y.apply_op2_no_bwd(&dy.contiguous()?, &SoftmaxBwd)
+}
+
 /// Which keys a row sees.
 enum Mask {
     /// All of them.
@@ -209,12 +221,7 @@ impl CustomOp1 for SoftmaxLastDim {
     }
 
     fn bwd(&self, _x: &Tensor, y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
-        let dy = if dy.dtype() == y.dtype() {
-            dy.clone()
-        } else {
-            dy.to_dtype(y.dtype())?
-        };
-        Ok(Some(y.apply_op2_no_bwd(&dy.contiguous()?, &SoftmaxBwd)?))
+        Ok(Some(softmax_backward(y, dy)?))
     }
 }
 
