@@ -132,7 +132,9 @@ impl CustomOp2 for Segment {
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let xv = Var::from_tensor(&x.detach())?;
-        let y = (self.segment)(xv.as_tensor())?;
+        // differentiated with grad_sink's backward below: block ops in the segment build their
+        // one-node form
+        let y = crate::grad_sink::forward_for_sink(|| (self.segment)(xv.as_tensor()))?;
         // a nested sink: leaf gradients from ops in the segment land in this store
         let grads = crate::grad_sink::backward(&(y * dy.detach())?.sum_all()?)?;
         let mut stash = lock(&self.grads);

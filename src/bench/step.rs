@@ -296,18 +296,19 @@ pub fn run(args: &StepArgs) -> Result<()> {
     );
     println!("ms/step     {ms_per_step:.3}");
     println!("tokens/s    {tok_per_s:.0}");
+    // replays allocate from the driver's graph pool, beside the tensors that live in the
+    // default pool (parameters, optimizer state): their sum, when above the ordinary steps' peak
     #[cfg(feature = "cuda")]
-    if let (Device::Cuda(d), Some(p)) = (&dev, peak.as_mut()) {
-        if graph.is_some() {
-            *p += crate::cuda::memory::graph_memory_peak(d)?; // the graph's own pool
-        }
+    if let (Device::Cuda(d), Some(p), Some(_)) = (&dev, peak.as_mut(), &graph) {
+        let live = crate::cuda::memory::memory_stats(d)?.allocated;
+        *p = (*p).max(live + crate::cuda::memory::graph_memory_peak(d)?);
     }
     match peak {
         Some(b) => println!(
             "peak memory {:.2} GB (CUDA pool high-water mark{})",
             b as f64 / 1e9,
             if graph.is_some() {
-                " + the graph pool's"
+                ", or its live bytes + the graph pool's high-water mark if more"
             } else {
                 ""
             }
