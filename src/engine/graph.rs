@@ -30,7 +30,9 @@ use std::marker::PhantomData;
 /// [`Engine::replay`]. It belongs to the engine and the thread that captured it (it is not
 /// `Send`: the capture used the thread's default stream and candle's thread-local cache of
 /// small uploads, which the graph reads), and it stays valid until that engine's state is
-/// replaced ([`Engine::load_state`], [`Engine::with_collective`]).
+/// replaced ([`Engine::load_state`], [`Engine::with_collective`]). Parameter options changed
+/// after the capture (frozen parameters, weight decay, learning-rate scales) are not seen by
+/// replays: capture again after changing them.
 pub struct CapturedStep {
     // outputs of the captured step: graph allocations at fixed addresses, rewritten by every
     // replay (declared before the graph, so they are freed while it exists)
@@ -134,7 +136,11 @@ impl Engine {
                 return Err(e.context("CUDA graph capture of the step failed"));
             }
         };
-        graph.upload().context("cuGraphUpload")?;
+        if let Err(e) = graph.upload() {
+            drop(report);
+            let _ = stream.context().check_err();
+            return Err(anyhow::Error::from(e).context("cuGraphUpload of the captured step"));
+        }
         Ok(CapturedStep {
             loss: report.loss,
             stats: report.stats,
