@@ -32,9 +32,7 @@ use crate::timing::{Mark, StepSpans};
 use anyhow::{bail, Result};
 use candle_core::{backprop::GradStore, DType, Tensor};
 
-#[cfg(feature = "cuda")]
 mod graph;
-#[cfg(feature = "cuda")]
 pub use graph::CapturedStep;
 
 /// Source of [`Engine`] identities (a [`CapturedStep`] replays only on its own engine).

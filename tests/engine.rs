@@ -400,3 +400,31 @@ fn value_clipping_clamps_the_unscaled_gradient_once_per_step() -> anyhow::Result
     }
     Ok(())
 }
+
+/// CUDA graphs need a CUDA device: on the CPU `capture_step` says so and runs nothing (the
+/// replays themselves are tested on the GPU, tests/cuda_graph.rs).
+#[test]
+fn capture_step_on_the_cpu_is_a_clear_error_that_changes_nothing() -> anyhow::Result<()> {
+    let store = ParamStore::new(Precision::Fp32, Device::Cpu, 0);
+    let lin = wick::nn::Linear::new(&store, "l", 3, 2, true)?;
+    let before = store.masters();
+    let mut engine = Engine::new(store, EngineConfig::adamw(1e-2))?;
+    let x = Tensor::ones((4, 3), DType::F32, &Device::Cpu)?;
+    let err = engine
+        .capture_step(|_| lin.forward(&x)?.sqr()?.mean_all())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("CUDA") && err.contains("Engine::step"),
+        "{err}"
+    );
+    assert_eq!(engine.boundaries(), 0);
+    for ((n, a), (_, b)) in before.iter().zip(engine.store().masters()) {
+        assert_eq!(
+            a.flatten_all()?.to_vec1::<f32>()?,
+            b.flatten_all()?.to_vec1::<f32>()?,
+            "{n}"
+        );
+    }
+    Ok(())
+}

@@ -248,7 +248,7 @@ pub fn run(args: &StepArgs) -> Result<()> {
     let mut last = None;
     for _ in 0..args.steps {
         let r = match &graph {
-            Some(g) => replay(&mut engine, g)?,
+            Some(g) => engine.replay(g)?,
             None => engine.step(|_| net.loss(&x, &y))?,
         };
         phases.add(&r.times());
@@ -385,45 +385,22 @@ pub fn run(args: &StepArgs) -> Result<()> {
     Ok(())
 }
 
-#[cfg(feature = "cuda")]
-type Graph = crate::engine::CapturedStep;
-#[cfg(not(feature = "cuda"))]
-type Graph = std::convert::Infallible;
-
 /// With `--cuda-graph`: the last warm-up step and the capture of the next one; `None` (after
 /// saying why) when capture fails, so that ordinary steps are timed.
 fn capture(
     engine: &mut crate::Engine,
     args: &StepArgs,
     loss: impl Fn() -> candle_core::Result<Tensor>,
-) -> Result<Option<Graph>> {
+) -> Result<Option<crate::engine::CapturedStep>> {
     if !args.cuda_graph {
         return Ok(None);
     }
-    #[cfg(feature = "cuda")]
-    {
-        let (_, captured) = engine.capture_step(|_| loss())?;
-        match captured {
-            Ok(g) => Ok(Some(g)),
-            Err(e) => {
-                println!("CUDA graph: not captured, timing ordinary steps: {e:#}");
-                Ok(None)
-            }
+    let (_, captured) = engine.capture_step(|_| loss())?;
+    match captured {
+        Ok(g) => Ok(Some(g)),
+        Err(e) => {
+            println!("CUDA graph: not captured, timing ordinary steps: {e:#}");
+            Ok(None)
         }
     }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = (engine, loss);
-        anyhow::bail!("--cuda-graph needs a build with the cuda feature and --device cuda")
-    }
-}
-
-#[cfg(feature = "cuda")]
-fn replay(engine: &mut crate::Engine, g: &Graph) -> Result<crate::engine::StepReport> {
-    engine.replay(g)
-}
-
-#[cfg(not(feature = "cuda"))]
-fn replay(_: &mut crate::Engine, g: &Graph) -> Result<crate::engine::StepReport> {
-    match *g {}
 }

@@ -17,14 +17,19 @@
 //! lifetime at fixed addresses, which the replays reuse (`CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH`).
 
 use super::{Engine, StepCtx, StepReport};
-use crate::amp::ScaleValue;
-use crate::grads::GradStats;
-use crate::optim::Impl;
-use crate::timing::{Mark, StepSpans};
-use anyhow::{bail, Context, Result};
-use candle_core::cuda::cudarc::driver::{sys, CudaGraph};
-use candle_core::{Device, Tensor};
-use std::marker::PhantomData;
+use anyhow::{bail, Result};
+use candle_core::Tensor;
+#[cfg(feature = "cuda")]
+use {
+    crate::amp::ScaleValue,
+    crate::grads::GradStats,
+    crate::optim::Impl,
+    crate::timing::{Mark, StepSpans},
+    anyhow::Context,
+    candle_core::cuda::cudarc::driver::{sys, CudaGraph},
+    candle_core::Device,
+    std::marker::PhantomData,
+};
 
 /// One training step captured as a CUDA graph ([`Engine::capture_step`]); replay it with
 /// [`Engine::replay`]. It belongs to the engine and the thread that captured it (it is not
@@ -32,7 +37,9 @@ use std::marker::PhantomData;
 /// small uploads, which the graph reads), and it stays valid until that engine's state is
 /// replaced ([`Engine::load_state`], [`Engine::with_collective`]). Parameter options changed
 /// after the capture (frozen parameters, weight decay, learning-rate scales) are not seen by
-/// replays: capture again after changing them.
+/// replays: capture again after changing them. In a build without the `cuda` feature none can
+/// exist ([`Engine::capture_step`] errors).
+#[cfg(feature = "cuda")]
 pub struct CapturedStep {
     // outputs of the captured step: graph allocations at fixed addresses, rewritten by every
     // replay (declared before the graph, so they are freed while it exists)
@@ -46,6 +53,14 @@ pub struct CapturedStep {
     _thread: PhantomData<*const ()>,
 }
 
+/// See the `cuda` build's documentation: without CUDA no step can be captured.
+#[cfg(not(feature = "cuda"))]
+#[derive(Debug)]
+pub struct CapturedStep {
+    never: std::convert::Infallible,
+}
+
+#[cfg(feature = "cuda")]
 impl std::fmt::Debug for CapturedStep {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CapturedStep")
@@ -67,8 +82,9 @@ impl Engine {
     /// host reads of device values, no new small host uploads; candle keeps the ones of the
     /// first call for the capture).
     ///
-    /// Errors (nothing runs): not the fused CUDA path; `accumulation_steps` > 1; a process
-    /// group is attached; stochastic rounding is on. An error of the ordinary step is returned
+    /// Errors (nothing runs): no CUDA device (or a build without the `cuda` feature); not the
+    /// fused CUDA path; `accumulation_steps` > 1; a process group is attached; stochastic
+    /// rounding is on. An error of the ordinary step is returned
     /// as [`Engine::step`] returns it.
     pub fn capture_step<F, E>(
         &mut self,
@@ -78,31 +94,43 @@ impl Engine {
         F: Fn(&StepCtx) -> std::result::Result<Tensor, E>,
         E: Into<anyhow::Error>,
     {
-        let Device::Cuda(dev) = self.store.device().clone() else {
-            bail!("Engine::capture_step: CUDA graphs need a CUDA device; use Engine::step");
-        };
-        let why_not = if self.imp != Impl::FusedCuda {
-            Some("the fused CUDA path (OptimPath::Auto or Fused)")
-        } else if self.config.accumulation_steps != 1 {
-            Some("accumulation_steps = 1 (every step an accumulation boundary)")
-        } else if self.sync.collective().is_some() {
-            Some("one process (no collective attached)")
-        } else if self.config.stochastic_rounding {
-            Some("stochastic_rounding off (its seed changes every step)")
-        } else {
-            None
-        };
-        if let Some(need) = why_not {
-            bail!("Engine::capture_step needs {need}; use Engine::step");
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = forward;
+            bail!(
+                "Engine::capture_step: CUDA graphs need a build with the `cuda` feature and a \
+                 CUDA device; use Engine::step"
+            )
         }
-        // both calls upload their small host constants through candle's cache, so the
-        // capture finds them on the device
-        let _cache = dev.enable_cuda_graph_htod_cache();
-        let report = self.step(&forward)?;
-        let captured = self.capture(&dev, &forward);
-        Ok((report, captured))
+        #[cfg(feature = "cuda")]
+        {
+            let Device::Cuda(dev) = self.store.device().clone() else {
+                bail!("Engine::capture_step: CUDA graphs need a CUDA device; use Engine::step");
+            };
+            let why_not = if self.imp != Impl::FusedCuda {
+                Some("the fused CUDA path (OptimPath::Auto or Fused)")
+            } else if self.config.accumulation_steps != 1 {
+                Some("accumulation_steps = 1 (every step an accumulation boundary)")
+            } else if self.sync.collective().is_some() {
+                Some("one process (no collective attached)")
+            } else if self.config.stochastic_rounding {
+                Some("stochastic_rounding off (its seed changes every step)")
+            } else {
+                None
+            };
+            if let Some(need) = why_not {
+                bail!("Engine::capture_step needs {need}; use Engine::step");
+            }
+            // both calls upload their small host constants through candle's cache, so the
+            // capture finds them on the device
+            let _cache = dev.enable_cuda_graph_htod_cache();
+            let report = self.step(&forward)?;
+            let captured = self.capture(&dev, &forward);
+            Ok((report, captured))
+        }
     }
 
+    #[cfg(feature = "cuda")]
     fn capture<F, E>(&mut self, dev: &candle_core::CudaDevice, forward: &F) -> Result<CapturedStep>
     where
         F: Fn(&StepCtx) -> std::result::Result<Tensor, E>,
@@ -162,40 +190,45 @@ impl Engine {
     /// [`Engine::load_state`]; the learning-rate schedule no longer gives the rate that was
     /// captured (capture again); a CUDA driver error.
     pub fn replay(&mut self, step: &CapturedStep) -> Result<StepReport> {
-        if step.engine != self.id || step.generation != self.generation {
-            bail!(
-                "Engine::replay: this CapturedStep belongs to another engine or to state that \
-                 was replaced since (load_state); capture again"
-            );
+        #[cfg(not(feature = "cuda"))]
+        match step.never {}
+        #[cfg(feature = "cuda")]
+        {
+            if step.engine != self.id || step.generation != self.generation {
+                bail!(
+                    "Engine::replay: this CapturedStep belongs to another engine or to state that \
+                     was replaced since (load_state); capture again"
+                );
+            }
+            let lr = self.config.schedule.lr(self.boundaries);
+            if lr != step.lr {
+                bail!(
+                    "Engine::replay: the schedule's learning rate at boundary {} is {lr}, the \
+                     captured step applies {}; capture again where the rate changes",
+                    self.boundaries,
+                    step.lr
+                );
+            }
+            let device = self.store.device().clone();
+            let m0 = Mark::now(&device)?;
+            step.graph.launch().context("cuGraphLaunch")?;
+            let m1 = Mark::now(&device)?;
+            let report = StepReport {
+                loss: step.loss.copy()?,
+                stats: match &step.stats {
+                    Some(GradStats::Device(t)) => Some(GradStats::Device(t.copy()?)),
+                    other => other.clone(),
+                },
+                loss_scale: match &step.loss_scale {
+                    ScaleValue::Device(t) => ScaleValue::Device(t.copy()?),
+                    host => host.clone(),
+                },
+                boundary: true,
+                lr,
+                spans: StepSpans::from_marks([m0, m1.clone(), m1.clone(), m1]),
+            };
+            self.boundaries += 1;
+            Ok(report)
         }
-        let lr = self.config.schedule.lr(self.boundaries);
-        if lr != step.lr {
-            bail!(
-                "Engine::replay: the schedule's learning rate at boundary {} is {lr}, the \
-                 captured step applies {}; capture again where the rate changes",
-                self.boundaries,
-                step.lr
-            );
-        }
-        let device = self.store.device().clone();
-        let m0 = Mark::now(&device)?;
-        step.graph.launch().context("cuGraphLaunch")?;
-        let m1 = Mark::now(&device)?;
-        let report = StepReport {
-            loss: step.loss.copy()?,
-            stats: match &step.stats {
-                Some(GradStats::Device(t)) => Some(GradStats::Device(t.copy()?)),
-                other => other.clone(),
-            },
-            loss_scale: match &step.loss_scale {
-                ScaleValue::Device(t) => ScaleValue::Device(t.copy()?),
-                host => host.clone(),
-            },
-            boundary: true,
-            lr,
-            spans: StepSpans::from_marks([m0, m1.clone(), m1.clone(), m1]),
-        };
-        self.boundaries += 1;
-        Ok(report)
     }
 }
