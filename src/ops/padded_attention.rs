@@ -6,9 +6,9 @@
 //! S_h = (q_h / sqrt(Dh)) k_h^T,  keys j < len[b] only      P_h = softmax(S_h)      y_h = P_h v_h
 //! y: (B, T, C), head h at columns h*Dh..(h+1)*Dh
 //! ```
-//! transformers' `BertSelfAttention` with the additive key-padding mask of the attention mask,
-//! except that masked keys get exactly zero probability ([`super::key_padding_softmax_last_dim`])
-//! rather than `exp(-10000)`-small ones. The scores `(B, H, T, T)` are materialised: at BERT's
+//! transformers' `BertSelfAttention` with the key-padding mask of the attention mask, except
+//! that masked keys get exactly zero probability ([`super::key_padding_softmax_last_dim`])
+//! rather than the tiny ones a large negative additive mask leaves. The scores `(B, H, T, T)` are materialised: at BERT's
 //! short sequences they are small, and the head width (32 for MiniLM) is not one the flash
 //! kernels take.
 //!
