@@ -60,6 +60,14 @@ fn batches(dev: &Device, n: usize) -> Vec<(Tensor, Tensor)> {
         .collect()
 }
 
+/// Two engines of the same model and seed: one for ordinary steps, one for the graph.
+fn twins(dev: &Device) -> ((Engine, Gpt), (Engine, Gpt)) {
+    (
+        model(dev, EngineConfig::adamw(3e-3)),
+        model(dev, EngineConfig::adamw(3e-3)),
+    )
+}
+
 fn max_master_diff(a: &Engine, b: &Engine) -> f32 {
     let (ma, mb) = (a.store().masters(), b.store().masters());
     assert_eq!(ma.len(), mb.len());
@@ -87,8 +95,7 @@ fn same(a: f32, b: f32, what: &str) {
 fn replays_match_ordinary_steps() {
     let dev = gpu();
     let data = batches(&dev, 2);
-    let (mut a, gpt_a) = model(&dev, EngineConfig::adamw(3e-3));
-    let (mut b, gpt_b) = model(&dev, EngineConfig::adamw(3e-3));
+    let ((mut a, gpt_a), (mut b, gpt_b)) = twins(&dev);
     let (x, y) = (data[0].0.copy().unwrap(), data[0].1.copy().unwrap());
 
     let mut losses_a = Vec::new();
@@ -129,8 +136,7 @@ fn failed_capture_leaves_ordinary_steps_unchanged() {
     let dev = gpu();
     let data = batches(&dev, 1);
     let (x, y) = &data[0];
-    let (mut a, gpt_a) = model(&dev, EngineConfig::adamw(3e-3));
-    let (mut b, gpt_b) = model(&dev, EngineConfig::adamw(3e-3));
+    let ((mut a, gpt_a), (mut b, gpt_b)) = twins(&dev);
     for _ in 0..3 {
         a.step(|_| gpt_a.loss(x, y)).unwrap();
     }

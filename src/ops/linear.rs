@@ -386,9 +386,10 @@ pub(super) fn grads(
     grads_wanted(x, w, b, dy, x.track_op(), w.track_op(), want_b)
 }
 
-/// [`grads`] with `dx` computed when `want_x`, `dw` when `want_w` and `db` when `want_b`, whether or not autograd
-/// tracks x and w (an op that recomputes its GEMM input, [`super::act_linear`], needs `dx` of
-/// an untracked tensor; a block op, `dw` and `db` of a weight and bias it stacked from tracked parts).
+/// [`grads`] with `dx` computed when `want_x`, `dw` when `want_w` and `db` when `want_b`,
+/// whether or not autograd tracks x, w and b (an op that recomputes its GEMM input,
+/// [`super::act_linear`], needs `dx` of an untracked tensor; a block op, `dw` and `db` of a
+/// weight and bias it stacked from tracked parts).
 pub(super) fn grads_wanted(
     x: &Tensor,
     w: &Tensor,

@@ -8,9 +8,9 @@
 //! ```
 //! transformers' `BertSelfAttention` with the key-padding mask of the attention mask, except
 //! that masked keys get exactly zero probability ([`super::key_padding_softmax_last_dim`])
-//! rather than the tiny ones a large negative additive mask leaves. The scores `(B, H, T, T)` are materialised: at BERT's
-//! short sequences they are small, and the head width (32 for MiniLM) is not one the flash
-//! kernels take.
+//! rather than the tiny ones a large negative additive mask leaves. The scores `(B, H, T, T)`
+//! are materialised: at BERT's short sequences they are small, and the head width (32 for
+//! MiniLM) is not one the flash kernels take.
 //!
 //! [`key_padding_attention`] is the composition of candle ops (its autograd is the reference);
 //! [`PaddedAttention`] runs the same forward without a graph and the backward that autograd
@@ -94,9 +94,8 @@ impl PaddedAttention {
         let dp = dout.matmul(&v.t()?)?;
         let dv = p.t()?.matmul(&dout)?;
         let ds = softmax_backward(p, &dp)?;
-        // S = q k^T (k^T a transpose of k)
-        let kt = k.t()?;
-        let dq = ds.matmul(&kt.t()?)?;
+        // S = q k^T: dq = dS (k^T)^T, whose layout is k's; dk = (q^T dS)^T
+        let dq = ds.matmul(k)?;
         let dk = q.t()?.matmul(&ds)?.t()?;
         // q = scale * q0
         let dq = dq.affine(1.0 / (dh as f64).sqrt(), 0.0)?;
