@@ -4,10 +4,12 @@
 //! forward (user closure, autocast policy)  → loss (f32 scalar, unscaled)
 //! scale_loss                                → loss * loss_scale
 //! backward                                  → grads w.r.t. working copies / masters
+//!   (data parallelism, last micro-batch)      buckets' all-reduces start as grads turn final
 //! check_coverage (until a backward passes)  → error if a trainable parameter got no grad
 //! accumulate                                → fp32 buffers += weight * grad
 //! ── at the accumulation boundary ──
 //! sync.reduce                               → the global gradient (data parallelism)
+//!                                              the other buckets start; all are awaited
 //! check                                     → found_inf (grads, scaled loss, 1/scale), norm
 //! clip_value (optional, after the check)    → clamped buffers, norm measured again
 //! clip                                      → multiplier = unscale * min(1, max_norm / norm)
@@ -21,6 +23,7 @@
 
 use crate::amp::{AmpState, ScaleValue};
 use crate::coverage::Coverage;
+use crate::dist::reduce::Reduction;
 use crate::dist::GradSync;
 use crate::grads::{GradBuffers, GradStats, Limit};
 use crate::optim::{AdamW, AdamWConfig, Impl, LrSchedule, OptimPath, Optimizer, StepInputs};
@@ -29,7 +32,7 @@ use crate::precision::Precision;
 use crate::profile::PhaseTimes;
 use crate::scaler::{ScalerConfig, ScalerState};
 use crate::timing::{Mark, StepSpans};
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use candle_core::{backprop::GradStore, DType, Tensor};
 
 mod graph;
@@ -294,6 +297,15 @@ impl Engine {
         self.sync.collective()
     }
 
+    /// Data parallelism: `(started, buckets)`, how many gradient buckets began their
+    /// all-reduce during the last boundary's backward, overlapping it (the first boundary
+    /// starts none: it learns when each gradient is final; [`crate::dist::reduce`]). `None`
+    /// without a collective of more than one rank or with [`crate::dist::DdpConfig::overlap`]
+    /// off.
+    pub fn buckets_started_in_backward(&self) -> Option<(usize, usize)> {
+        self.sync.buckets_started_in_backward()
+    }
+
     /// One micro-batch with weight 1 (see [`Engine::step_weighted`]).
     pub fn step<F, E>(&mut self, forward: F) -> Result<StepReport>
     where
@@ -375,11 +387,22 @@ impl Engine {
         let loss = scalar_loss(loss)?;
         let m1 = Mark::now(&device)?;
 
-        // scale the loss, backward
+        // scale the loss, backward; with data parallelism, a window's last backward starts its
+        // gradient buckets' all-reduces as they become final
         let loss_scale = self.amp.loss_scale()?;
         let scaled = loss_scale.scale_loss(&loss)?;
-        let grads = crate::grad_sink::backward(&scaled)
-            .map_err(|e| anyhow::Error::from(e).context("backward failed"))?;
+        let keep_raw = self.config.accumulation_steps == 1;
+        let at_boundary = close || self.grads.micro_steps() + 1 >= self.config.accumulation_steps;
+        let mut reduction = match at_boundary {
+            true => self
+                .sync
+                .begin_reduction(&params, self.grads.buffers(), weight, keep_raw)?,
+            false => None,
+        };
+        let grads = self
+            .sync
+            .backward(&scaled, reduction.as_mut())
+            .context("backward failed")?;
         // from here on nothing holds the forward graph: its activations are freed before the
         // optimizer runs (and allocates its moments on the first step), as PyTorch frees saved
         // tensors during the backward
@@ -390,15 +413,13 @@ impl Engine {
         if self.check_coverage_next {
             self.check_coverage(&params, &grads)?;
         }
-        let keep_raw = self.config.accumulation_steps == 1;
         self.grads.accumulate(&params, &grads, weight, keep_raw)?;
         self.grads.note_scaled_loss(&scaled)?;
         drop(grads);
         self.sync.note_micro_batch(weight);
         let lr = self.config.schedule.lr(self.boundaries);
-        let at_boundary = close || self.grads.micro_steps() >= self.config.accumulation_steps;
         let stats = if at_boundary {
-            Some(self.boundary(&params, &loss_scale, lr, keep_raw)?)
+            Some(self.boundary(&params, &loss_scale, lr, reduction)?)
         } else {
             None
         };
@@ -420,9 +441,9 @@ impl Engine {
         params: &[Param],
         loss_scale: &ScaleValue,
         lr: f64,
-        keep_raw: bool,
+        reduction: Option<Reduction>,
     ) -> Result<GradStats> {
-        self.sync.reduce(params, &mut self.grads, keep_raw)?;
+        self.sync.reduce(&mut self.grads, reduction)?;
         let stats = self.check(loss_scale)?;
         let stats = self.sync.agree(stats, self.store.device())?; // every rank skips together
         let inputs = StepInputs {

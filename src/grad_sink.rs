@@ -34,32 +34,51 @@ use candle_core::{bail, Result, Tensor, TensorId};
 use std::cell::RefCell;
 use std::collections::HashMap;
 
-/// Leaf id → (leaf, gradient so far).
-type Sunk = HashMap<TensorId, (Tensor, Tensor)>;
+/// A function told of every gradient a sink takes: `(leaf, the leaf's gradient so far)`.
+pub type GradHook<'a> = dyn FnMut(&Tensor, &Tensor) -> Result<()> + 'a;
+
+/// An open sink: leaf id → (leaf, gradient so far), and the hook of [`backward_with`].
+#[derive(Default)]
+struct Sunk {
+    grads: HashMap<TensorId, (Tensor, Tensor)>,
+    /// Points to the `&mut GradHook` borrowed by the [`backward_with`] call that opened this
+    /// sink; cleared when that call's [`Scope`] closes, before the borrow ends.
+    hook: Option<*mut GradHook<'static>>,
+}
 
 thread_local! {
     /// The innermost open sink on this thread.
     static SINK: RefCell<Option<Sunk>> = const { RefCell::new(None) };
 }
 
-/// An open sink; closing it (drop) restores the enclosing one, so sinks nest.
+/// An open sink; closing it (drop) restores the enclosing one, so sinks nest. An inner sink
+/// (a recomputed segment's backward) has no hook: its gradients reach the outer sink, and its
+/// hook, when the segment's op offers them there.
 struct Scope {
     outer: Option<Sunk>,
 }
 
 impl Scope {
-    fn open() -> Self {
+    fn open(hook: Option<*mut GradHook<'static>>) -> Self {
+        let sink = Sunk {
+            grads: HashMap::new(),
+            hook,
+        };
         Self {
-            outer: SINK.with(|s| s.borrow_mut().replace(HashMap::new())),
+            outer: SINK.with(|s| s.borrow_mut().replace(sink)),
         }
     }
 
     /// What this sink collected, as `(leaf, gradient)` pairs.
     fn take(&self) -> Vec<(Tensor, Tensor)> {
-        SINK.with(|s| s.borrow_mut().as_mut().map(std::mem::take))
-            .unwrap_or_default()
-            .into_values()
-            .collect()
+        SINK.with(|s| {
+            s.borrow_mut()
+                .as_mut()
+                .map(|s| std::mem::take(&mut s.grads))
+        })
+        .unwrap_or_default()
+        .into_values()
+        .collect()
     }
 }
 
@@ -104,7 +123,28 @@ pub(crate) fn sink_ahead() -> bool {
 /// Errors: those of candle's backward, and of adding a sink gradient to candle's for the same
 /// leaf (shapes or dtypes that differ, which no supporting op produces).
 pub fn backward(loss: &Tensor) -> Result<GradStore> {
-    let scope = Scope::open();
+    backward_in(loss, Scope::open(None))
+}
+
+/// [`backward`], calling `hook(leaf, gradient so far)` each time the sink takes a leaf's
+/// gradient, while the backward runs: a leaf offered once by one op (each parameter of a
+/// block op, of a linear layer) has its final gradient at that call, so the caller can start
+/// work on it (data parallelism's bucket all-reduce, [`crate::dist::overlap`]) while the rest
+/// of the backward runs. Gradients that candle computes itself (ops outside wick's) are not
+/// seen by the hook; they are in the returned store, added to the sunk ones where both exist.
+///
+/// Errors: those of [`backward`], and the hook's first error (the backward stops there).
+pub fn backward_with(loss: &Tensor, hook: &mut GradHook<'_>) -> Result<GradStore> {
+    let hook: *mut GradHook<'_> = hook;
+    // SAFETY: only the lifetime bound of the trait object is erased. The pointer is stored in
+    // the sink this call opens and is dropped with it when `backward_in` returns (the scope is
+    // closed on every path), while `hook`'s borrow is still held; `offer` calls it with no
+    // borrow of the sink held, and the hook cannot reach the pointer itself.
+    let hook: *mut GradHook<'static> = unsafe { std::mem::transmute(hook) };
+    backward_in(loss, Scope::open(Some(hook)))
+}
+
+fn backward_in(loss: &Tensor, scope: Scope) -> Result<GradStore> {
     let mut grads = loss.backward()?;
     for (leaf, g) in scope.take() {
         let g = match grads.remove(&leaf) {
@@ -130,10 +170,10 @@ pub(crate) fn offer(leaf: &Tensor, grad: Option<Tensor>) -> Result<Option<Tensor
     if !leaf.is_variable() {
         return Ok(Some(grad));
     }
-    SINK.with(|s| {
+    let taken = SINK.with(|s| {
         let mut s = s.borrow_mut();
         let Some(sink) = s.as_mut() else {
-            return Ok(Some(grad));
+            return Ok(Err(grad));
         };
         if grad.dims() != leaf.dims() || grad.dtype() != leaf.dtype() {
             bail!(
@@ -145,14 +185,29 @@ pub(crate) fn offer(leaf: &Tensor, grad: Option<Tensor>) -> Result<Option<Tensor
                 leaf.dtype()
             )
         }
-        match sink.get_mut(&leaf.id()) {
-            Some((_, g)) => *g = (&*g + grad)?,
-            None => {
-                sink.insert(leaf.id(), (leaf.clone(), grad));
+        let so_far = match sink.grads.get_mut(&leaf.id()) {
+            Some((_, g)) => {
+                *g = (&*g + grad)?;
+                g.clone()
             }
+            None => {
+                sink.grads.insert(leaf.id(), (leaf.clone(), grad.clone()));
+                grad
+            }
+        };
+        Ok(Ok((sink.hook, so_far)))
+    })?;
+    match taken {
+        Err(grad) => Ok(Some(grad)),
+        Ok((hook, so_far)) => {
+            if let Some(hook) = hook {
+                // SAFETY: see `backward_with`: the hook outlives the sink that holds it, and no
+                // borrow of the sink is held here
+                unsafe { (*hook)(leaf, &so_far)? };
+            }
+            Ok(None)
         }
-        Ok(None)
-    })
+    }
 }
 
 #[cfg(test)]
@@ -173,10 +228,10 @@ mod tests {
     fn sinks_nest_and_keep_their_own_gradients() -> Result<()> {
         let v = Var::new(&[1f32, 2.0], &Device::Cpu)?;
         let g = |x: f32| Tensor::new(&[x, x], &Device::Cpu);
-        let outer = Scope::open();
+        let outer = Scope::open(None);
         assert!(offer(v.as_tensor(), Some(g(1.0)?))?.is_none());
         {
-            let inner = Scope::open();
+            let inner = Scope::open(None);
             assert!(offer(v.as_tensor(), Some(g(10.0)?))?.is_none());
             assert!(offer(v.as_tensor(), Some(g(20.0)?))?.is_none());
             let got = inner.take();
@@ -215,7 +270,7 @@ mod tests {
         let h = ops::linear(&x, w.as_tensor(), Some(b.as_tensor()))?;
         let y = ops::gelu_linear(&h, w2.as_tensor(), b2.as_tensor())?;
         let loss = y.sqr()?.sum_all()?;
-        let scope = Scope::open();
+        let scope = Scope::open(None);
         let grads = loss.backward()?;
         let sunk = scope.take();
         let all = [&table, &w, &b, &w2, &b2, &gain, &shift];
@@ -228,9 +283,48 @@ mod tests {
     }
 
     #[test]
+    fn backward_with_shows_each_sunk_gradient_as_it_is_taken() -> Result<()> {
+        use crate::ops;
+        let dev = Device::Cpu;
+        let w1 = Var::new(&[[1f32, 2.0], [3.0, 4.0]], &dev)?;
+        let w2 = Var::new(&[[0.5f32, -1.0]], &dev)?;
+        let x = Tensor::new(&[[1f32, -1.0]], &dev)?;
+        // w1 is used twice: its gradient is complete at its second offer
+        let h = ops::linear(
+            &ops::linear(&x, w1.as_tensor(), None)?,
+            w1.as_tensor(),
+            None,
+        )?;
+        let loss = ops::linear(&h, w2.as_tensor(), None)?.sum_all()?;
+        let mut seen: Vec<(TensorId, Tensor)> = Vec::new();
+        let grads = backward_with(&loss, &mut |leaf, g| {
+            seen.push((leaf.id(), g.clone()));
+            Ok(())
+        })?;
+        let offers = |v: &Var| seen.iter().filter(|(id, _)| *id == v.id()).count();
+        assert_eq!((offers(&w1), offers(&w2)), (2, 1));
+        for v in [&w1, &w2] {
+            let (_, last) = seen.iter().rev().find(|(id, _)| *id == v.id()).unwrap();
+            let held = grads.get(v.as_tensor()).expect("a gradient");
+            assert_eq!(
+                last.id(),
+                held.id(),
+                "the last gradient seen is the one returned"
+            );
+        }
+        // closed form: y = w2 w1 w1 x^T; dy/dw2 = (w1 w1 x^T)^T = [-3, -7]
+        let g2: Vec<Vec<f32>> = grads.get(w2.as_tensor()).unwrap().to_vec2()?;
+        assert_eq!(g2, vec![vec![-3.0, -7.0]]);
+        // a hook's error stops the backward
+        let e = backward_with(&loss, &mut |_, _| candle_core::bail!("stop")).unwrap_err();
+        assert!(e.to_string().contains("stop"), "{e}");
+        Ok(())
+    }
+
+    #[test]
     fn a_gradient_of_the_wrong_shape_is_an_error() -> Result<()> {
         let v = Var::new(&[1f32, 2.0], &Device::Cpu)?;
-        let _scope = Scope::open();
+        let _scope = Scope::open(None);
         let e = offer(v.as_tensor(), Some(Tensor::new(&[1f32], &Device::Cpu)?)).unwrap_err();
         assert!(e.to_string().contains("internal error"), "{e}");
         Ok(())
@@ -240,7 +334,7 @@ mod tests {
     fn an_intermediate_tensor_is_not_sunk() -> Result<()> {
         let v = Var::new(&[1f32, 2.0], &Device::Cpu)?;
         let y = (v.as_tensor() * 2.0)?;
-        let _scope = Scope::open();
+        let _scope = Scope::open(None);
         assert!(offer(&y, Some(Tensor::new(&[1f32, 1.0], &Device::Cpu)?))?.is_some());
         Ok(())
     }

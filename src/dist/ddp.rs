@@ -32,16 +32,13 @@
 //! reaches both through [`super::GradSync`].
 
 use super::{Collective, ReduceOp};
-use crate::grads::{GradBuffers, GradStats, HostStats};
+use crate::grads::{GradStats, HostStats};
 use crate::params::{Param, ParamStore};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 
 /// Bytes per MiB (PyTorch's `bucket_cap_mb` is in MiB: `int(bucket_cap_mb * 1024 * 1024)`).
 const MIB: f64 = 1024.0 * 1024.0;
-
-/// Bytes of one element of the reduction dtype (f32).
-pub const REDUCE_ELEM_BYTES: usize = 4;
 
 /// Bucket sizes.
 #[derive(Debug, Clone, PartialEq)]
@@ -100,6 +97,15 @@ pub struct DdpConfig {
     /// ZeRO-1: each rank keeps the optimizer state of its share of the parameters only and
     /// updates only those; owners broadcast the updated weights (see [`super::zero`]).
     pub zero1: bool,
+    /// Start each bucket's all-reduce during the backward, once its gradients are final
+    /// (PyTorch DDP's overlap of communication with the backward; [`super::reduce`]). Same
+    /// results bit for bit as `false`, which reduces every bucket after the backward; a model
+    /// whose graph changes from step to step needs `false`.
+    pub overlap: bool,
+    /// The dtype gradients are summed in across the ranks: f32 (default) or bf16 (half the
+    /// bytes on the wire and a bf16 sum, as PyTorch's `bf16_compress_hook`; the applied
+    /// gradient is f32 either way).
+    pub reduce_dtype: DType,
 }
 
 impl Default for DdpConfig {
@@ -108,7 +114,23 @@ impl Default for DdpConfig {
             buckets: BucketConfig::default(),
             agree_found_inf: true,
             zero1: false,
+            overlap: true,
+            reduce_dtype: DType::F32,
         }
+    }
+}
+
+impl DdpConfig {
+    /// Errors: invalid bucket caps, or a reduce dtype other than f32 and bf16.
+    pub fn validate(&self) -> Result<()> {
+        self.buckets.validate()?;
+        if !matches!(self.reduce_dtype, DType::F32 | DType::BF16) {
+            bail!(
+                "DdpConfig::reduce_dtype must be F32 or BF16, got {:?}",
+                self.reduce_dtype
+            );
+        }
+        Ok(())
     }
 }
 
@@ -188,11 +210,15 @@ pub fn agree_found_inf(coll: &dyn Collective, local: bool, device: &Device) -> R
 // ------------------------------------------------------------------------------------------
 
 /// What the engine keeps when a collective is attached: the collective, the bucket
-/// configuration, and this accumulation window's weight sum.
+/// configuration, this accumulation window's weight sum, and when each gradient becomes final
+/// (learned by [`super::reduce::Reduction`]).
 pub struct Ddp {
     coll: Box<dyn Collective>,
     config: DdpConfig,
     window_weight: f64,
+    ready_counts: Vec<Option<usize>>,
+    /// (buckets started during the last boundary backward, buckets).
+    overlap: Option<(usize, usize)>,
     /// ZeRO-1: the owner rank of each parameter (store order), set by [`Ddp::shard_owners`].
     owners: Option<Vec<usize>>,
 }
@@ -218,7 +244,7 @@ fn fnv1a(h: u64, bytes: &[u8]) -> u64 {
 impl Ddp {
     /// Validates the configuration.
     pub fn new(coll: Box<dyn Collective>, config: DdpConfig) -> Result<Self> {
-        config.buckets.validate()?;
+        config.validate()?;
         if coll.rank() >= coll.world_size() {
             bail!(
                 "collective reports rank {} of world size {}",
@@ -230,6 +256,8 @@ impl Ddp {
             coll,
             config,
             window_weight: 0.0,
+            ready_counts: Vec::new(),
+            overlap: None,
             owners: None,
         })
     }
@@ -266,11 +294,46 @@ impl Ddp {
             .collect()
     }
 
-    /// The buckets over [`Self::reduced_params`] (positions in that list).
+    /// The buckets over [`Self::reduced_params`] (positions in that list), capped in bytes of
+    /// the reduce dtype.
     pub fn buckets(&self, params: &[Param]) -> Result<Vec<Bucket>> {
         let idx = Self::reduced_params(params);
         let numels: Vec<usize> = idx.iter().map(|&i| params[i].elem_count()).collect();
-        assign_buckets(&numels, REDUCE_ELEM_BYTES, &self.config.buckets)
+        assign_buckets(
+            &numels,
+            self.config.reduce_dtype.size_in_bytes(),
+            &self.config.buckets,
+        )
+    }
+
+    /// The weight of this accumulation window so far on this rank.
+    pub fn window_weight(&self) -> f64 {
+        self.window_weight
+    }
+
+    /// Ends the window: its weight, reset to 0.
+    pub fn take_window_weight(&mut self) -> f64 {
+        std::mem::take(&mut self.window_weight)
+    }
+
+    /// Per store position, how many sink offers made the gradient final at the last boundary
+    /// (`None`: not known to be final before the backward's end).
+    pub fn ready_counts(&self) -> &[Option<usize>] {
+        &self.ready_counts
+    }
+
+    /// Records what the last boundary backward learned: the counts [`Self::ready_counts`]
+    /// returns, and how many of `buckets` buckets it started.
+    pub fn set_ready_counts(&mut self, counts: Vec<Option<usize>>, started: usize, buckets: usize) {
+        self.ready_counts = counts;
+        self.overlap = Some((started, buckets));
+    }
+
+    /// `(started, buckets)`: how many of the gradient buckets started their all-reduce during
+    /// the last boundary's backward (the rest started after it). `None` before the first
+    /// boundary backward with [`DdpConfig::overlap`].
+    pub fn buckets_started_in_backward(&self) -> Option<(usize, usize)> {
+        self.overlap
     }
 
     /// Checks that every rank has the same parameter layout (count, sizes, names: compared
@@ -338,153 +401,6 @@ impl Ddp {
     /// Records one micro-batch of weight `weight` in this accumulation window.
     pub fn note_micro_batch(&mut self, weight: f64) {
         self.window_weight += weight;
-    }
-
-    /// At the accumulation boundary: replaces this rank's gradient buffers by the global
-    /// gradient `Σ_ranks contribution / Σ_ranks weight` (see the module docs), in f32, with the
-    /// buffers' normaliser set to 1, bucket by bucket (one `all_reduce_sum` per bucket; the
-    /// window's weight rides in the first). `keep_raw`: the buffers hold the raw gradient of a
-    /// single micro-batch (the engine's `accumulation_steps == 1` path, whose normaliser is 1),
-    /// so the contribution is `buffer * weight`; otherwise the buffers already hold
-    /// `Σ_i w_i g_i`. A trainable parameter without a gradient on this rank contributes zeros.
-    /// World size 1: nothing changes.
-    pub fn reduce_gradients(
-        &mut self,
-        params: &[Param],
-        grads: &mut GradBuffers,
-        keep_raw: bool,
-    ) -> Result<()> {
-        let weight = std::mem::take(&mut self.window_weight);
-        if self.coll.world_size() == 1 {
-            return Ok(());
-        }
-        if !(weight.is_finite() && weight > 0.0) {
-            bail!("reduce_gradients: the accumulation window has weight {weight}");
-        }
-        let idx = Self::reduced_params(params);
-        if idx.is_empty() {
-            return Ok(());
-        }
-        let buckets = self.buckets(params)?;
-        let scale = if keep_raw && weight != 1.0 {
-            Some(weight)
-        } else {
-            None
-        };
-        let mut reduced: Vec<Option<Tensor>> = vec![None; params.len()];
-        let mut total_weight: Option<Tensor> = None;
-        #[cfg(feature = "cuda")]
-        if params.first().is_some_and(|p| p.master.device().is_cuda()) {
-            // pack each bucket with the multi-tensor accumulate kernel (one launch per gradient
-            // dtype and up to 160 tensors) instead of a cast and a copy per parameter
-            for (bi, b) in buckets.iter().enumerate() {
-                let dev = params[idx[b.members[0]]].master.device().clone();
-                let flat =
-                    self.pack_bucket(params, grads.buffers(), &idx, b, bi == 0, &dev, scale)?;
-                if bi == 0 {
-                    flat.slice_set(&Tensor::new(&[weight as f32], &dev)?, 0, b.numel)?;
-                }
-                let sum = self
-                    .coll
-                    .all_reduce_sum(&flat)
-                    .with_context(|| format!("all-reduce of gradient bucket {bi}"))?;
-                self.unpack_bucket(params, &idx, b, bi, sum, &mut total_weight, &mut reduced)?;
-            }
-            return grads.set_reduced(reduced);
-        }
-        {
-            let bufs = grads.buffers();
-            for (bi, b) in buckets.iter().enumerate() {
-                let mut parts = Vec::with_capacity(b.members.len() + 1);
-                for &m in &b.members {
-                    let p = &params[idx[m]];
-                    let part = match bufs.get(idx[m]).and_then(|x| x.as_ref()) {
-                        Some(g) => g.flatten_all()?.to_dtype(DType::F32)?,
-                        None => Tensor::zeros(p.elem_count(), DType::F32, p.master.device())?,
-                    };
-                    parts.push(match scale {
-                        Some(w) => (part * w)?,
-                        None => part,
-                    });
-                }
-                let dev = parts[0].device().clone();
-                if bi == 0 {
-                    parts.push(Tensor::new(&[weight as f32], &dev)?);
-                }
-                let flat = Tensor::cat(&parts, 0)?;
-                let sum = self
-                    .coll
-                    .all_reduce_sum(&flat)
-                    .with_context(|| format!("all-reduce of gradient bucket {bi}"))?;
-                self.unpack_bucket(params, &idx, b, bi, sum, &mut total_weight, &mut reduced)?;
-            }
-        }
-        grads.set_reduced(reduced)
-    }
-
-    /// CUDA: one f32 buffer holding the bucket's gradients (times `scale` when given) and, for
-    /// bucket 0, one more element for the weight sum; a parameter without a gradient is zeros.
-    #[cfg(feature = "cuda")]
-    #[allow(clippy::too_many_arguments)]
-    fn pack_bucket(
-        &self,
-        params: &[Param],
-        bufs: &[Option<Tensor>],
-        idx: &[usize],
-        b: &Bucket,
-        first: bool,
-        dev: &Device,
-        scale: Option<f64>,
-    ) -> Result<Tensor> {
-        let flat = Tensor::zeros(b.numel + usize::from(first), DType::F32, dev)?;
-        let k = b.members.len();
-        let (mut views, mut fresh, mut incoming) = (vec![None; k], vec![None; k], vec![None; k]);
-        for (j, (&m, &off)) in b.members.iter().zip(&b.offsets).enumerate() {
-            let n = params[idx[m]].elem_count();
-            if let Some(g) = bufs.get(idx[m]).and_then(|x| x.as_ref()) {
-                views[j] = Some(flat.narrow(0, off, n)?);
-                incoming[j] = Some(g.flatten_all()?);
-            }
-        }
-        // `fresh` all None: every view is written as 0 + scale * g
-        crate::cuda::accumulate::accumulate(
-            &mut views,
-            &mut fresh,
-            &incoming,
-            scale.unwrap_or(1.0) as f32,
-        )?;
-        Ok(flat)
-    }
-
-    /// Splits an all-reduced bucket back into per-parameter gradients divided by the global
-    /// weight (which bucket 0 carries in its last element).
-    #[allow(clippy::too_many_arguments)]
-    fn unpack_bucket(
-        &self,
-        params: &[Param],
-        idx: &[usize],
-        b: &Bucket,
-        bi: usize,
-        mut sum: Tensor,
-        total_weight: &mut Option<Tensor>,
-        reduced: &mut [Option<Tensor>],
-    ) -> Result<()> {
-        if bi == 0 {
-            *total_weight = Some(sum.narrow(0, b.numel, 1)?);
-            sum = sum.narrow(0, 0, b.numel)?;
-        }
-        let w = total_weight
-            .as_ref()
-            .context("the weight sum rides in bucket 0")?;
-        let avg = sum.broadcast_div(w)?;
-        for (&m, &off) in b.members.iter().zip(&b.offsets) {
-            let p = &params[idx[m]];
-            reduced[idx[m]] = Some(
-                avg.narrow(0, off, p.elem_count())?
-                    .reshape(p.master.dims())?,
-            );
-        }
-        Ok(())
     }
 
     /// Makes the boundary statistics agree across ranks (all-reduce MAX; see

@@ -38,6 +38,7 @@ pub mod launch;
 pub mod local;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+pub mod reduce;
 pub mod rendezvous;
 pub mod sync;
 pub mod watchdog;
@@ -92,6 +93,15 @@ pub trait Collective: Send {
         self.all_reduce(t, ReduceOp::Max)
     }
 
+    /// Starts `all_reduce(t, Sum)` and returns at once where the backend can run it beside
+    /// this rank's compute (NCCL: on its communication stream, ordered after the work queued so
+    /// far); the sum is read with [`Pending::wait`], which orders the compute after it. The
+    /// default runs the collective now. Same rules as every collective: each rank starts the
+    /// same collectives in the same order.
+    fn all_reduce_sum_start(&self, t: &Tensor) -> Result<Pending> {
+        Ok(Pending::ready(self.all_reduce_sum(t)?))
+    }
+
     /// Rank `root`'s `t` on every rank (the other ranks' `t` gives only shape and dtype).
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor>;
 
@@ -105,6 +115,59 @@ pub trait Collective: Send {
     /// Returns when every rank has called it (and, on a GPU backend, when this rank's queued
     /// device work is done).
     fn barrier(&self) -> Result<()>;
+}
+
+/// A collective started by [`Collective::all_reduce_sum_start`]: its result, and what makes
+/// this rank's compute wait for it. Dropping it unread also waits (a buffer still being
+/// reduced must not be freed under the collective).
+pub struct Pending {
+    result: Tensor,
+    join: Option<Box<dyn FnOnce() -> Result<()> + Send>>,
+}
+
+impl Pending {
+    /// A result that is already there (backends that run collectives synchronously).
+    pub fn ready(result: Tensor) -> Self {
+        Self { result, join: None }
+    }
+
+    /// `result`, valid once `join` has run: `join` orders this rank's later compute after the
+    /// collective (NCCL: the compute stream waits for the communication stream's event).
+    pub fn new(result: Tensor, join: Box<dyn FnOnce() -> Result<()> + Send>) -> Self {
+        Self {
+            result,
+            join: Some(join),
+        }
+    }
+
+    /// The collective's result, ordered before every later use on this rank.
+    ///
+    /// Errors: the backend fails to order the streams.
+    pub fn wait(mut self) -> Result<Tensor> {
+        if let Some(join) = self.join.take() {
+            join()?;
+        }
+        Ok(self.result.clone())
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if let Some(join) = self.join.take() {
+            if let Err(e) = join() {
+                tracing::error!("waiting for an unread collective: {e:#}");
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for Pending {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pending")
+            .field("shape", &self.result.dims())
+            .field("waited", &self.join.is_none())
+            .finish()
+    }
 }
 
 /// World size 1: every collective is the identity. What [`init`] returns for a single process,

@@ -7,8 +7,14 @@
 //! - rank 0: `Id::new()`; `id.internal()` is the 128-byte id, shared by [`share_id`] (TCP);
 //!   the others: `Id::uninit(bytes)`.
 //! - every rank: `stream = device.cuda_stream(); stream.context().bind_to_thread();
-//!   Comm::from_rank(stream, rank, world, id)`. The stream is **candle's** stream of the model's
-//!   device, so collectives are ordered with candle's kernels without host synchronisation.
+//!   Comm::from_rank(stream.fork(), rank, world, id)`: the communicator runs on a
+//!   **communication stream** of its own, forked from candle's stream of the model's device.
+//!   Each collective is ordered by CUDA events, without host synchronisation: the
+//!   communication stream waits for the work candle's stream has queued (the inputs), and
+//!   candle's stream waits for the collective before anything reads its result, at once for
+//!   the blocking methods, at [`super::Pending::wait`] for
+//!   [`Collective::all_reduce_sum_start`], so that a gradient bucket is reduced while the
+//!   backward goes on (PyTorch's `ProcessGroupNCCL` orders its NCCL streams the same way).
 //! - collectives on the tensors' `CudaSlice`s through candle's in-place custom ops
 //!   (`InplaceOp1` for all-reduce / broadcast on a fresh copy; `InplaceOp2` to write
 //!   reduce-scatter / all-gather results into a new tensor).
@@ -31,13 +37,13 @@
 
 use super::rendezvous::{share_id, DistEnv, ID_BYTES};
 use super::watchdog::Watchdog;
-use super::{check_flat, check_float, Collective, ReduceOp};
+use super::{check_flat, check_float, Collective, Pending, ReduceOp};
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc;
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{CpuStorage, CudaStorage, DType, Device, InplaceOp1, InplaceOp2, Layout, Tensor};
-use cudarc::driver::{CudaSlice, CudaStream};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
 use cudarc::nccl::{Comm, Id, ReduceOp as NcclOp};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -66,7 +72,10 @@ impl Default for NcclOptions {
 /// One rank's NCCL communicator on the model's CUDA device.
 pub struct NcclCollective {
     comm: Option<Comm>,
+    /// candle's stream: the inputs are written and the results read there.
     stream: Arc<CudaStream>,
+    /// The communicator's stream.
+    comm_stream: Arc<CudaStream>,
     device: Device,
     rank: usize,
     world: usize,
@@ -172,8 +181,13 @@ impl NcclCollective {
             .bind_to_thread()
             .map_err(|e| anyhow!("binding the CUDA context: {e:?}"))?;
         let raw: [std::ffi::c_char; ID_BYTES] = std::array::from_fn(|i| id[i] as std::ffi::c_char);
+        // wick's devices track no events (`crate::cuda::new_device`): the fork only adds a
+        // stream, ordered by the events of `enqueue`
+        let comm_stream = stream
+            .fork()
+            .map_err(|e| anyhow!("creating the communication stream: {e:?}"))?;
         let dog = Watchdog::arm_exit("ncclCommInitRank", rank, options.init_timeout);
-        let comm = Comm::from_rank(stream.clone(), rank, world, Id::uninit(raw));
+        let comm = Comm::from_rank(comm_stream.clone(), rank, world, Id::uninit(raw));
         dog.disarm();
         let comm = comm
             .map_err(nccl_err)
@@ -181,6 +195,7 @@ impl NcclCollective {
         Ok(Self {
             comm: Some(comm),
             stream,
+            comm_stream,
             device: device.clone(),
             rank,
             world,
@@ -205,15 +220,42 @@ impl NcclCollective {
         check_float(t.dtype(), what)
     }
 
-    /// A fresh contiguous copy in a dtype NCCL reduces natively here (f32 or f64).
+    /// A fresh contiguous copy of `t` (every float dtype but f8 is native to NCCL; f8 goes as
+    /// f32).
     fn staging(&self, t: &Tensor) -> Result<Tensor> {
-        let dt = if t.dtype() == DType::F64 {
-            DType::F64
-        } else {
-            DType::F32
+        let dt = match t.dtype() {
+            d @ (DType::F64 | DType::F32 | DType::BF16 | DType::F16) => d,
+            _ => DType::F32,
         };
         // `copy` guarantees a storage of its own: the in-place op must not touch `t`
         Ok(t.to_dtype(dt)?.contiguous()?.copy()?)
+    }
+
+    /// Runs `collective` on the communication stream after the work queued so far on
+    /// candle's stream; returns its result and an event that marks its end.
+    fn enqueue<R>(&self, collective: impl FnOnce(&Comm) -> Result<R>) -> Result<(R, CudaEvent)> {
+        let inputs = self
+            .stream
+            .record_event(None)
+            .map_err(|e| anyhow!("recording an event: {e:?}"))?;
+        self.comm_stream
+            .wait(&inputs)
+            .map_err(|e| anyhow!("ordering the communication stream: {e:?}"))?;
+        let r = collective(self.comm()?)?;
+        let done = self
+            .comm_stream
+            .record_event(None)
+            .map_err(|e| anyhow!("recording an event: {e:?}"))?;
+        Ok((r, done))
+    }
+
+    /// [`Self::enqueue`], then candle's stream waits for the collective.
+    fn run<R>(&self, collective: impl FnOnce(&Comm) -> Result<R>) -> Result<R> {
+        let (r, done) = self.enqueue(collective)?;
+        self.stream
+            .wait(&done)
+            .map_err(|e| anyhow!("waiting for the collective: {e:?}"))?;
+        Ok(r)
     }
 
     /// Synchronises, barriers, then destroys the communicator (the clean way to end: dropping
@@ -236,6 +278,7 @@ impl Drop for NcclCollective {
     fn drop(&mut self) {
         if let Some(c) = self.comm.take() {
             let _ = self.stream.synchronize();
+            let _ = self.comm_stream.synchronize();
             drop_comm(c);
         }
     }
@@ -249,7 +292,7 @@ fn op(op: ReduceOp) -> NcclOp {
 }
 
 /// In-place all-reduce (`Some(op)`) or broadcast from `root` (`op: None`) of a contiguous
-/// f32/f64 CUDA tensor.
+/// f32/f64/bf16/f16 CUDA tensor.
 struct InPlace<'a> {
     comm: &'a Comm,
     op: Option<ReduceOp>,
@@ -294,13 +337,15 @@ impl InplaceOp1 for InPlace<'_> {
         match s.dtype() {
             DType::F32 => go(self, s.as_cuda_slice_mut::<f32>()?, a, b),
             DType::F64 => go(self, s.as_cuda_slice_mut::<f64>()?, a, b),
+            DType::BF16 => go(self, s.as_cuda_slice_mut::<half::bf16>()?, a, b),
+            DType::F16 => go(self, s.as_cuda_slice_mut::<half::f16>()?, a, b),
             dt => candle_core::bail!("NCCL in-place collective: unsupported dtype {dt:?}"),
         }
     }
 }
 
 /// `dst ← reduce_scatter(src)` (`scatter: true`) or `dst ← all_gather(src)`, both contiguous
-/// f32/f64 CUDA tensors of one dtype.
+/// f32/f64/bf16 CUDA tensors of one dtype.
 struct IntoDst<'a> {
     comm: &'a Comm,
     scatter: bool,
@@ -360,6 +405,12 @@ impl InplaceOp2 for IntoDst<'_> {
                 src.as_cuda_slice::<f64>()?,
                 (da, db, sa, sb),
             ),
+            (DType::BF16, DType::BF16) => go(
+                self,
+                dst.as_cuda_slice_mut::<half::bf16>()?,
+                src.as_cuda_slice::<half::bf16>()?,
+                (da, db, sa, sb),
+            ),
             (d, s) => candle_core::bail!("NCCL collective: dtypes {d:?} / {s:?} not supported"),
         }
     }
@@ -381,13 +432,41 @@ impl Collective for NcclCollective {
     fn all_reduce(&self, t: &Tensor, o: ReduceOp) -> Result<Tensor> {
         self.check_device(t, "all_reduce")?;
         let buf = self.staging(t)?;
-        buf.inplace_op1(&InPlace {
-            comm: self.comm()?,
-            op: Some(o),
-            root: 0,
-        })
-        .context("ncclAllReduce")?;
+        self.run(|comm| {
+            let op = InPlace {
+                comm,
+                op: Some(o),
+                root: 0,
+            };
+            buf.inplace_op1(&op).context("ncclAllReduce")
+        })?;
         Ok(buf.to_dtype(t.dtype())?.reshape(t.dims())?)
+    }
+
+    fn all_reduce_sum_start(&self, t: &Tensor) -> Result<Pending> {
+        self.check_device(t, "all_reduce_sum_start")?;
+        let buf = self.staging(t)?;
+        let ((), done) = self.enqueue(|comm| {
+            let op = InPlace {
+                comm,
+                op: Some(ReduceOp::Sum),
+                root: 0,
+            };
+            buf.inplace_op1(&op).context("ncclAllReduce")
+        })?;
+        // f8 went as f32: cast after the wait (the cast is a kernel on candle's stream)
+        let (stream, dtype, dims) = (self.stream.clone(), t.dtype(), t.dims().to_vec());
+        let result = buf.reshape(dims)?;
+        let join = move || {
+            stream
+                .wait(&done)
+                .map_err(|e| anyhow!("waiting for the all-reduce: {e:?}"))
+        };
+        if result.dtype() != dtype {
+            join()?;
+            return Ok(Pending::ready(result.to_dtype(dtype)?));
+        }
+        Ok(Pending::new(result, Box::new(join)))
     }
 
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
@@ -396,12 +475,14 @@ impl Collective for NcclCollective {
             bail!("broadcast from rank {root} in a group of {}", self.world);
         }
         let buf = self.staging(t)?;
-        buf.inplace_op1(&InPlace {
-            comm: self.comm()?,
-            op: None,
-            root,
-        })
-        .context("ncclBroadcast")?;
+        self.run(|comm| {
+            let op = InPlace {
+                comm,
+                op: None,
+                root,
+            };
+            buf.inplace_op1(&op).context("ncclBroadcast")
+        })?;
         Ok(buf.to_dtype(t.dtype())?.reshape(t.dims())?)
     }
 
@@ -414,14 +495,13 @@ impl Collective for NcclCollective {
         }
         let src = self.staging(flat)?;
         let dst = Tensor::zeros(n / self.world, src.dtype(), &self.device)?;
-        dst.inplace_op2(
-            &src,
-            &IntoDst {
-                comm: self.comm()?,
+        self.run(|comm| {
+            let op = IntoDst {
+                comm,
                 scatter: true,
-            },
-        )
-        .context("ncclReduceScatter")?;
+            };
+            dst.inplace_op2(&src, &op).context("ncclReduceScatter")
+        })?;
         Ok(dst.to_dtype(flat.dtype())?)
     }
 
@@ -430,14 +510,13 @@ impl Collective for NcclCollective {
         check_flat(shard, "all_gather")?;
         let src = self.staging(shard)?;
         let dst = Tensor::zeros(shard.elem_count() * self.world, src.dtype(), &self.device)?;
-        dst.inplace_op2(
-            &src,
-            &IntoDst {
-                comm: self.comm()?,
+        self.run(|comm| {
+            let op = IntoDst {
+                comm,
                 scatter: false,
-            },
-        )
-        .context("ncclAllGather")?;
+            };
+            dst.inplace_op2(&src, &op).context("ncclAllGather")
+        })?;
         Ok(dst.to_dtype(shard.dtype())?)
     }
 

@@ -4,16 +4,18 @@
 //! | variant | at the boundary | after the update |
 //! |---|---|---|
 //! | [`GradSync::Solo`] | nothing | nothing |
-//! | [`GradSync::Ddp`] | all-reduce in buckets (PyTorch DDP), found_inf agreed | nothing: every rank applied the same update |
+//! | [`GradSync::Ddp`] | all-reduce in buckets (PyTorch DDP; started during the backward, [`super::reduce`]), found_inf agreed | nothing: every rank applied the same update |
 //! | [`GradSync::Zero1`] | as DDP; each rank updates the parameters it owns ([`super::zero`]) | every owner broadcasts its updated masters |
 //!
 //! `Engine::step` calls the same methods whatever the variant.
 
 use super::ddp::Ddp;
+use super::reduce::Reduction;
 use super::{Collective, DdpConfig};
 use crate::grads::{GradBuffers, GradStats};
 use crate::params::{Param, ParamStore};
 use anyhow::{bail, Context, Result};
+use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor};
 
 /// How gradients are synchronised across ranks (see the module docs).
@@ -77,6 +79,13 @@ impl GradSync {
         }
     }
 
+    fn ddp_mut(&mut self) -> Option<&mut Ddp> {
+        match self {
+            GradSync::Solo => None,
+            GradSync::Ddp(d) | GradSync::Zero1(d) => Some(d),
+        }
+    }
+
     /// The collective, when one is attached.
     pub fn collective(&self) -> Option<&dyn Collective> {
         self.ddp().map(|d| d.collective())
@@ -90,17 +99,59 @@ impl GradSync {
         }
     }
 
-    /// At the boundary, before the norm and found_inf: replaces the buffers by the global
-    /// gradient (see [`Ddp::reduce_gradients`]).
-    pub fn reduce(
-        &mut self,
+    /// Before the backward of a window's last micro-batch (weight `weight`; `prior`: the
+    /// window's buffers so far): the window's [`Reduction`], or `None` without a collective of
+    /// more than one rank.
+    pub fn begin_reduction(
+        &self,
         params: &[Param],
-        grads: &mut GradBuffers,
+        prior: &[Option<Tensor>],
+        weight: f64,
         keep_raw: bool,
-    ) -> Result<()> {
-        match self {
-            GradSync::Solo => Ok(()),
-            GradSync::Ddp(d) | GradSync::Zero1(d) => d.reduce_gradients(params, grads, keep_raw),
+    ) -> Result<Option<Reduction>> {
+        match self.ddp() {
+            None => Ok(None),
+            Some(d) => Reduction::begin(d, params, prior, weight, keep_raw),
+        }
+    }
+
+    /// The backward of `scaled_loss` ([`crate::grad_sink::backward`]); with a `reduction` and
+    /// [`DdpConfig::overlap`], its buckets start as their gradients become final.
+    ///
+    /// Errors: the backward's, a bucket's all-reduce, or a gradient that changed after its
+    /// bucket started ([`Reduction::after_backward`]).
+    pub fn backward(
+        &mut self,
+        scaled_loss: &Tensor,
+        reduction: Option<&mut Reduction>,
+    ) -> Result<GradStore> {
+        let (Some(r), Some(d)) = (reduction, self.ddp_mut()) else {
+            return Ok(crate::grad_sink::backward(scaled_loss)?);
+        };
+        if !d.config().overlap {
+            return Ok(crate::grad_sink::backward(scaled_loss)?);
+        }
+        let grads = {
+            let d: &Ddp = d;
+            crate::grad_sink::backward_with(scaled_loss, &mut |leaf, g| {
+                r.offer(d, leaf, g)
+                    .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
+            })?
+        };
+        r.after_backward(d, &grads)?;
+        Ok(grads)
+    }
+
+    /// At the boundary, before the norm and found_inf: replaces the buffers by the global
+    /// gradient ([`Reduction::finish`]) and ends the window.
+    pub fn reduce(&mut self, grads: &mut GradBuffers, reduction: Option<Reduction>) -> Result<()> {
+        let Some(d) = self.ddp_mut() else {
+            return Ok(());
+        };
+        d.take_window_weight();
+        match reduction {
+            Some(r) => r.finish(d, grads),
+            None => Ok(()),
         }
     }
 
@@ -110,6 +161,11 @@ impl GradSync {
             None => Ok(stats),
             Some(d) => d.agree_stats(stats, device),
         }
+    }
+
+    /// See [`Ddp::buckets_started_in_backward`]; `None` without a collective.
+    pub fn buckets_started_in_backward(&self) -> Option<(usize, usize)> {
+        self.ddp().and_then(Ddp::buckets_started_in_backward)
     }
 
     /// ZeRO-1: which parameters this rank updates (`None`: every one).
