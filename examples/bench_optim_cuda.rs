@@ -165,6 +165,7 @@ fn main() -> Result<()> {
                 1.0,
                 Some(1.0),
                 None,
+                None,
             )?);
             opt.step(
                 &params,

@@ -280,6 +280,12 @@ impl Engine {
         collective: Box<dyn crate::dist::Collective>,
         config: crate::dist::DdpConfig,
     ) -> Result<Self> {
+        let params = self.store.params();
+        let state: std::collections::HashMap<String, Tensor> = self
+            .optimizer
+            .state_tensors(self.sync.optimizer_params(&params))?
+            .into_iter()
+            .collect();
         self.sync = GradSync::attach(
             collective,
             config,
@@ -288,6 +294,15 @@ impl Engine {
             self.config.stochastic_rounding,
         )?;
         self.optimizer.set_owned(self.sync.owned());
+        if let Some(share) = self.sync.shard_state(&params, &state)? {
+            // flat ZeRO-1: the optimizer's parameters are this rank's segments from now on
+            let applied = self.optimizer_steps()?;
+            self.optimizer.load_state_tensors(
+                self.sync.optimizer_params(&params),
+                &share,
+                applied,
+            )?;
+        }
         self.generation += 1;
         Ok(self)
     }
@@ -295,6 +310,14 @@ impl Engine {
     /// The attached process group, if any.
     pub fn collective(&self) -> Option<&dyn crate::dist::Collective> {
         self.sync.collective()
+    }
+
+    /// The parameters the optimizer updates and keeps state for, as [`Optimizer::state_tensors`]
+    /// takes them: the store's, or under flat ZeRO-1 this rank's segments
+    /// (`"{param}[start..end]"`, 1-D; [`crate::dist::flat`]).
+    pub fn optimizer_params(&self) -> Vec<Param> {
+        let params = self.store.params();
+        self.sync.optimizer_params(&params).to_vec()
     }
 
     /// Data parallelism: `(started, buckets)`, how many gradient buckets began their
@@ -452,8 +475,12 @@ impl Engine {
             seed: self.boundaries,
             stochastic_rounding: self.config.stochastic_rounding,
         };
-        let applied = self.optimizer.step(params, self.grads.buffers(), inputs)?;
-        if applied == Some(true) && !self.optimizer.writes_working_copies() {
+        let updated = self.sync.before_update(params)?; // flat ZeRO-1: this rank's segments
+        let applied = self.optimizer.step(updated, self.grads.buffers(), inputs)?;
+        if applied == Some(true)
+            && !self.optimizer.writes_working_copies()
+            && !self.sync.gathers_masters()
+        {
             self.store.refresh_working_copies()?;
         }
         self.sync.after_update(params)?;
@@ -496,14 +523,15 @@ impl Engine {
 
     fn grad_stats(&self, loss_scale: &ScaleValue) -> Result<GradStats> {
         let max_norm = self.config.max_grad_norm;
+        let across = self.sync.shards_gradients(); // flat ZeRO-1: this rank's part of the norm
         match (&self.amp, loss_scale) {
             #[cfg(feature = "cuda")]
-            (AmpState::Device { scaler, .. }, _) => {
-                self.grads.unscale_and_check_on_device(scaler, max_norm)
-            }
+            (AmpState::Device { scaler, .. }, _) => self
+                .grads
+                .unscale_and_check_on_device(scaler, max_norm, across),
             (_, ScaleValue::Host(s)) => {
                 self.grads
-                    .unscale_and_check(*s, max_norm, self.imp == Impl::FusedCpu)
+                    .unscale_and_check(*s, max_norm, self.imp == Impl::FusedCpu, across)
             }
             _ => bail!("device loss scale without the fused CUDA path"),
         }
@@ -514,7 +542,9 @@ impl Engine {
     /// state on every rank (collective: call it on every rank).
     pub fn optimizer_state(&self) -> Result<Vec<(String, Tensor)>> {
         let params = self.store.params();
-        let local = self.optimizer.state_tensors(&params)?;
+        let local = self
+            .optimizer
+            .state_tensors(self.sync.optimizer_params(&params))?;
         self.sync
             .gather_state(&params, local, &self.optimizer.state_suffixes())
     }
@@ -550,8 +580,12 @@ impl Engine {
     ) -> Result<()> {
         state.scaler.validate()?;
         let params = self.store.params();
-        self.optimizer
-            .load_state_tensors(&params, optimizer, state.applied_steps)?;
+        let share = self.sync.shard_state(&params, optimizer)?;
+        self.optimizer.load_state_tensors(
+            self.sync.optimizer_params(&params),
+            share.as_ref().unwrap_or(optimizer),
+            state.applied_steps,
+        )?;
         self.amp.load(state.scaler, state.applied_steps)?;
         self.boundaries = state.boundaries;
         self.grads.clear();

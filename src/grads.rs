@@ -9,10 +9,11 @@
 //! The divide, the loss-scale unscale and the clip factor are folded into one multiplier that
 //! the optimizer applies in its update pass, so the buffers are read once per step.
 
+use crate::dist::Collective;
 use crate::params::Param;
 use anyhow::{bail, Result};
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Storage, Tensor};
+use candle_core::{DType, Device, Storage, Tensor};
 use rayon::prelude::*;
 
 /// fp32 gradient accumulation buffers, one per parameter (`None` until a gradient arrives).
@@ -184,6 +185,16 @@ impl GradBuffers {
         Ok(())
     }
 
+    /// Flat ZeRO-1: replaces every buffer by this rank's segments of the global gradient (one
+    /// per segment, in the order of [`crate::dist::flat::FlatShard::params`], which the
+    /// optimizer then updates), normaliser 1. [`Self::clear`] ends it; the next accumulation
+    /// uses the parameters' buffers again.
+    pub fn set_segments(&mut self, segments: Vec<Option<Tensor>>) -> Result<()> {
+        self.bufs = segments;
+        self.weight_sum = 1.0;
+        Ok(())
+    }
+
     /// Adds `weight * grad` for every parameter that received a gradient (frozen parameters
     /// are skipped). With `keep_raw` (a single micro-batch per step) the raw gradient is kept
     /// as is and the weight only enters the normaliser. `weight` must be finite and > 0.
@@ -270,22 +281,35 @@ impl GradBuffers {
     /// The boundary pass: `found_inf`, the global norm of the true gradients for a loss scaled
     /// by `loss_scale`, and the multiplier `clip / (loss_scale * sum_w)` with the clip factor of
     /// `max_norm`. `fused`: a single rayon pass over the f32 data (CPU); otherwise candle ops.
+    /// `across`: the buffers hold this rank's part of the gradient (flat ZeRO-1), so the sum
+    /// of squares and the non-finite flag are summed over its ranks first (one all-reduce of
+    /// two f64).
     pub fn unscale_and_check(
         &self,
         loss_scale: f32,
         max_norm: Option<f64>,
         fused: bool,
+        across: Option<&dyn Collective>,
     ) -> Result<GradStats> {
         if self.weight_sum <= 0.0 {
             bail!("unscale_and_check called with no accumulated micro-batch");
         }
         let unscale = 1.0 / (loss_scale as f64 * self.weight_sum);
         let bufs: Vec<&Tensor> = self.bufs.iter().flatten().collect();
-        let (sumsq, grads_bad) = if fused {
+        let (mut sumsq, mut grads_bad) = if fused {
             fused_sumsq(&bufs)?
         } else {
             reference_sumsq(&bufs)?
         };
+        if let Some(c) = across {
+            let dev = self
+                .loss_probe
+                .as_ref()
+                .map_or(Device::Cpu, |p| p.device().clone());
+            let t = Tensor::new(&[sumsq, f64::from(u8::from(grads_bad))], &dev)?;
+            let v = c.all_reduce_sum(&t)?.to_vec1::<f64>()?;
+            (sumsq, grads_bad) = (v[0], v[1] != 0.0);
+        }
         let loss_bad = match &self.loss_probe {
             Some(p) => !p.to_vec1::<f32>()?[0].is_finite(),
             None => false,
@@ -309,12 +333,14 @@ impl GradBuffers {
 
     /// The boundary pass on the device (fused CUDA path): reads the loss scale from
     /// `scaler[0]` (the device [`crate::amp::AmpState`]) and returns stats in a device tensor,
-    /// without synchronisation.
+    /// without synchronisation. `across`: as for [`Self::unscale_and_check`] (the sum of
+    /// squares, non-finite elements included, all-reduced on the device).
     #[cfg(feature = "cuda")]
     pub fn unscale_and_check_on_device(
         &self,
         scaler: &Tensor,
         max_norm: Option<f64>,
+        across: Option<&dyn Collective>,
     ) -> Result<GradStats> {
         if self.weight_sum <= 0.0 {
             bail!("unscale_and_check called with no accumulated micro-batch");
@@ -326,6 +352,7 @@ impl GradBuffers {
             self.weight_sum as f32,
             max_norm.map(|m| m as f32),
             self.loss_probe.as_ref(),
+            across,
         )?;
         Ok(GradStats::device(t))
     }
@@ -425,7 +452,9 @@ mod tests {
             loss_probe: None,
         };
         for fused in [false, true] {
-            let s = bufs.unscale_and_check(4.0, Some(0.25), fused)?.read()?;
+            let s = bufs
+                .unscale_and_check(4.0, Some(0.25), fused, None)?
+                .read()?;
             assert!(!s.found_inf);
             assert!((s.norm - 5.0 / 8.0).abs() < 1e-12, "{s:?}");
             let clip = 0.25 / (5.0 / 8.0 + 1e-6);
@@ -439,8 +468,16 @@ mod tests {
             micro_steps: 1,
             loss_probe: None,
         };
-        assert!(bufs.unscale_and_check(1.0, None, true)?.read()?.found_inf);
-        assert!(bufs.unscale_and_check(1.0, None, false)?.read()?.found_inf);
+        assert!(
+            bufs.unscale_and_check(1.0, None, true, None)?
+                .read()?
+                .found_inf
+        );
+        assert!(
+            bufs.unscale_and_check(1.0, None, false, None)?
+                .read()?
+                .found_inf
+        );
         assert_eq!(clip_factor(10.0, Some(1.0)), 1.0 / (10.0 + 1e-6));
         assert_eq!(clip_factor(0.5, Some(1.0)), 1.0);
         Ok(())

@@ -10,7 +10,7 @@ use rand::{Rng, SeedableRng};
 use std::sync::Arc;
 use wick::data::{DistributedSampler, Sampler};
 use wick::dist::ddp::assign_buckets;
-use wick::dist::{BucketConfig, Collective, DdpConfig, LocalCollective};
+use wick::dist::{BucketConfig, Collective, DdpConfig, LocalCollective, Zero1Layout};
 use wick::{loss, nn, Engine, EngineConfig, ParamStore, Precision, ScalerConfig};
 
 const IN: usize = 6;
@@ -200,14 +200,14 @@ fn train(
     coll: Option<Box<dyn Collective>>,
     dev: &Device,
 ) -> Result<(Vec<Vec<f32>>, Vec<f64>)> {
-    let o = train_full(run, rank, coll.map(|c| (c, false)), dev)?;
+    let o = train_full(run, rank, coll.map(|c| (c, None)), dev)?;
     Ok((o.masters, o.norms))
 }
 
 fn train_full(
     run: Run,
     rank: usize,
-    coll: Option<(Box<dyn Collective>, bool)>,
+    coll: Option<(Box<dyn Collective>, Option<Zero1Layout>)>,
     dev: &Device,
 ) -> Result<Outcome> {
     // every rank builds the model from the same seed; rank 1 from another seed to show the
@@ -225,7 +225,8 @@ fn train_full(
                 bucket_cap_mb: 0.002,
                 first_bucket_cap_mb: Some(0.0005),
             },
-            zero1,
+            zero1: zero1.is_some(),
+            zero1_layout: zero1.unwrap_or_default(),
             ..DdpConfig::default()
         };
         engine = engine.with_collective(c, small)?;
@@ -268,7 +269,7 @@ fn train_full(
     }
     let local_state_elems = engine
         .optimizer()
-        .state_tensors(&store.params())?
+        .state_tensors(&engine.optimizer_params())?
         .iter()
         .filter(|(k, _)| k.ends_with(".exp_avg") || k.ends_with(".exp_avg_sq"))
         .map(|(_, t)| t.elem_count())
@@ -286,52 +287,61 @@ fn train_full(
     })
 }
 
-/// ZeRO-1 on 2 ranks against DDP on 2 ranks: the same parameters, bit for bit (the owner runs
-/// the same update on the same all-reduced gradient); each rank holds about half the optimizer
-/// state; the gathered state a checkpoint saves is DDP's full state; and loading a full state
-/// into a ZeRO-1 engine keeps this rank's share.
+/// ZeRO-1 against DDP on 2 and 3 ranks, both layouts: the same parameters, bit for bit (each
+/// element gets the same update from the same summed gradient; the flat layout's global norm,
+/// summed from the ranks' parts, differs from DDP's in the last f64 bits only, too little to
+/// change the f32 update here); each rank holds its share of
+/// the optimizer state (whole parameters: as even as whole parameters allow; flat: exactly its range of
+/// `ceil(N / W)` elements, parameters split across ranks); the gathered state a checkpoint
+/// saves is DDP's full state.
 #[test]
-fn zero1_matches_ddp_and_halves_the_optimizer_state() -> Result<()> {
-    let run = Run {
-        world: 2,
-        global: 16,
-        steps: 12,
-        accumulation: 2,
-        max_grad_norm: Some(0.5),
-        uneven: None,
-    };
-    let ddp: Vec<Outcome> = run_ranks(2, move |r, c| {
-        train_full(run, r, Some((c, false)), &Device::Cpu)
-    })
-    .into_iter()
-    .collect::<Result<_>>()?;
-    let zero: Vec<Outcome> = run_ranks(2, move |r, c| {
-        train_full(run, r, Some((c, true)), &Device::Cpu)
-    })
-    .into_iter()
-    .collect::<Result<_>>()?;
-    let full: usize = ddp[0].local_state_elems;
-    let params: usize = ddp[0].masters.iter().map(|m| m.len()).sum();
-    assert_eq!(
-        full,
-        2 * params,
-        "AdamW keeps exp_avg and exp_avg_sq per element"
-    );
-    for r in 0..2 {
-        assert_eq!(zero[r].masters, ddp[r].masters, "rank {r}: ZeRO-1 != DDP");
-        assert_eq!(zero[r].norms, ddp[r].norms, "rank {r}: norms differ");
-        assert_eq!(
-            zero[r].full_state, ddp[r].full_state,
-            "rank {r}: gathered state differs"
-        );
-        let share = zero[r].local_state_elems as f64 / full as f64;
-        eprintln!(
-            "rank {r}: ZeRO-1 holds {:.1}% of the optimizer state",
-            100.0 * share
-        );
-        assert!((0.3..=0.7).contains(&share), "rank {r}: share {share}");
+fn zero1_matches_ddp_and_divides_the_optimizer_state() -> Result<()> {
+    for world in [2, 3] {
+        let run = Run {
+            world,
+            global: 24,
+            steps: 12,
+            accumulation: 2,
+            max_grad_norm: Some(0.5),
+            uneven: None,
+        };
+        let go = move |zero1: Option<Zero1Layout>| -> Result<Vec<Outcome>> {
+            run_ranks(world, move |r, c| {
+                train_full(run, r, Some((c, zero1)), &Device::Cpu)
+            })
+            .into_iter()
+            .collect()
+        };
+        let ddp = go(None)?;
+        let full: usize = ddp[0].local_state_elems;
+        let params: usize = ddp[0].masters.iter().map(|m| m.len()).sum();
+        assert_eq!(full, 2 * params, "AdamW keeps exp_avg and exp_avg_sq");
+        for layout in [Zero1Layout::Parameters, Zero1Layout::Flat] {
+            let zero = go(Some(layout))?;
+            for r in 0..world {
+                let what = format!("{layout:?}, rank {r} of {world}");
+                assert_eq!(zero[r].masters, ddp[r].masters, "{what}: ZeRO-1 != DDP");
+                // flat: the ranks' f64 sums of squares are added in another order
+                for (a, b) in zero[r].norms.iter().zip(&ddp[r].norms) {
+                    assert!((a - b).abs() <= 1e-12 * b, "{what}: norm {a} vs {b}");
+                }
+                assert_eq!(
+                    zero[r].full_state, ddp[r].full_state,
+                    "{what}: gathered state differs"
+                );
+                let share = zero[r].local_state_elems as f64 / full as f64;
+                eprintln!("{what}: holds {:.1}% of the optimizer state", 100.0 * share);
+                // whole parameters cannot split l2.weight (68% of the elements) for balance
+                if layout == Zero1Layout::Flat {
+                    let range = params.div_ceil(world);
+                    let mine = range.min(params.saturating_sub(r * range));
+                    assert_eq!(zero[r].local_state_elems, 2 * mine, "{what}");
+                }
+            }
+            let held: usize = zero.iter().map(|o| o.local_state_elems).sum();
+            assert_eq!(held, full, "{layout:?}: every element's state once");
+        }
     }
-    assert_eq!(zero[0].local_state_elems + zero[1].local_state_elems, full);
     Ok(())
 }
 
@@ -649,8 +659,29 @@ mod nccl_2gpu {
         eprintln!("rank {rank}: max rel error {rel:e} (NCCL, 20 steps) against 1 GPU");
         assert!(rel <= 1e-5, "rank {rank}: max rel error {rel:e}");
         // 2) ZeRO-1 over NCCL: the DDP parameters bit for bit, about half the optimizer state
-        let ddp = train_full(run, rank, Some((wick::dist::init(&dev)?, false)), &dev)?;
-        let zero = train_full(run, rank, Some((wick::dist::init(&dev)?, true)), &dev)?;
+        let ddp = train_full(run, rank, Some((wick::dist::init(&dev)?, None)), &dev)?;
+        let zero = train_full(
+            run,
+            rank,
+            Some((wick::dist::init(&dev)?, Some(Zero1Layout::Parameters))),
+            &dev,
+        )?;
+        let flat = train_full(
+            run,
+            rank,
+            Some((wick::dist::init(&dev)?, Some(Zero1Layout::Flat))),
+            &dev,
+        )?;
+        let rel = max_rel(&flat.masters, &ddp.masters);
+        eprintln!("rank {rank}: flat ZeRO-1 against DDP after 20 steps: max rel error {rel:e}");
+        assert!(
+            rel <= 1e-5,
+            "rank {rank}: flat ZeRO-1 differs from DDP: {rel:e}"
+        );
+        assert!(
+            flat.full_state.len() == ddp.full_state.len(),
+            "rank {rank}: flat ZeRO-1's gathered state has other tensors"
+        );
         assert!(
             zero.masters == ddp.masters,
             "rank {rank}: ZeRO-1 differs from DDP"
@@ -667,26 +698,92 @@ mod nccl_2gpu {
         let (log, _) = skip_run(rank, wick::dist::init(&dev)?, &dev)?;
         check_skip_log(rank, &log);
         eprintln!("rank {rank}: skip agreement ok");
+        // 4) buckets all-reduced during the backward on the communication stream == after it
+        for precision in [Precision::Fp32, Precision::Bf16Mixed] {
+            let go = |overlap: bool| {
+                let ddp = DdpConfig {
+                    overlap,
+                    ..DdpConfig::default()
+                };
+                train_overlap(rank, wick::dist::init(&dev)?, ddp, precision, 2, &dev)
+            };
+            let (after, during) = (go(false)?, go(true)?);
+            assert!(
+                during.0 == after.0,
+                "rank {rank}, {precision:?}: overlap differs"
+            );
+            eprintln!(
+                "rank {rank}, {precision:?}: overlapped == after the backward; started {:?}",
+                during.2.last()
+            );
+        }
         Ok(())
+    }
+
+    /// One GPU: a communicator of one rank runs every collective on its own stream, ordered
+    /// with candle's by events: results equal the inputs (a sum over one rank), in f32 and
+    /// bf16, blocking and started ([`Collective::all_reduce_sum_start`]), reduce-scatter,
+    /// all-gather and barrier.
+    #[test]
+    fn one_gpu_communicator_on_its_own_stream() -> Result<()> {
+        if std::env::var_os("RANK").is_some() || CudaContext::device_count().unwrap_or(0) < 1 {
+            eprintln!("skipped: no GPU, or inside a rank");
+            return Ok(());
+        }
+        let dev = wick::cuda::new_device(0)?;
+        let id = wick::dist::nccl::unique_id()?;
+        let c = wick::dist::nccl::NcclCollective::from_id(&dev, 0, 1, &id, &Default::default())?;
+        let n = 1 << 22;
+        let x = Tensor::arange(0f32, n as f32, &dev)?;
+        let y = ((x.sqr()? * 0.5)? - 3.0)?; // queued on candle's stream just before
+        let started = c.all_reduce_sum_start(&y)?;
+        let want: Vec<f32> = y.to_vec1()?;
+        let got = (started.wait()? + 1.0)?.to_vec1::<f32>()?;
+        assert!(got.iter().zip(&want).all(|(a, b)| *a == b + 1.0));
+        assert_eq!(c.all_reduce_sum(&y)?.to_vec1::<f32>()?, want);
+        let b = y.to_dtype(DType::BF16)?;
+        let rb = c.all_reduce_sum(&b)?;
+        assert_eq!(rb.dtype(), DType::BF16);
+        assert_eq!(
+            rb.to_dtype(DType::F32)?.to_vec1::<f32>()?,
+            b.to_dtype(DType::F32)?.to_vec1::<f32>()?
+        );
+        assert_eq!(c.reduce_scatter_sum(&y)?.to_vec1::<f32>()?, want);
+        assert_eq!(c.all_gather(&y)?.to_vec1::<f32>()?, want);
+        c.barrier()?;
+        c.shutdown()
     }
 }
 
-/// A ZeRO-1 checkpoint holds the full optimizer state: 2 ranks train 6 steps and save at the
-/// same step (rank 0 writes, once), then one rank (world size 1) resumes from it, trains 4
-/// more steps on the full batch, and ends where one rank that trained all 10 steps on the full
-/// batch ends (within 1e-5: only the summation order differs).
+/// A ZeRO-1 checkpoint holds the full optimizer state, whatever the layout: 2 ranks train 6
+/// steps and save at the same step (rank 0 writes, once), then one rank (world size 1) resumes
+/// from it, trains 4 more steps on the full batch, and ends where one rank that trained all 10
+/// steps on the full batch ends (within 1e-5: only the summation order differs); 3 ranks of
+/// flat ZeRO-1 (other ranges, parameters split elsewhere) resume from it and end there too.
 #[test]
-fn zero1_checkpoint_resumes_on_one_rank() -> Result<()> {
+fn zero1_checkpoint_resumes_on_other_world_sizes() -> Result<()> {
+    for layout in [Zero1Layout::Parameters, Zero1Layout::Flat] {
+        zero1_checkpoint_resumes(layout)?;
+    }
+    Ok(())
+}
+
+fn zero1_checkpoint_resumes(layout: Zero1Layout) -> Result<()> {
     use wick::checkpoint::Checkpointer;
-    let dir = std::env::temp_dir().join(format!("wick-zero1-ckpt-{}", std::process::id()));
+    let dir =
+        std::env::temp_dir().join(format!("wick-zero1-ckpt-{layout:?}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let d2 = dir.clone();
+    let cfg = DdpConfig {
+        zero1: true,
+        zero1_layout: layout,
+        ..DdpConfig::default()
+    };
     let step_on =
         |e: &mut Engine, m: &Mlp, step: u64, rows_of: Option<(usize, usize)>| -> Result<()> {
-            let (x, y) = global_batch(16, step);
+            let (x, y) = global_batch(24, step);
             let (x, y) = match rows_of {
                 Some((rank, world)) => {
-                    let n = 16 / world;
+                    let n = 24 / world;
                     (x.narrow(0, rank * n, n)?, y.narrow(0, rank * n, n)?)
                 }
                 None => (x, y),
@@ -695,15 +792,12 @@ fn zero1_checkpoint_resumes_on_one_rank() -> Result<()> {
             e.step_weighted(n, |_| loss::cross_entropy(&m.forward(&x)?, &y))?;
             Ok(())
         };
+    let (d2, c2) = (dir.clone(), cfg.clone());
     let saved = run_ranks(2, move |rank, c| {
         let store = ParamStore::new(Precision::Fp32, Device::Cpu, 7);
         let m = Mlp::new(&store, 24)?;
-        let cfg = DdpConfig {
-            zero1: true,
-            ..DdpConfig::default()
-        };
-        let mut e =
-            Engine::new(store.clone(), EngineConfig::adamw(3e-3))?.with_collective(c, cfg)?;
+        let mut e = Engine::new(store.clone(), EngineConfig::adamw(3e-3))?
+            .with_collective(c, c2.clone())?;
         for step in 0..6 {
             step_on(&mut e, &m, step, Some((rank, 2)))?;
         }
@@ -742,9 +836,11 @@ fn zero1_checkpoint_resumes_on_one_rank() -> Result<()> {
     for step in 0..10 {
         step_on(&mut e, &m, step, None)?;
     }
-    let rel = max_rel(&a, &masters(&store));
+    let single = masters(&store);
+    let rel = max_rel(&a, &single);
     eprintln!(
-        "ZeRO-1 x2 for 6 steps, resumed on 1 rank for 4: max rel error {rel:e} against 1 rank"
+        "{layout:?} ZeRO-1 x2 for 6 steps, resumed on 1 rank for 4: max rel error {rel:e} \
+         against 1 rank"
     );
     assert!(rel <= 1e-5, "max rel error {rel:e}");
     assert_eq!(
@@ -756,6 +852,25 @@ fn zero1_checkpoint_resumes_on_one_rank() -> Result<()> {
         6 * 3,
         "exp_avg, exp_avg_sq and step for each of the 6 parameters"
     );
+    if layout == Zero1Layout::Flat {
+        let d3 = dir.clone();
+        let out = run_ranks(3, move |rank, c| {
+            let store = ParamStore::new(Precision::Fp32, Device::Cpu, 1);
+            let m = Mlp::new(&store, 24)?;
+            let mut e = Engine::new(store.clone(), EngineConfig::adamw(3e-3))?
+                .with_collective(c, cfg.clone())?;
+            assert!(Checkpointer::new(&d3, 0).resume(&mut e)?.is_some());
+            for step in 6..10 {
+                step_on(&mut e, &m, step, Some((rank, 3)))?;
+            }
+            Ok(masters(&store))
+        });
+        for (rank, m) in out.into_iter().enumerate() {
+            let rel = max_rel(&m?, &single);
+            eprintln!("flat ZeRO-1 resumed on rank {rank} of 3: max rel error {rel:e}");
+            assert!(rel <= 1e-5, "rank {rank} of 3: max rel error {rel:e}");
+        }
+    }
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }
@@ -903,8 +1018,9 @@ fn train_overlap(
     ddp: DdpConfig,
     precision: Precision,
     accumulation: usize,
+    dev: &Device,
 ) -> Result<(Vec<Vec<f32>>, Vec<f64>, Vec<Option<(usize, usize)>>)> {
-    let store = ParamStore::new(precision, Device::Cpu, 7);
+    let store = ParamStore::new(precision, dev.clone(), 7);
     // registered first: the last bucket (buckets run in reverse registration order)
     let gain = store.get_or_init(
         "gain",
@@ -931,6 +1047,7 @@ fn train_overlap(
         let mine = DistributedSampler::new(rank, 2)?.shard(&order);
         for part in mine.chunks(mine.len().div_ceil(accumulation)) {
             let (xb, yb) = rows(&x, &y, part)?;
+            let (xb, yb) = (xb.to_device(dev)?, yb.to_device(dev)?);
             let r = engine.step_weighted(part.len() as f64, |_| {
                 let logits = model
                     .forward(&xb)?
@@ -961,7 +1078,7 @@ fn buckets_started_during_the_backward_match_the_reduction_after_it_bit_for_bit(
                         overlap,
                         ..DdpConfig::default()
                     };
-                    train_overlap(r, c, ddp, precision, accumulation)
+                    train_overlap(r, c, ddp, precision, accumulation, &Device::Cpu)
                 })
                 .into_iter()
                 .collect()
@@ -1005,7 +1122,7 @@ fn bf16_reduction_agrees_across_ranks_and_with_f32() -> Result<()> {
                 reduce_dtype: dtype,
                 ..DdpConfig::default()
             };
-            train_overlap(r, c, ddp, Precision::Fp32, 2)
+            train_overlap(r, c, ddp, Precision::Fp32, 2, &Device::Cpu)
         })
         .into_iter()
         .collect()

@@ -75,7 +75,7 @@ fn weighted_micro_batches_equal_the_full_batch_gradient() -> anyhow::Result<()> 
         bufs.accumulate(&params, &l.backward()?, n as f64, false)?;
         start += n;
     }
-    let stats = bufs.unscale_and_check(1.0, None, true)?.read()?;
+    let stats = bufs.unscale_and_check(1.0, None, true, None)?.read()?;
     let mut sumsq = 0f64;
     for (p, b) in params.iter().zip(bufs.buffers()) {
         let want: Vec<f32> = full

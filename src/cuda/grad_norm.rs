@@ -15,12 +15,15 @@ use std::collections::BTreeMap;
 /// `(1,)` `loss_probe` (the window's `sum 0 * scaled_loss`) is not finite, and when the
 /// multiplier's unscale factor is not a finite positive f32 (an underflowed scale). Deterministic: per-block
 /// partial sums of squares in f64 in a fixed order, no float atomics. No host synchronisation.
+/// `across` (flat ZeRO-1: `grads` are this rank's part of the gradient): the partial sums are
+/// added up and all-reduced over its ranks (one f64, on the device) before the statistics.
 pub fn grad_stats(
     grads: &[&Tensor],
     amp_state: &Tensor,
     weight_sum: f32,
     max_norm: Option<f32>,
     loss_probe: Option<&Tensor>,
+    across: Option<&dyn crate::dist::Collective>,
 ) -> Result<Tensor> {
     let dev = cuda_device(amp_state)?;
     let mut keep = Vec::new();
@@ -69,6 +72,11 @@ pub fn grad_stats(
         }
         offset += total_blocks(launches) as i32;
     }
+    let (partials, blocks) = match across {
+        Some(c) => (c.all_reduce_sum(&partials.sum_keepdim(0)?)?, 1),
+        None => (partials, blocks),
+    };
+    let partials_addr = addr(&partials)?;
     let func =
         dev.get_or_load_custom_func("finalize_grad_stats", "wick_grad_norm", ptx::GRAD_NORM)?;
     let n = blocks as i32;

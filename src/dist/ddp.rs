@@ -85,6 +85,19 @@ impl BucketConfig {
     }
 }
 
+/// How ZeRO-1 partitions the optimizer state among the ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Zero1Layout {
+    /// Whole parameters per rank (PyTorch's `ZeroRedundancyOptimizer`; [`super::zero`]):
+    /// gradients all-reduced, each owner updates its parameters and broadcasts their masters.
+    #[default]
+    Parameters,
+    /// Equal ranges of the flattened parameters ([`super::flat`]): gradients reduce-scattered,
+    /// each rank updates its range, the ranges all-gathered. Balanced to the element, and the
+    /// gradient reduction moves half the bytes of an all-reduce.
+    Flat,
+}
+
 /// Data-parallel options of the engine.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DdpConfig {
@@ -97,6 +110,8 @@ pub struct DdpConfig {
     /// ZeRO-1: each rank keeps the optimizer state of its share of the parameters only and
     /// updates only those; owners broadcast the updated weights (see [`super::zero`]).
     pub zero1: bool,
+    /// How ZeRO-1 partitions the optimizer state (with `zero1`).
+    pub zero1_layout: Zero1Layout,
     /// Start each bucket's all-reduce during the backward, once its gradients are final
     /// (PyTorch DDP's overlap of communication with the backward; [`super::reduce`]). Same
     /// results bit for bit as `false`, which reduces every bucket after the backward; a model
@@ -114,6 +129,7 @@ impl Default for DdpConfig {
             buckets: BucketConfig::default(),
             agree_found_inf: true,
             zero1: false,
+            zero1_layout: Zero1Layout::Parameters,
             overlap: true,
             reduce_dtype: DType::F32,
         }
@@ -264,7 +280,7 @@ impl Ddp {
 
     /// With ZeRO-1: computes and keeps the owner of each of `params` ([`super::zero::partition`]).
     pub fn shard_owners(&mut self, params: &[Param]) -> Result<()> {
-        if self.config.zero1 {
+        if self.config.zero1 && self.config.zero1_layout == Zero1Layout::Parameters {
             let numels: Vec<usize> = params.iter().map(|p| p.elem_count()).collect();
             self.owners = Some(super::zero::partition(&numels, self.coll.world_size())?);
         }

@@ -34,6 +34,7 @@
 //! ```
 
 pub mod ddp;
+pub mod flat;
 pub mod launch;
 pub mod local;
 #[cfg(feature = "nccl")]
@@ -44,7 +45,7 @@ pub mod sync;
 pub mod watchdog;
 pub mod zero;
 
-pub use ddp::{Bucket, BucketConfig, DdpConfig};
+pub use ddp::{Bucket, BucketConfig, DdpConfig, Zero1Layout};
 pub use local::LocalCollective;
 pub use rendezvous::DistEnv;
 pub use sync::GradSync;

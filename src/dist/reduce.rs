@@ -27,6 +27,9 @@
 //! after the backward, so an early start changes when the sum is taken, not its bits
 //! (`tests/ddp.rs` checks bit equality against `DdpConfig { overlap: false, .. }`).
 //!
+//! Flat ZeRO-1 ([`super::flat`]) packs every gradient into one flat buffer after the backward
+//! and reduce-scatters it (no early start: one collective per window).
+//!
 //! Gradients travel in [`DdpConfig::reduce_dtype`]: f32, with the window's weight as one
 //! more element of bucket 0; or bf16 (half the bytes, as PyTorch's `bf16_compress_hook`),
 //! packed in f32 and rounded once, with the weight reduced beforehand in its own f32
@@ -35,6 +38,7 @@
 //! [`DdpConfig::reduce_dtype`]: super::DdpConfig::reduce_dtype
 
 use super::ddp::{Bucket, Ddp};
+use super::flat::FlatShard;
 use super::Pending;
 use crate::grads::GradBuffers;
 use crate::params::Param;
@@ -68,8 +72,10 @@ pub struct Reduction {
     keep_raw: bool,
     /// The window's weight on this rank, this micro-batch included.
     window: f64,
-    /// bf16: the global weight, reduced before the buckets.
+    /// bf16 or flat ZeRO-1: the global weight, reduced before the buckets.
     weight_sum: Option<Tensor>,
+    /// Flat ZeRO-1: one bucket over every parameter, reduce-scattered after the backward.
+    scatter: bool,
     started: Vec<Pending>,
     /// The gradient each early-started member was packed from.
     early: Vec<Option<TensorId>>,
@@ -87,12 +93,14 @@ impl std::fmt::Debug for Reduction {
 impl Reduction {
     /// Begins the window's reduction before the backward of its last micro-batch, of weight
     /// `weight`; `prior` are the window's buffers so far (unused with `keep_raw`, the raw
-    /// gradient of a single micro-batch). `None` for world size 1 or nothing to reduce.
+    /// gradient of a single micro-batch); `flat`: flat ZeRO-1's layout. `None` for world size
+    /// 1 or nothing to reduce.
     ///
-    /// Errors: a window weight that is not finite and > 0; with bf16 reduction, the weight's
-    /// all-reduce.
+    /// Errors: a window weight that is not finite and > 0; with bf16 reduction or flat
+    /// ZeRO-1, the weight's all-reduce.
     pub fn begin(
         ddp: &Ddp,
+        flat: Option<&FlatShard>,
         params: &[Param],
         prior: &[Option<Tensor>],
         weight: f64,
@@ -109,7 +117,10 @@ impl Reduction {
         if idx.is_empty() {
             return Ok(None);
         }
-        let buckets = ddp.buckets(params)?;
+        let buckets = match flat {
+            Some(f) => vec![f.bucket()],
+            None => ddp.buckets(params)?,
+        };
         let n = params.len();
         let mut bucket_of = vec![None; n];
         for (bi, b) in buckets.iter().enumerate() {
@@ -123,15 +134,15 @@ impl Reduction {
         let missing = buckets
             .iter()
             .map(|b| {
-                if b.members.iter().all(|&m| expected[idx[m]].is_some()) {
+                if flat.is_none() && b.members.iter().all(|&m| expected[idx[m]].is_some()) {
                     b.members.len()
                 } else {
                     usize::MAX
                 }
             })
             .collect();
-        let weight_sum = match ddp.config().reduce_dtype {
-            DType::F32 => None,
+        let weight_sum = match (ddp.config().reduce_dtype, flat) {
+            (DType::F32, None) => None,
             _ => {
                 let dev = params[idx[0]].master.device();
                 let w = Tensor::new(&[window as f32], dev)?;
@@ -160,6 +171,7 @@ impl Reduction {
             keep_raw,
             window,
             weight_sum,
+            scatter: flat.is_some(),
             started: Vec::new(),
             early: vec![None; n],
         }))
@@ -236,9 +248,35 @@ impl Reduction {
     /// `Σ_ranks contribution / Σ_ranks weight` in f32, with normaliser 1. A trainable
     /// parameter without a gradient on this rank contributes zeros.
     ///
+    /// Flat ZeRO-1 (`flat`): the buffers become this rank's segments of the global gradient,
+    /// in [`FlatShard::params`] order.
+    ///
     /// Errors: packing, a collective, or buffers that do not match the parameters.
-    pub fn finish(mut self, ddp: &Ddp, grads: &mut GradBuffers) -> Result<()> {
+    pub fn finish(
+        mut self,
+        ddp: &Ddp,
+        flat: Option<&FlatShard>,
+        grads: &mut GradBuffers,
+    ) -> Result<()> {
         let scale = if self.keep_raw { self.scale } else { None };
+        if let Some(f) = flat.filter(|_| self.scatter) {
+            let packed = pack(
+                &self.params,
+                &self.idx,
+                &self.buckets[0],
+                grads.buffers(),
+                &[],
+                scale,
+                None,
+            )?;
+            let range = ddp
+                .collective()
+                .reduce_scatter_sum(&packed.to_dtype(ddp.config().reduce_dtype)?)
+                .context("flat ZeRO-1: reduce-scatter of the gradients")?
+                .to_dtype(DType::F32)?;
+            let w = self.weight_sum.as_ref().context("the weight sum")?;
+            return grads.set_segments(f.segment_grads(&range.broadcast_div(w)?)?);
+        }
         for bi in self.started.len()..self.buckets.len() {
             let b = &self.buckets[bi];
             let flat = pack(
@@ -295,9 +333,10 @@ impl Reduction {
     }
 }
 
-/// Bucket `b` as one flat f32 tensor: for each member (store position `idx[m]`),
-/// `prior + scale * g` with `g = grads[idx[m]]` (a missing `prior` is 0, a missing `scale` 1,
-/// a missing `g` contributes 0), and `extra`, when given, as one more element.
+/// Bucket `b` as one flat f32 tensor of `b.numel` elements: for each member (store position
+/// `idx[m]`), `prior + scale * g` with `g = grads[idx[m]]` (a missing `prior` is 0, a missing
+/// `scale` 1, a missing `g` contributes 0), zeros after the last member, and `extra`, when
+/// given, as one more element.
 fn pack(
     params: &[Param],
     idx: &[usize],
@@ -334,6 +373,10 @@ fn pack(
             },
         };
         parts.push(part);
+    }
+    let filled: usize = parts.iter().map(Tensor::elem_count).sum();
+    if filled < b.numel {
+        parts.push(Tensor::zeros(b.numel - filled, DType::F32, &dev)?); // flat ZeRO-1's padding
     }
     if let Some(x) = extra {
         parts.push(Tensor::new(&[x as f32], &dev)?);

@@ -6,12 +6,14 @@
 //! | [`GradSync::Solo`] | nothing | nothing |
 //! | [`GradSync::Ddp`] | all-reduce in buckets (PyTorch DDP; started during the backward, [`super::reduce`]), found_inf agreed | nothing: every rank applied the same update |
 //! | [`GradSync::Zero1`] | as DDP; each rank updates the parameters it owns ([`super::zero`]) | every owner broadcasts its updated masters |
+//! | [`GradSync::Zero1Flat`] | reduce-scatter of the flat gradients; norm summed over the ranks; each rank updates its range ([`super::flat`]) | all-gather of the ranges' masters |
 //!
 //! `Engine::step` calls the same methods whatever the variant.
 
 use super::ddp::Ddp;
+use super::flat::FlatShard;
 use super::reduce::Reduction;
-use super::{Collective, DdpConfig};
+use super::{Collective, DdpConfig, Zero1Layout};
 use crate::grads::{GradBuffers, GradStats};
 use crate::params::{Param, ParamStore};
 use anyhow::{bail, Context, Result};
@@ -29,6 +31,10 @@ pub enum GradSync {
     /// ZeRO-1: gradients all-reduced, each rank updates (and keeps optimizer state for) the
     /// parameters it owns, then broadcasts them.
     Zero1(Ddp),
+    /// Flat ZeRO-1 (more than one rank): gradients reduce-scattered, each rank updates (and
+    /// keeps optimizer state for) its range of the flattened parameters, the ranges are
+    /// all-gathered.
+    Zero1Flat(Ddp, FlatShard),
 }
 
 impl GradSync {
@@ -61,11 +67,18 @@ impl GradSync {
                  turn one of them off"
             );
         }
+        let flat = zero1 && config.zero1_layout == Zero1Layout::Flat;
         let mut ddp = Ddp::new(collective, config)?;
-        ddp.shard_owners(&store.params())?;
+        let params = store.params();
+        ddp.shard_owners(&params)?;
         ddp.broadcast_parameters(store)
             .context("broadcasting the parameters from rank 0")?;
-        Ok(if zero1 {
+        let (rank, world) = (ddp.collective().rank(), ddp.collective().world_size());
+        let idx = Ddp::reduced_params(&params);
+        Ok(if flat && world > 1 && !idx.is_empty() {
+            let shard = FlatShard::new(&params, &idx, rank, world)?;
+            GradSync::Zero1Flat(ddp, shard)
+        } else if zero1 {
             GradSync::Zero1(ddp)
         } else {
             GradSync::Ddp(ddp)
@@ -75,15 +88,62 @@ impl GradSync {
     fn ddp(&self) -> Option<&Ddp> {
         match self {
             GradSync::Solo => None,
-            GradSync::Ddp(d) | GradSync::Zero1(d) => Some(d),
+            GradSync::Ddp(d) | GradSync::Zero1(d) | GradSync::Zero1Flat(d, _) => Some(d),
         }
     }
 
     fn ddp_mut(&mut self) -> Option<&mut Ddp> {
         match self {
             GradSync::Solo => None,
-            GradSync::Ddp(d) | GradSync::Zero1(d) => Some(d),
+            GradSync::Ddp(d) | GradSync::Zero1(d) | GradSync::Zero1Flat(d, _) => Some(d),
         }
+    }
+
+    fn flat(&self) -> Option<&FlatShard> {
+        match self {
+            GradSync::Zero1Flat(_, f) => Some(f),
+            _ => None,
+        }
+    }
+
+    /// Flat ZeRO-1: the collective over whose ranks the gradient is split (the boundary's sum
+    /// of squares is summed over them). `None` otherwise.
+    pub fn shards_gradients(&self) -> Option<&dyn Collective> {
+        match self {
+            GradSync::Zero1Flat(d, _) => Some(d.collective()),
+            _ => None,
+        }
+    }
+
+    /// The parameters the optimizer updates and keeps state for: `params` (the store's), or
+    /// flat ZeRO-1's segments of this rank.
+    pub fn optimizer_params<'a>(&'a self, params: &'a [Param]) -> &'a [Param] {
+        self.flat().map_or(params, FlatShard::params)
+    }
+
+    /// Before the update: [`Self::optimizer_params`], flat ZeRO-1's segment masters first
+    /// copied from the store's masters.
+    pub fn before_update<'a>(&'a self, params: &'a [Param]) -> Result<&'a [Param]> {
+        if let Some(f) = self.flat() {
+            f.load_masters(params)?;
+        }
+        Ok(self.optimizer_params(params))
+    }
+
+    /// Whether [`Self::after_update`] rewrites every master and working copy (flat ZeRO-1), so
+    /// that the engine need not refresh the working copies itself.
+    pub fn gathers_masters(&self) -> bool {
+        self.flat().is_some()
+    }
+
+    /// Flat ZeRO-1: this rank's share of a full optimizer state ([`FlatShard::shard_state`]),
+    /// named after [`Self::optimizer_params`]. `None` otherwise (the state applies as is).
+    pub fn shard_state(
+        &self,
+        params: &[Param],
+        full: &std::collections::HashMap<String, Tensor>,
+    ) -> Result<Option<std::collections::HashMap<String, Tensor>>> {
+        self.flat().map(|f| f.shard_state(params, full)).transpose()
     }
 
     /// The collective, when one is attached.
@@ -94,7 +154,7 @@ impl GradSync {
     /// Records one micro-batch of weight `weight` (this rank's share of the global
     /// normaliser).
     pub fn note_micro_batch(&mut self, weight: f64) {
-        if let GradSync::Ddp(d) | GradSync::Zero1(d) = self {
+        if let Some(d) = self.ddp_mut() {
             d.note_micro_batch(weight);
         }
     }
@@ -111,7 +171,7 @@ impl GradSync {
     ) -> Result<Option<Reduction>> {
         match self.ddp() {
             None => Ok(None),
-            Some(d) => Reduction::begin(d, params, prior, weight, keep_raw),
+            Some(d) => Reduction::begin(d, self.flat(), params, prior, weight, keep_raw),
         }
     }
 
@@ -145,13 +205,12 @@ impl GradSync {
     /// At the boundary, before the norm and found_inf: replaces the buffers by the global
     /// gradient ([`Reduction::finish`]) and ends the window.
     pub fn reduce(&mut self, grads: &mut GradBuffers, reduction: Option<Reduction>) -> Result<()> {
-        let Some(d) = self.ddp_mut() else {
-            return Ok(());
-        };
-        d.take_window_weight();
-        match reduction {
-            Some(r) => r.finish(d, grads),
-            None => Ok(()),
+        if let Some(d) = self.ddp_mut() {
+            d.take_window_weight();
+        }
+        match (reduction, self.ddp()) {
+            (Some(r), Some(d)) => r.finish(d, self.flat(), grads),
+            _ => Ok(()),
         }
     }
 
@@ -178,8 +237,19 @@ impl GradSync {
     }
 
     /// After the optimizer step: ZeRO-1 owners broadcast their updated masters and the other
-    /// ranks refresh those working copies. Nothing otherwise.
+    /// ranks refresh those working copies; flat ZeRO-1 all-gathers every rank's range of the
+    /// masters and refreshes every working copy. Nothing otherwise.
     pub fn after_update(&self, params: &[Param]) -> Result<()> {
+        if let GradSync::Zero1Flat(d, f) = self {
+            return f.gather_masters(d.collective(), params, || {
+                for p in params {
+                    if let Some(w) = &p.working {
+                        w.set(&p.master.as_tensor().to_dtype(w.dtype())?)?;
+                    }
+                }
+                Ok(())
+            });
+        }
         let GradSync::Zero1(d) = self else {
             return Ok(());
         };
@@ -205,6 +275,7 @@ impl GradSync {
                 let owners = d.owners().context("ZeRO-1 without a partition")?;
                 super::zero::gather_state(d.collective(), params, owners, local, suffixes)
             }
+            GradSync::Zero1Flat(d, f) => f.gather_state(d.collective(), params, local, suffixes),
             _ => Ok(local),
         }
     }
