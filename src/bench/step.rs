@@ -4,7 +4,7 @@
 
 use crate::{ParamStore, Precision};
 use anyhow::{Context, Result};
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use rand::{rngs::StdRng, SeedableRng};
 use std::time::Instant;
 
@@ -62,6 +62,17 @@ pub struct StepArgs {
     /// plain DDP.
     #[arg(long)]
     pub zero1: bool,
+    /// With `--zero1`: partition by equal ranges of the flattened parameters (reduce-scatter,
+    /// all-gather; `Zero1Layout::Flat`) instead of whole parameters.
+    #[arg(long, requires = "zero1")]
+    pub flat: bool,
+    /// Under `wick launch`: all-reduce every gradient bucket after the backward instead of
+    /// starting each one during it (`DdpConfig::overlap = false`).
+    #[arg(long)]
+    pub no_overlap: bool,
+    /// Under `wick launch`: sum the gradients across ranks in bf16 (`DdpConfig::reduce_dtype`).
+    #[arg(long)]
+    pub reduce_bf16: bool,
     /// CUDA: capture the step as a CUDA graph after the warm-up ([`crate::Engine::capture_step`],
     /// whose ordinary step is the last warm-up step) and time its replays; when capture fails the
     /// report says why and times ordinary steps.
@@ -187,6 +198,15 @@ pub fn run(args: &StepArgs) -> Result<()> {
         let c = crate::dist::init(&dev).context("joining the process group")?;
         let ddp = crate::dist::DdpConfig {
             zero1: args.zero1,
+            zero1_layout: match args.flat {
+                true => crate::dist::Zero1Layout::Flat,
+                false => crate::dist::Zero1Layout::Parameters,
+            },
+            overlap: !args.no_overlap,
+            reduce_dtype: match args.reduce_bf16 {
+                true => DType::BF16,
+                false => DType::F32,
+            },
             ..crate::dist::DdpConfig::default()
         };
         engine = engine.with_collective(c, ddp)?;
@@ -296,6 +316,9 @@ pub fn run(args: &StepArgs) -> Result<()> {
     );
     println!("ms/step     {ms_per_step:.3}");
     println!("tokens/s    {tok_per_s:.0}");
+    if let Some((started, buckets)) = engine.buckets_started_in_backward() {
+        println!("overlap     {started} of {buckets} gradient buckets started during the backward");
+    }
     // replays allocate from the driver's graph pool, beside the tensors that live in the
     // default pool (parameters, optimizer state): their sum, when above the ordinary steps' peak
     #[cfg(feature = "cuda")]
@@ -350,7 +373,11 @@ pub fn run(args: &StepArgs) -> Result<()> {
         Precision::F16Mixed => "fp16_scaler",
     };
     let key = if world > 1 {
-        let mode = if args.zero1 { "zero1_" } else { "ddp" };
+        let mode = match (args.zero1, args.flat) {
+            (true, true) => "zero1flat_",
+            (true, false) => "zero1_",
+            _ => "ddp",
+        };
         format!("{name}_{tag}_{mode}{world}")
     } else {
         format!("{name}_{tag}")
