@@ -322,3 +322,56 @@ fn dgelu_matmul_declines_what_it_cannot_take() -> Result<()> {
     assert!(dgelu_matmul(&p.dy, &w_view, &p.h, false)?.is_none());
     Ok(())
 }
+
+/// Not a check: times act_linear's forward and backward (candle's backward from a ones
+/// gradient) at GPT-2-124M's MLP shapes, 16 x 1024 rows, h (.., 3072) -> 768, bf16, with the
+/// epilogue off and on, alternated (`--ignored --nocapture`).
+#[test]
+#[ignore]
+fn time_act_linear_at_gpt2_shapes() -> Result<()> {
+    let dev = gpu();
+    let (rows, n, k) = (16 * 1024, 3072, 768);
+    let (h, _) = uniform(&[rows, n], -3.0, 3.0, 80, DType::BF16, &dev);
+    let (w, _) = uniform(&[k, n], -0.02, 0.02, 81, DType::BF16, &dev);
+    let (b, _) = uniform(&[k], -0.1, 0.1, 82, DType::F32, &dev);
+    let vars: Vec<Var> = [h, w, b]
+        .iter()
+        .map(Var::from_tensor)
+        .collect::<Result<_>>()?;
+    let step = || -> Result<()> {
+        let y = ops::act_linear(
+            vars[0].as_tensor(),
+            vars[1].as_tensor(),
+            vars[2].as_tensor(),
+            Activation::GeluTanh,
+        )?;
+        y.backward()?;
+        Ok(())
+    };
+    for round in 0..2 {
+        for epilogue in [false, true] {
+            PerfSettings {
+                gelu_epilogue: epilogue,
+                ..PerfSettings::default()
+            }
+            .apply(&dev)
+            .expect("perf settings");
+            for _ in 0..5 {
+                step()?;
+            }
+            dev.synchronize()?;
+            let t = std::time::Instant::now();
+            let iters = 50;
+            for _ in 0..iters {
+                step()?;
+            }
+            dev.synchronize()?;
+            let ms = t.elapsed().as_secs_f64() * 1e3 / iters as f64;
+            println!(
+                "round {round}: act_linear forward + backward, epilogue {epilogue}: {ms:.3} ms"
+            );
+        }
+    }
+    PerfSettings::default().apply(&dev).expect("perf settings");
+    Ok(())
+}
