@@ -1154,3 +1154,50 @@ fn bf16_reduction_agrees_across_ranks_and_with_f32() -> Result<()> {
     assert!(e.to_string().contains("reduce_dtype"), "{e}");
     Ok(())
 }
+
+/// A graph that changes between steps (here l2 applied twice at step 2): the gradient of l2
+/// grows after its bucket's all-reduce started, so that step fails on every rank with an error
+/// that names the parameter and what to do, and nothing is applied; the steps after it run
+/// (the engine learned the new contribution count) and the replicas stay equal.
+#[test]
+fn a_graph_that_changes_between_steps_is_an_error_not_a_wrong_sum() -> Result<()> {
+    let out = run_ranks(2, |rank, c| {
+        let store = ParamStore::new(Precision::Fp32, Device::Cpu, 7);
+        let m = Mlp::new(&store, 24)?;
+        let small = DdpConfig {
+            buckets: BucketConfig {
+                bucket_cap_mb: 0.002,
+                first_bucket_cap_mb: Some(0.0005),
+            },
+            ..DdpConfig::default()
+        };
+        let mut e =
+            Engine::new(store.clone(), EngineConfig::adamw(3e-3))?.with_collective(c, small)?;
+        let mut failed = Vec::new();
+        for step in 0..5u64 {
+            let (x, y) = global_batch(8, step);
+            let (x, y) = (x.narrow(0, rank * 4, 4)?, y.narrow(0, rank * 4, 4)?);
+            let before = masters(&store);
+            let r = e.step_weighted(4.0, |_| {
+                let mut h = m.l1.forward(&x)?.tanh()?;
+                for _ in 0..if step == 2 { 2 } else { 1 } {
+                    h = m.l2.forward(&h)?.tanh()?;
+                }
+                loss::cross_entropy(&m.l3.forward(&h)?, &y)
+            });
+            if let Err(err) = r {
+                let msg = format!("{err:#}");
+                assert!(msg.contains("l2.") && msg.contains("overlap = false"), "{msg}");
+                assert_eq!(masters(&store), before, "a failed step changed the parameters");
+                failed.push(step);
+            }
+        }
+        Ok((failed, masters(&store)))
+    });
+    let out: Vec<_> = out.into_iter().collect::<Result<_>>()?;
+    for (failed, _) in &out {
+        assert_eq!(failed, &vec![2], "only the step whose graph changed fails");
+    }
+    assert_eq!(out[0].1, out[1].1, "the replicas differ");
+    Ok(())
+}

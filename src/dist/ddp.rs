@@ -8,9 +8,10 @@
 //! registration order (gradients become ready roughly from the last layer back, so the first
 //! bucket can be reduced first) and packed into consecutive buckets of at most
 //! `bucket_cap_mb` MiB (PyTorch's default 25), optionally with a smaller first bucket
-//! (PyTorch: 1 MiB). Each bucket is flattened into one f32 tensor, reduced with **one**
-//! collective call, and unflattened back, so the number of calls is the number of buckets, not
-//! of parameters. Unlike PyTorch, which closes a bucket once it reaches the cap (so a bucket can
+//! (PyTorch: 1 MiB). Each bucket is flattened into one tensor (f32, or bf16 with
+//! [`DdpConfig::reduce_dtype`]), reduced with **one** collective call, and unflattened back, so
+//! the number of calls is the number of buckets, not of parameters; [`super::reduce`] starts
+//! each bucket's call during the backward once its gradients are final. Unlike PyTorch, which closes a bucket once it reaches the cap (so a bucket can
 //! exceed it by one parameter), a bucket here never exceeds the cap unless it holds a single
 //! parameter larger than the cap.
 //!
@@ -19,7 +20,8 @@
 //! the gradient applied on every rank is `Σ_ranks Σ_i w_i g_i / Σ_ranks Σ_i w_i`, i.e. exactly
 //! the gradient of the weighted mean loss over the global batch, also when ranks carry
 //! different sample counts (a short last batch). The weight sum travels as one extra element of
-//! the first bucket, so it costs no extra collective and no host synchronisation.
+//! the first bucket (f32), so it costs no extra collective and no host synchronisation (bf16
+//! reduction and flat ZeRO-1 reduce it in one tiny f32 all-reduce of its own).
 //!
 //! **found_inf agreement**: every rank must skip the same steps, or the replicas diverge.
 //! After an all-reduce every rank holds the same sums (an inf or NaN anywhere reaches every
@@ -27,9 +29,10 @@
 //! of the local flag, which keeps the skip decision common even if something rank-local
 //! (a sharded update, a rank-local check) were to differ.
 //!
-//! **ZeRO-1** in the engine is [`super::zero`]: optimizer state partitioned by whole parameters
-//! (PyTorch's `ZeroRedundancyOptimizer` scheme) after this module's all-reduce. The engine
-//! reaches both through [`super::GradSync`].
+//! **ZeRO-1** in the engine is [`super::zero`] (optimizer state partitioned by whole
+//! parameters, PyTorch's `ZeroRedundancyOptimizer` scheme, after this module's all-reduce) or
+//! [`super::flat`] (equal ranges of the flattened parameters: reduce-scatter, all-gather),
+//! chosen by [`DdpConfig::zero1_layout`]. The engine reaches them through [`super::GradSync`].
 
 use super::{Collective, ReduceOp};
 use crate::grads::{GradStats, HostStats};

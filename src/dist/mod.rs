@@ -16,7 +16,11 @@
 //!   MASTER_ADDR, MASTER_PORT) and the TCP rendezvous that shares NCCL's 128-byte unique id.
 //! - [`ddp`]: gradient bucketing (PyTorch DDP's reverse-order size-capped buckets), averaging,
 //!   found_inf agreement and ZeRO-1 shard arithmetic; [`crate::Engine::with_collective`] plugs
-//!   it into the engine.
+//!   it into the engine through [`sync`].
+//! - [`reduce`]: one window's reduction, its buckets started during the backward as their
+//!   gradients become final (PyTorch DDP's overlap).
+//! - [`zero`] and [`flat`]: ZeRO-1 by whole parameters, or by equal ranges of the flattened
+//!   parameters (reduce-scatter, each rank's update of its range, all-gather).
 //! - [`launch`]: `wick launch`, which starts and supervises the local ranks.
 //! - [`watchdog`]: a deadline for calls that can block forever (NCCL's communicator setup).
 //!
@@ -29,7 +33,9 @@
 //! engine = Engine::new(store, cfg)?.with_collective(collective, DdpConfig::default())?
 //!                                    (parameters broadcast from rank 0)
 //! for batch in DistributedSampler shard: engine.step_weighted(n, ..)
-//!                                    (at the boundary: bucketed all-reduce, global norm,
+//!                                    (last backward of a window: bucket all-reduces start
+//!                                     as gradients become final; at the boundary: the rest,
+//!                                     global norm,
 //!                                     found_inf agreed with MAX, identical updates)
 //! ```
 

@@ -18,10 +18,9 @@
 //! per parameter for AdamW) when the collective is attached before the first step (state that
 //! exists already stays). Not combined with stochastic rounding (the engine refuses it: only
 //! the owner would round stochastically). Communication per step is the all-reduce (2 × the gradient bytes
-//! on the wire, as DDP) plus one broadcast of the masters (4 bytes per parameter). The
-//! flat-shard variant (a reduce-scatter of the gradient shard and an all-gather of the working
-//! copies) needs the parameters as ranges of flat buffers, which candle's per-tensor storages
-//! do not give the fused kernels.
+//! on the wire, as DDP) plus one broadcast of the masters (4 bytes per parameter). The flat
+//! variant ([`super::flat`], `Zero1Layout::Flat`) balances to the element and reduce-scatters
+//! instead (half the gradient bytes).
 //!
 //! Checkpoints hold the full state: [`gather_state`] collects every owner's state on every
 //! rank, so a run can resume with another world size (each rank then keeps its new share).
