@@ -31,13 +31,6 @@
 //!   candle's CUDA `index_add`/`scatter_add` (embedding backward) use atomics and stay
 //!   non-deterministic in their summation order; the header says so.
 //!
-//! - `gelu_epilogue`: on CUDA with bf16/f16 weights, the backward of
-//!   [`crate::ops::act_linear`] with [`crate::ops::Activation::GeluTanh`] runs its input-gradient
-//!   GEMM with cuBLASLt's `CUBLASLT_EPILOGUE_DGELU` (the GELU derivative applied to the GEMM's
-//!   f32 result before its one rounding: `crate::cuda::gemm_dgelu` on CUDA builds) instead of a
-//!   GEMM and a separate GELU-backward kernel. On by default; off gives the unfused path (for
-//!   comparisons). wick's own switch, process-wide, read at every backward.
-//!
 //! All three GEMM switches are process-wide in candle (atomics read at every GEMM), so they
 //! apply to every CUDA device of the process. Without the `cuda` feature they do nothing.
 
@@ -52,7 +45,6 @@ pub const CUBLAS_WORKSPACE_CONFIG: &str = ":4096:8";
 static SEED: AtomicU64 = AtomicU64::new(0);
 static SEEDED: AtomicBool = AtomicBool::new(false);
 static DETERMINISTIC: AtomicBool = AtomicBool::new(false);
-static GELU_EPILOGUE: AtomicBool = AtomicBool::new(true);
 
 /// The seed set by the last [`PerfSettings::apply`], if any.
 pub fn global_seed() -> Option<u64> {
@@ -64,12 +56,6 @@ pub fn global_seed() -> Option<u64> {
 /// Whether the last [`PerfSettings::apply`] asked for deterministic execution.
 pub fn deterministic() -> bool {
     DETERMINISTIC.load(Ordering::Relaxed)
-}
-
-/// Whether act_linear's tanh-GELU backward may use cuBLASLt's DGELU epilogue on CUDA
-/// ([`PerfSettings::gelu_epilogue`]; `true` until an [`PerfSettings::apply`] turns it off).
-pub fn gelu_epilogue() -> bool {
-    GELU_EPILOGUE.load(Ordering::Relaxed)
 }
 
 /// Seed, GEMM precision switches and determinism for one run. See the module docs.
@@ -89,15 +75,6 @@ pub struct PerfSettings {
     /// does; `0` (the driver's default) returns it at every synchronisation, so the next step
     /// maps it again; `None` leaves the pool as it is.
     pub pool_release_threshold: Option<u64>,
-    /// CUDA bf16/f16: fuse the tanh-GELU derivative of [`crate::ops::act_linear`]'s backward
-    /// into its GEMM with cuBLASLt's DGELU epilogue (module docs). Default on; settings saved
-    /// before the field existed read as on.
-    #[serde(default = "yes")]
-    pub gelu_epilogue: bool,
-}
-
-fn yes() -> bool {
-    true
 }
 
 impl Default for PerfSettings {
@@ -111,7 +88,6 @@ impl Default for PerfSettings {
             reduced_precision_reductions: false,
             deterministic: false,
             pool_release_threshold: Some(u64::MAX),
-            gelu_epilogue: true,
         }
     }
 }
@@ -142,14 +118,13 @@ impl PerfSettings {
         set
     }
 
-    /// Applies the settings: stores the seed and the GELU epilogue switch process-wide, seeds the CUDA generator of
+    /// Applies the settings: stores the seed process-wide, seeds the CUDA generator of
     /// `device`, and sets candle's cuBLAS precision switches and the memory pool's release
     /// threshold (CUDA builds only).
     pub fn apply(&self, device: &Device) -> Result<()> {
         SEED.store(self.seed, Ordering::Relaxed);
         SEEDED.store(true, Ordering::Release);
         DETERMINISTIC.store(self.deterministic, Ordering::Relaxed);
-        GELU_EPILOGUE.store(self.gelu_epilogue, Ordering::Relaxed);
         // candle's CPU backend refuses set_seed (its CPU RNG is not seedable).
         if !device.is_cpu() {
             device
@@ -192,12 +167,6 @@ impl PerfSettings {
             Some(u64::MAX) => s.push_str(" | CUDA memory pool keeps freed memory"),
             Some(b) => s.push_str(&format!(" | CUDA memory pool release threshold {b} B")),
             None => {}
-        }
-        if cfg!(feature = "cuda") {
-            s.push_str(&format!(
-                " | cuBLASLt DGELU epilogue {}",
-                on(self.gelu_epilogue)
-            ));
         }
         #[cfg(feature = "cuda")]
         {
@@ -272,7 +241,6 @@ mod tests {
             reduced_precision_reductions: false,
             deterministic: true,
             pool_release_threshold: None,
-            gelu_epilogue: true,
         };
         p.apply(&Device::Cpu).unwrap();
         assert_eq!(global_seed(), Some(1234));

@@ -78,11 +78,6 @@ pub struct StepArgs {
     /// report says why and times ordinary steps.
     #[arg(long)]
     pub cuda_graph: bool,
-    /// CUDA bf16/f16: run act_linear's tanh-GELU backward unfused (a GEMM, then the GELU
-    /// backward kernel) instead of with cuBLASLt's DGELU epilogue
-    /// ([`crate::perf::PerfSettings::gelu_epilogue`] off), for comparisons.
-    #[arg(long)]
-    pub no_gelu_epilogue: bool,
 }
 
 /// What `wick bench step` trains.
@@ -163,7 +158,6 @@ pub fn run(args: &StepArgs) -> Result<()> {
     let perf = PerfSettings {
         seed: args.seed,
         tf32: dev.is_cuda(),
-        gelu_epilogue: !args.no_gelu_epilogue,
         ..PerfSettings::default()
     };
     perf.apply(&dev)?;

@@ -24,7 +24,7 @@ use std::sync::Arc;
 /// The calling thread's cuBLASLt handle for `dev`, made on first use. Per thread because
 /// candle's devices launch on the calling thread's own stream (cudarc names every per-thread
 /// stream alike), and because a handle's workspace must not serve two matmuls at once.
-pub(super) fn handle(dev: &CudaDevice) -> Result<Arc<CudaBlasLT>> {
+fn handle(dev: &CudaDevice) -> Result<Arc<CudaBlasLT>> {
     thread_local! {
         static HANDLES: RefCell<HashMap<DeviceId, Arc<CudaBlasLT>>> = RefCell::new(HashMap::new());
     }

@@ -17,8 +17,6 @@ pub(crate) mod gemm;
 #[cfg(feature = "cuda")]
 pub(crate) mod gemm_bias;
 #[cfg(feature = "cuda")]
-pub mod gemm_dgelu;
-#[cfg(feature = "cuda")]
 pub mod grad_norm;
 #[cfg(feature = "cuda")]
 pub(crate) mod launch;

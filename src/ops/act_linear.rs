@@ -13,13 +13,7 @@
 //!
 //! Forward and backward run [`super::gelu_tanh`]'s, [`super::gelu_erf`]'s or candle's ReLU
 //! kernel and [`super::linear`]'s kernels (the forward on the storages, the activation's output
-//! a temporary buffer), so the results are those of the composition, bit for bit; except, on
-//! CUDA with bf16/f16 and the tanh GELU, h's gradient: there `dy @ w` and GELU's derivative are
-//! one cuBLASLt matmul with the `CUBLASLT_EPILOGUE_DGELU` epilogue (`crate::cuda::gemm_dgelu`,
-//! switch: [`crate::perf::PerfSettings::gelu_epilogue`]), which applies the derivative to the
-//! GEMM's f32 result before its one rounding where the composition rounds `dy @ w` first (one
-//! rounding apart), and neither writes nor reads that product. The activation's output is then
-//! recomputed only when w's gradient needs it.
+//! a temporary buffer), so the results are those of the composition, bit for bit.
 
 use super::gelu;
 use super::linear::{self, Operands};
@@ -188,17 +182,6 @@ impl ActLinear {
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         // the activation's output again (no graph); its gradient only when h wants one
         let h = h.detach();
-        if want_h {
-            if let Some(dh) = self.fused_dh(&h, w, dy)? {
-                // dw needs the activation's output; db and the row count only its shape,
-                // which h has
-                let want_w = w.track_op();
-                let x = if want_w { self.0.apply(&h)? } else { h };
-                let (_, dw, db) =
-                    linear::grads_wanted(&x, w, Some(b), dy, false, want_w, b.track_op())?;
-                return Ok((Some(dh), dw, db));
-            }
-        }
         let g = self.0.apply(&h)?;
         let (dg, dw, db) =
             linear::grads_wanted(&g, w, Some(b), dy, want_h, w.track_op(), b.track_op())?;
@@ -207,37 +190,5 @@ impl ActLinear {
             None => None,
         };
         Ok((dh, dw, db))
-    }
-
-    /// `dh = (dy @ w) * gelu_tanh'(h)` as one cuBLASLt matmul with the DGELU epilogue
-    /// ([`crate::cuda::gemm_dgelu`]) on CUDA for the tanh GELU, when
-    /// [`crate::perf::gelu_epilogue`] is on and the operands fit it (h in w's dtype, bf16 or
-    /// f16; sizes multiples of 8; aligned). `None`: the unfused path (a cuBLASLt failure
-    /// included, as [`super::linear`]'s bias epilogue falls back). The CPU never takes it.
-    fn fused_dh(&self, h: &Tensor, w: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
-        #[cfg(feature = "cuda")]
-        {
-            let applies = self.0 == Activation::GeluTanh
-                && crate::perf::gelu_epilogue()
-                && h.device().is_cuda()
-                && h.dtype() == w.dtype();
-            if !applies {
-                return Ok(None);
-            }
-            let dy = match dy.dtype() == w.dtype() {
-                true => dy.detach().contiguous()?,
-                false => dy.detach().to_dtype(w.dtype())?.contiguous()?,
-            };
-            let w = w.detach();
-            match crate::cuda::gemm_dgelu::dgelu_matmul(&dy, &w, h, false) {
-                Ok(Some(g)) => Ok(Some(g.dh)),
-                Ok(None) | Err(_) => Ok(None),
-            }
-        }
-        #[cfg(not(feature = "cuda"))]
-        {
-            let _ = (h, w, dy);
-            Ok(None)
-        }
     }
 }
