@@ -1187,8 +1187,15 @@ fn a_graph_that_changes_between_steps_is_an_error_not_a_wrong_sum() -> Result<()
             });
             if let Err(err) = r {
                 let msg = format!("{err:#}");
-                assert!(msg.contains("l2.") && msg.contains("overlap = false"), "{msg}");
-                assert_eq!(masters(&store), before, "a failed step changed the parameters");
+                assert!(
+                    msg.contains("l2.") && msg.contains("overlap = false"),
+                    "{msg}"
+                );
+                assert_eq!(
+                    masters(&store),
+                    before,
+                    "a failed step changed the parameters"
+                );
                 failed.push(step);
             }
         }
