@@ -280,6 +280,9 @@ impl Engine {
         collective: Box<dyn crate::dist::Collective>,
         config: crate::dist::DdpConfig,
     ) -> Result<Self> {
+        if self.sync.collective().is_some() {
+            bail!("Engine::with_collective: a collective is attached already");
+        }
         let params = self.store.params();
         let state: std::collections::HashMap<String, Tensor> = self
             .optimizer
@@ -467,6 +470,17 @@ impl Engine {
         reduction: Option<Reduction>,
     ) -> Result<GradStats> {
         self.sync.reduce(&mut self.grads, reduction)?;
+        let result = self.update(params, loss_scale, lr);
+        if result.is_err() && self.sync.collective().is_some() {
+            // the buffers hold the global gradient (flat ZeRO-1: this rank's segments of it),
+            // not this window's accumulation: the next window starts empty
+            self.grads.clear();
+        }
+        result
+    }
+
+    /// The boundary after the reduction: statistics, update, working copies, scaler.
+    fn update(&mut self, params: &[Param], loss_scale: &ScaleValue, lr: f64) -> Result<GradStats> {
         let stats = self.check(loss_scale)?;
         let stats = self.sync.agree(stats, self.store.device())?; // every rank skips together
         let inputs = StepInputs {
@@ -476,7 +490,9 @@ impl Engine {
             stochastic_rounding: self.config.stochastic_rounding,
         };
         let updated = self.sync.before_update(params)?; // flat ZeRO-1: this rank's segments
-        let applied = self.optimizer.step(updated, self.grads.buffers(), inputs)?;
+        let applied = self
+            .optimizer
+            .step(&updated, self.grads.buffers(), inputs)?;
         if applied == Some(true)
             && !self.optimizer.writes_working_copies()
             && !self.sync.gathers_masters()

@@ -195,14 +195,27 @@ pub(crate) fn offer(leaf: &Tensor, grad: Option<Tensor>) -> Result<Option<Tensor
                 grad
             }
         };
-        Ok(Ok((sink.hook, so_far)))
+        Ok(Ok((sink.hook.take(), so_far)))
     })?;
     match taken {
         Err(grad) => Ok(Some(grad)),
         Ok((hook, so_far)) => {
             if let Some(hook) = hook {
-                // SAFETY: see `backward_with`: the hook outlives the sink that holds it, and no
-                // borrow of the sink is held here
+                // taken out of the sink while it runs, so that a backward inside the hook
+                // cannot reach it again (no second `&mut` to it), and put back after
+                struct PutBack(*mut GradHook<'static>);
+                impl Drop for PutBack {
+                    fn drop(&mut self) {
+                        SINK.with(|s| {
+                            if let Some(sink) = s.borrow_mut().as_mut() {
+                                sink.hook = Some(self.0);
+                            }
+                        });
+                    }
+                }
+                let _back = PutBack(hook);
+                // SAFETY: see `backward_with`: the hook outlives the sink that holds it, no
+                // borrow of the sink is held here, and the sink no longer holds the pointer
                 unsafe { (*hook)(leaf, &so_far)? };
             }
             Ok(None)

@@ -238,6 +238,9 @@ pub struct Ddp {
     ready_counts: Vec<Option<usize>>,
     /// (buckets started during the last boundary backward, buckets).
     overlap: Option<(usize, usize)>,
+    /// A parameter whose gradient changed after its bucket had started in this window's
+    /// backward: the window's sum is wrong, so every rank must skip its update.
+    stale: Option<String>,
     /// ZeRO-1: the owner rank of each parameter (store order), set by [`Ddp::shard_owners`].
     owners: Option<Vec<usize>>,
 }
@@ -277,6 +280,7 @@ impl Ddp {
             window_weight: 0.0,
             ready_counts: Vec::new(),
             overlap: None,
+            stale: None,
             owners: None,
         })
     }
@@ -342,10 +346,19 @@ impl Ddp {
     }
 
     /// Records what the last boundary backward learned: the counts [`Self::ready_counts`]
-    /// returns, and how many of `buckets` buckets it started.
-    pub fn set_ready_counts(&mut self, counts: Vec<Option<usize>>, started: usize, buckets: usize) {
+    /// returns, how many of `buckets` buckets it started, and the parameter, if any, whose
+    /// gradient changed after its bucket had started (the window is then skipped on every
+    /// rank, [`Self::agree_stats`]).
+    pub fn set_ready_counts(
+        &mut self,
+        counts: Vec<Option<usize>>,
+        started: usize,
+        buckets: usize,
+        stale: Option<String>,
+    ) {
         self.ready_counts = counts;
         self.overlap = Some((started, buckets));
+        self.stale = stale;
     }
 
     /// `(started, buckets)`: how many of the gradient buckets started their all-reduce during
@@ -423,10 +436,35 @@ impl Ddp {
     }
 
     /// Makes the boundary statistics agree across ranks (all-reduce MAX; see
-    /// [`DdpConfig::agree_found_inf`]): on the device the whole `[found_inf, norm, multiplier]`
-    /// tensor (no host synchronisation), on the host the found_inf flag.
-    pub fn agree_stats(&self, stats: GradStats, device: &Device) -> Result<GradStats> {
-        if self.coll.world_size() == 1 || !self.config.agree_found_inf {
+    /// [`DdpConfig::agree_found_inf`], always with [`DdpConfig::overlap`]): on the device the
+    /// whole `[found_inf, norm, multiplier]` tensor (no host synchronisation), on the host the
+    /// found_inf flag. A window whose overlapped sum went stale on this rank (a gradient that
+    /// changed after its bucket started) counts as found_inf, so that every rank skips it.
+    pub fn agree_stats(&mut self, stats: GradStats, device: &Device) -> Result<GradStats> {
+        let stats = match self.stale.take() {
+            Some(name) => {
+                tracing::warn!(
+                    "data parallelism: the gradient of {name} changed after its bucket's \
+                     all-reduce had started (the graph differs from the previous step's); every \
+                     rank skips this step, and later steps wait for that gradient's new number \
+                     of contributions. A model whose graph changes from step to step should set \
+                     DdpConfig::overlap = false"
+                );
+                let flag = match &stats {
+                    GradStats::Device(t) => {
+                        GradStats::device(Tensor::new(&[1f32, 0.0, 0.0], t.device())?)
+                    }
+                    GradStats::Host(_) => GradStats::host(HostStats {
+                        found_inf: true,
+                        norm: f64::NAN,
+                        multiplier: 1.0,
+                    }),
+                };
+                stats.with_found_inf_of(&flag)?
+            }
+            None => stats,
+        };
+        if self.coll.world_size() == 1 || !(self.config.agree_found_inf || self.config.overlap) {
             return Ok(stats);
         }
         if let Some(t) = stats.tensor() {

@@ -120,6 +120,27 @@ impl FlatShard {
         })
     }
 
+    /// Errors unless `idx` (the store's trainable, non-empty parameters now) are the ones the
+    /// layout was built for: a parameter frozen, unfrozen or added after
+    /// [`crate::Engine::with_collective`] changes the ranges, which every rank would have to
+    /// rebuild together.
+    pub fn check_layout(&self, params: &[Param], idx: &[usize]) -> Result<()> {
+        let sizes = |v: &[usize]| {
+            v.iter()
+                .map(|&i| params.get(i).map(Param::elem_count))
+                .collect::<Vec<_>>()
+        };
+        if idx != self.idx.as_slice() || sizes(idx) != sizes(&self.idx) {
+            bail!(
+                "flat ZeRO-1: the trainable parameters changed after Engine::with_collective \
+                 ({} then, {} now); freeze or add parameters before attaching the collective",
+                self.idx.len(),
+                idx.len()
+            );
+        }
+        Ok(())
+    }
+
     /// Elements of each rank's range.
     pub fn shard_len(&self) -> usize {
         self.shard
@@ -163,17 +184,28 @@ impl FlatShard {
             .collect()
     }
 
-    /// Copies each segment of the store's masters into its optimizer parameter (before an
-    /// update, so that the update starts from the store's current masters).
-    pub fn load_masters(&self, params: &[Param]) -> Result<()> {
-        for (s, p) in self.segments.iter().zip(&self.params) {
-            let src = params[s.pos]
-                .master
-                .flatten_all()?
-                .narrow(0, s.start, s.len)?;
-            p.master.set(&src)?;
-        }
-        Ok(())
+    /// The optimizer's parameters for an update: each segment's master refreshed from the
+    /// store's (so that the update starts from the store's current masters) and its parent's
+    /// current options (weight decay, learning-rate scale, frozen).
+    ///
+    /// Errors: the layout changed ([`Self::check_layout`]), or a copy fails.
+    pub fn load_masters(&self, params: &[Param]) -> Result<Vec<Param>> {
+        self.check_layout(params, &super::ddp::Ddp::reduced_params(params))?;
+        self.segments
+            .iter()
+            .zip(&self.params)
+            .map(|(s, p)| {
+                let src = params[s.pos]
+                    .master
+                    .flatten_all()?
+                    .narrow(0, s.start, s.len)?;
+                p.master.set(&src)?;
+                Ok(Param {
+                    options: params[s.pos].options.clone(),
+                    ..p.clone()
+                })
+            })
+            .collect()
     }
 
     /// After the update: all-gathers every rank's updated range (fp32) and writes it into the

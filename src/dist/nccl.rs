@@ -181,8 +181,9 @@ impl NcclCollective {
             .bind_to_thread()
             .map_err(|e| anyhow!("binding the CUDA context: {e:?}"))?;
         let raw: [std::ffi::c_char; ID_BYTES] = std::array::from_fn(|i| id[i] as std::ffi::c_char);
-        // wick's devices track no events (`crate::cuda::new_device`): the fork only adds a
-        // stream, ordered by the events of `enqueue`
+        // on a device from `crate::cuda::new_device` (event tracking off) the fork only adds a
+        // stream, ordered by `enqueue`'s events; on one from candle's `Device::new_cuda` it also
+        // turns on cudarc's per-access event tracking (correct, more host time per launch)
         let comm_stream = stream
             .fork()
             .map_err(|e| anyhow!("creating the communication stream: {e:?}"))?;
@@ -345,7 +346,7 @@ impl InplaceOp1 for InPlace<'_> {
 }
 
 /// `dst ← reduce_scatter(src)` (`scatter: true`) or `dst ← all_gather(src)`, both contiguous
-/// f32/f64/bf16 CUDA tensors of one dtype.
+/// f32/f64/bf16/f16 CUDA tensors of one dtype.
 struct IntoDst<'a> {
     comm: &'a Comm,
     scatter: bool,
@@ -409,6 +410,12 @@ impl InplaceOp2 for IntoDst<'_> {
                 self,
                 dst.as_cuda_slice_mut::<half::bf16>()?,
                 src.as_cuda_slice::<half::bf16>()?,
+                (da, db, sa, sb),
+            ),
+            (DType::F16, DType::F16) => go(
+                self,
+                dst.as_cuda_slice_mut::<half::f16>()?,
+                src.as_cuda_slice::<half::f16>()?,
                 (da, db, sa, sb),
             ),
             (d, s) => candle_core::bail!("NCCL collective: dtypes {d:?} / {s:?} not supported"),

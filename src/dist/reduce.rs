@@ -18,8 +18,10 @@
 //!   backward the others start in order ([`Reduction::finish`]), then every bucket is awaited
 //!   and unpacked.
 //! - A gradient that grew after its bucket had started (a graph that changed between steps,
-//!   which PyTorch DDP refuses too) is an error of that step, and that parameter is not
-//!   started early again.
+//!   which PyTorch DDP refuses) makes that window's sum wrong: every bucket is still reduced
+//!   (so that all ranks issue the same collectives), the window counts as found_inf and every
+//!   rank skips it (the flag joins the found_inf agreement), with a warning naming the
+//!   parameter; later steps wait for that gradient's new number of contributions.
 //!
 //! A member's part of the flat bucket is the window's weighted contribution `prior + w * g` (or
 //! `w * g` for the raw gradient of a single micro-batch), computed by the same kernel (CUDA) or
@@ -60,9 +62,11 @@ pub struct Reduction {
     bucket_of: Vec<Option<usize>>,
     /// Sink offers that make each parameter's gradient final (learned; `None`: not early).
     expected: Vec<Option<usize>>,
-    /// Offers seen in this backward, and the latest gradient so far, per store position.
+    /// Offers seen in this backward, and the latest gradient so far (kept until its bucket
+    /// starts) and its id, per store position.
     seen: Vec<usize>,
     latest: Vec<Option<Tensor>>,
+    latest_id: Vec<Option<TensorId>>,
     /// Members of each bucket not final yet (`usize::MAX`: a member can never be early).
     missing: Vec<usize>,
     /// The window's buffers before this micro-batch (empty with `keep_raw`).
@@ -72,8 +76,9 @@ pub struct Reduction {
     keep_raw: bool,
     /// The window's weight on this rank, this micro-batch included.
     window: f64,
-    /// bf16 or flat ZeRO-1: the global weight, reduced before the buckets.
-    weight_sum: Option<Tensor>,
+    /// bf16 or flat ZeRO-1: the global weight, reduced before the buckets (started before
+    /// the backward, awaited in [`Self::finish`]).
+    weight_sum: Option<Pending>,
     /// Flat ZeRO-1: one bucket over every parameter, reduce-scattered after the backward.
     scatter: bool,
     started: Vec<Pending>,
@@ -97,7 +102,8 @@ impl Reduction {
     /// 1 or nothing to reduce.
     ///
     /// Errors: a window weight that is not finite and > 0; with bf16 reduction or flat
-    /// ZeRO-1, the weight's all-reduce.
+    /// ZeRO-1, the weight's all-reduce; flat ZeRO-1 whose trainable parameters are no longer
+    /// the ones it was attached with.
     pub fn begin(
         ddp: &Ddp,
         flat: Option<&FlatShard>,
@@ -114,6 +120,9 @@ impl Reduction {
             bail!("gradient reduction: the accumulation window has weight {window}");
         }
         let idx = Ddp::reduced_params(params);
+        if let Some(f) = flat {
+            f.check_layout(params, &idx)?;
+        }
         if idx.is_empty() {
             return Ok(None);
         }
@@ -148,7 +157,7 @@ impl Reduction {
                 let w = Tensor::new(&[window as f32], dev)?;
                 Some(
                     ddp.collective()
-                        .all_reduce_sum(&w)
+                        .all_reduce_sum_start(&w)
                         .context("all-reduce of the window's weight")?,
                 )
             }
@@ -165,6 +174,7 @@ impl Reduction {
             expected,
             seen: vec![0; n],
             latest: vec![None; n],
+            latest_id: vec![None; n],
             missing,
             prior: if keep_raw { Vec::new() } else { prior.to_vec() },
             scale: (weight != 1.0).then_some(weight),
@@ -187,6 +197,7 @@ impl Reduction {
         };
         self.seen[i] += 1;
         self.latest[i] = Some(grad.clone());
+        self.latest_id[i] = Some(grad.id());
         if let (Some(bi), Some(want)) = (self.bucket_of[i], self.expected[i]) {
             if self.seen[i] == want {
                 self.missing[bi] -= 1;
@@ -196,7 +207,7 @@ impl Reduction {
             let bi = self.started.len();
             let b = &self.buckets[bi];
             for &m in &b.members {
-                self.early[self.idx[m]] = self.latest[self.idx[m]].as_ref().map(Tensor::id);
+                self.early[self.idx[m]] = self.latest_id[self.idx[m]];
             }
             let flat = pack(
                 &self.params,
@@ -208,39 +219,31 @@ impl Reduction {
                 self.extra(bi),
             )?;
             self.start(ddp, bi, flat)?;
+            for &m in &self.buckets[bi].members {
+                self.latest[self.idx[m]] = None; // packed: only its id is needed from here on
+            }
         }
         Ok(())
     }
 
     /// After the backward, with its gradients `grads`: checks that every early-started member
     /// was packed from its final gradient, and learns for the next boundary which gradients are
-    /// final when (module docs).
-    ///
-    /// Errors: a gradient that changed after its bucket started (its all-reduce summed a
-    /// partial gradient): the step fails (what was learned still holds for the next one).
-    pub fn after_backward(&mut self, ddp: &mut Ddp, grads: &GradStore) -> Result<()> {
+    /// final when (module docs). A member packed too early marks the window stale in `ddp`
+    /// (every rank then skips it; [`Ddp::agree_stats`]); the reduction itself goes on, so that
+    /// every rank still issues the same collectives.
+    pub fn after_backward(&mut self, ddp: &mut Ddp, grads: &GradStore) {
         let mut stale = None;
         let counts = (0..self.params.len())
             .map(|i| {
-                let last = self.latest[i].as_ref().map(Tensor::id);
                 let held = grads.get(self.params[i].differentiated()).map(Tensor::id);
                 if self.early[i].is_some() && self.early[i] != held {
-                    stale.get_or_insert(i);
+                    stale.get_or_insert_with(|| self.params[i].name.clone());
                 }
-                (self.seen[i] > 0 && last == held).then_some(self.seen[i])
+                (self.seen[i] > 0 && self.latest_id[i] == held).then_some(self.seen[i])
             })
             .collect();
-        ddp.set_ready_counts(counts, self.started.len(), self.buckets.len());
-        if let Some(i) = stale {
-            bail!(
-                "data parallelism: the gradient of {} changed after its bucket's all-reduce had \
-                 started (the graph differs from the previous step's); this step is not applied, \
-                 and later steps wait for that gradient's new number of contributions. A model \
-                 whose graph changes from step to step should set DdpConfig::overlap = false",
-                self.params[i].name
-            );
-        }
-        Ok(())
+        self.latest = Vec::new();
+        ddp.set_ready_counts(counts, self.started.len(), self.buckets.len(), stale);
     }
 
     /// At the boundary, after the accumulation: starts the buckets not started yet (from
@@ -274,8 +277,8 @@ impl Reduction {
                 .reduce_scatter_sum(&packed.to_dtype(ddp.config().reduce_dtype)?)
                 .context("flat ZeRO-1: reduce-scatter of the gradients")?
                 .to_dtype(DType::F32)?;
-            let w = self.weight_sum.as_ref().context("the weight sum")?;
-            return grads.set_segments(f.segment_grads(&range.broadcast_div(w)?)?);
+            let w = self.weight_sum.take().context("the weight sum")?.wait()?;
+            return grads.set_segments(f.segment_grads(&range.broadcast_div(&w)?)?);
         }
         for bi in self.started.len()..self.buckets.len() {
             let b = &self.buckets[bi];
@@ -291,7 +294,7 @@ impl Reduction {
             self.start(ddp, bi, flat)?;
         }
         let mut reduced: Vec<Option<Tensor>> = vec![None; self.params.len()];
-        let mut weight_sum = self.weight_sum.take();
+        let mut weight_sum = self.weight_sum.take().map(Pending::wait).transpose()?;
         for (bi, pending) in std::mem::take(&mut self.started).into_iter().enumerate() {
             let b = &self.buckets[bi];
             let mut sum = pending

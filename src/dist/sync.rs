@@ -78,9 +78,10 @@ impl GradSync {
         Ok(if flat && world > 1 && !idx.is_empty() {
             let shard = FlatShard::new(&params, &idx, rank, world)?;
             GradSync::Zero1Flat(ddp, shard)
-        } else if zero1 {
+        } else if zero1 && !flat {
             GradSync::Zero1(ddp)
         } else {
+            // one rank or nothing to shard: nothing to partition either
             GradSync::Ddp(ddp)
         })
     }
@@ -121,13 +122,17 @@ impl GradSync {
         self.flat().map_or(params, FlatShard::params)
     }
 
-    /// Before the update: [`Self::optimizer_params`], flat ZeRO-1's segment masters first
-    /// copied from the store's masters.
-    pub fn before_update<'a>(&'a self, params: &'a [Param]) -> Result<&'a [Param]> {
-        if let Some(f) = self.flat() {
-            f.load_masters(params)?;
-        }
-        Ok(self.optimizer_params(params))
+    /// Before the update: [`Self::optimizer_params`]; flat ZeRO-1's segments with their
+    /// masters copied from the store's and their parents' current options
+    /// ([`FlatShard::load_masters`]).
+    pub fn before_update<'a>(
+        &'a self,
+        params: &'a [Param],
+    ) -> Result<std::borrow::Cow<'a, [Param]>> {
+        Ok(match self.flat() {
+            Some(f) => std::borrow::Cow::Owned(f.load_masters(params)?),
+            None => std::borrow::Cow::Borrowed(params),
+        })
     }
 
     /// Whether [`Self::after_update`] rewrites every master and working copy (flat ZeRO-1), so
@@ -178,17 +183,19 @@ impl GradSync {
     /// The backward of `scaled_loss` ([`crate::grad_sink::backward`]); with a `reduction` and
     /// [`DdpConfig::overlap`], its buckets start as their gradients become final.
     ///
-    /// Errors: the backward's, a bucket's all-reduce, or a gradient that changed after its
-    /// bucket started ([`Reduction::after_backward`]).
+    /// Errors: the backward's, or a bucket's all-reduce. A gradient that changed after its
+    /// bucket started is not an error here: the window is skipped on every rank
+    /// ([`Reduction::after_backward`]).
     pub fn backward(
         &mut self,
         scaled_loss: &Tensor,
         reduction: Option<&mut Reduction>,
     ) -> Result<GradStore> {
+        let flat = self.flat().is_some(); // one reduce-scatter after the backward
         let (Some(r), Some(d)) = (reduction, self.ddp_mut()) else {
             return Ok(crate::grad_sink::backward(scaled_loss)?);
         };
-        if !d.config().overlap {
+        if !d.config().overlap || flat {
             return Ok(crate::grad_sink::backward(scaled_loss)?);
         }
         let grads = {
@@ -198,7 +205,7 @@ impl GradSync {
                     .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
             })?
         };
-        r.after_backward(d, &grads)?;
+        r.after_backward(d, &grads);
         Ok(grads)
     }
 
@@ -215,8 +222,8 @@ impl GradSync {
     }
 
     /// Makes every rank see the same boundary statistics, so that every rank skips together.
-    pub fn agree(&self, stats: GradStats, device: &Device) -> Result<GradStats> {
-        match self.ddp() {
+    pub fn agree(&mut self, stats: GradStats, device: &Device) -> Result<GradStats> {
+        match self.ddp_mut() {
             None => Ok(stats),
             Some(d) => d.agree_stats(stats, device),
         }
