@@ -1260,3 +1260,80 @@ fn flat_zero1_follows_options_and_refuses_a_changed_layout() -> Result<()> {
     out.into_iter().collect::<Result<Vec<_>>>()?;
     Ok(())
 }
+
+/// The same data-parallel logic on the GPU, with 2 ranks as threads on one CUDA device and the
+/// in-process collective (what one GPU can check of the NCCL runs): the CUDA bucket packing
+/// (the accumulate kernel writing into views of the flat bucket, priors included), the device
+/// statistics summed over flat ZeRO-1's ranks and the fused update of segment parameters.
+#[cfg(feature = "cuda")]
+mod cuda_ranks {
+    use super::*;
+
+    fn gpu() -> Option<Device> {
+        wick::cuda::new_device(0).ok()
+    }
+
+    #[test]
+    fn cuda_overlap_matches_the_reduction_after_the_backward() -> Result<()> {
+        let Some(_) = gpu() else {
+            eprintln!("skipped: no GPU");
+            return Ok(());
+        };
+        for precision in [Precision::Fp32, Precision::Bf16Mixed] {
+            let go = move |overlap: bool| -> Result<Vec<_>> {
+                run_ranks(2, move |r, c| {
+                    let ddp = DdpConfig {
+                        overlap,
+                        ..DdpConfig::default()
+                    };
+                    train_overlap(r, c, ddp, precision, 2, &gpu().expect("a GPU"))
+                })
+                .into_iter()
+                .collect()
+            };
+            let (after, during) = (go(false)?, go(true)?);
+            for r in 0..2 {
+                assert!(
+                    during[r].0 == after[r].0,
+                    "{precision:?} rank {r}: overlap differs"
+                );
+                eprintln!("{precision:?} rank {r}: started {:?}", during[r].2.last());
+                let (started, total) = during[r].2.last().copied().flatten().unwrap();
+                assert_eq!(started, total - 1, "{precision:?}");
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn cuda_flat_zero1_matches_ddp() -> Result<()> {
+        let Some(_) = gpu() else {
+            eprintln!("skipped: no GPU");
+            return Ok(());
+        };
+        let run = Run {
+            world: 2,
+            global: 24,
+            steps: 8,
+            accumulation: 2,
+            max_grad_norm: Some(0.5),
+            uneven: None,
+        };
+        let go = move |zero1: Option<Zero1Layout>| -> Result<Vec<Outcome>> {
+            run_ranks(2, move |r, c| {
+                train_full(run, r, Some((c, zero1)), &gpu().expect("a GPU"))
+            })
+            .into_iter()
+            .collect()
+        };
+        let (ddp, flat) = (go(None)?, go(Some(Zero1Layout::Flat))?);
+        for r in 0..2 {
+            let rel = max_rel(&flat[r].masters, &ddp[r].masters);
+            eprintln!("rank {r}: flat ZeRO-1 on CUDA against DDP: max rel error {rel:e}");
+            assert!(rel <= 1e-6, "rank {r}: {rel:e}");
+            assert_eq!(flat[r].full_state.len(), ddp[r].full_state.len());
+            assert!(flat[r].local_state_elems * 2 <= ddp[r].local_state_elems + 2);
+        }
+        Ok(())
+    }
+}
