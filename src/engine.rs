@@ -283,12 +283,6 @@ impl Engine {
         if self.sync.collective().is_some() {
             bail!("Engine::with_collective: a collective is attached already");
         }
-        let params = self.store.params();
-        let state: std::collections::HashMap<String, Tensor> = self
-            .optimizer
-            .state_tensors(self.sync.optimizer_params(&params))?
-            .into_iter()
-            .collect();
         self.sync = GradSync::attach(
             collective,
             config,
@@ -297,8 +291,14 @@ impl Engine {
             self.config.stochastic_rounding,
         )?;
         self.optimizer.set_owned(self.sync.owned());
+        let params = self.store.params();
+        // flat ZeRO-1: the optimizer's parameters are this rank's segments from now on; its
+        // state so far (by the store's parameters: no collective was attached) is cut to them
+        let state = match self.sync.gathers_masters() {
+            true => self.optimizer.state_tensors(&params)?.into_iter().collect(),
+            false => std::collections::HashMap::new(),
+        };
         if let Some(share) = self.sync.shard_state(&params, &state)? {
-            // flat ZeRO-1: the optimizer's parameters are this rank's segments from now on
             let applied = self.optimizer_steps()?;
             self.optimizer.load_state_tensors(
                 self.sync.optimizer_params(&params),

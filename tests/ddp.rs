@@ -659,19 +659,10 @@ mod nccl_2gpu {
         eprintln!("rank {rank}: max rel error {rel:e} (NCCL, 20 steps) against 1 GPU");
         assert!(rel <= 1e-5, "rank {rank}: max rel error {rel:e}");
         // 2) ZeRO-1 over NCCL: the DDP parameters bit for bit, about half the optimizer state
-        let ddp = train_full(run, rank, Some((wick::dist::init(&dev)?, None)), &dev)?;
-        let zero = train_full(
-            run,
-            rank,
-            Some((wick::dist::init(&dev)?, Some(Zero1Layout::Parameters))),
-            &dev,
-        )?;
-        let flat = train_full(
-            run,
-            rank,
-            Some((wick::dist::init(&dev)?, Some(Zero1Layout::Flat))),
-            &dev,
-        )?;
+        let over_nccl = |zero1| train_full(run, rank, Some((wick::dist::init(&dev)?, zero1)), &dev);
+        let ddp = over_nccl(None)?;
+        let zero = over_nccl(Some(Zero1Layout::Parameters))?;
+        let flat = over_nccl(Some(Zero1Layout::Flat))?;
         let rel = max_rel(&flat.masters, &ddp.masters);
         eprintln!("rank {rank}: flat ZeRO-1 against DDP after 20 steps: max rel error {rel:e}");
         assert!(

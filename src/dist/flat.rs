@@ -186,11 +186,11 @@ impl FlatShard {
 
     /// The optimizer's parameters for an update: each segment's master refreshed from the
     /// store's (so that the update starts from the store's current masters) and its parent's
-    /// current options (weight decay, learning-rate scale, frozen).
+    /// current options (weight decay, learning-rate scale, frozen). The layout is the one
+    /// [`super::reduce::Reduction::begin`] checked at this boundary ([`Self::check_layout`]).
     ///
-    /// Errors: the layout changed ([`Self::check_layout`]), or a copy fails.
+    /// Errors: a copy fails.
     pub fn load_masters(&self, params: &[Param]) -> Result<Vec<Param>> {
-        self.check_layout(params, &super::ddp::Ddp::reduced_params(params))?;
         self.segments
             .iter()
             .zip(&self.params)

@@ -143,7 +143,7 @@ impl Reduction {
         let missing = buckets
             .iter()
             .map(|b| {
-                if flat.is_none() && b.members.iter().all(|&m| expected[idx[m]].is_some()) {
+                if b.members.iter().all(|&m| expected[idx[m]].is_some()) {
                     b.members.len()
                 } else {
                     usize::MAX
@@ -209,15 +209,12 @@ impl Reduction {
             for &m in &b.members {
                 self.early[self.idx[m]] = self.latest_id[self.idx[m]];
             }
-            let flat = pack(
-                &self.params,
-                &self.idx,
-                b,
-                &self.latest,
-                &self.prior,
-                self.scale,
-                self.extra(bi),
-            )?;
+            let early = Contribution {
+                grads: &self.latest,
+                prior: &self.prior,
+                scale: self.scale,
+            };
+            let flat = pack(&self.params, &self.idx, b, &early, self.extra(bi))?;
             self.start(ddp, bi, flat)?;
             for &m in &self.buckets[bi].members {
                 self.latest[self.idx[m]] = None; // packed: only its id is needed from here on
@@ -261,17 +258,14 @@ impl Reduction {
         flat: Option<&FlatShard>,
         grads: &mut GradBuffers,
     ) -> Result<()> {
-        let scale = if self.keep_raw { self.scale } else { None };
+        // the buffers hold the window's sum, or with `keep_raw` this micro-batch's raw gradient
+        let buffers = Contribution {
+            grads: grads.buffers(),
+            prior: &[],
+            scale: if self.keep_raw { self.scale } else { None },
+        };
         if let Some(f) = flat.filter(|_| self.scatter) {
-            let packed = pack(
-                &self.params,
-                &self.idx,
-                &self.buckets[0],
-                grads.buffers(),
-                &[],
-                scale,
-                None,
-            )?;
+            let packed = pack(&self.params, &self.idx, &self.buckets[0], &buffers, None)?;
             let range = ddp
                 .collective()
                 .reduce_scatter_sum(&packed.to_dtype(ddp.config().reduce_dtype)?)
@@ -282,15 +276,7 @@ impl Reduction {
         }
         for bi in self.started.len()..self.buckets.len() {
             let b = &self.buckets[bi];
-            let flat = pack(
-                &self.params,
-                &self.idx,
-                b,
-                grads.buffers(),
-                &[],
-                scale,
-                self.extra(bi),
-            )?;
+            let flat = pack(&self.params, &self.idx, b, &buffers, self.extra(bi))?;
             self.start(ddp, bi, flat)?;
         }
         let mut reduced: Vec<Option<Tensor>> = vec![None; self.params.len()];
@@ -336,25 +322,31 @@ impl Reduction {
     }
 }
 
-/// Bucket `b` as one flat f32 tensor of `b.numel` elements: for each member (store position
-/// `idx[m]`), `prior + scale * g` with `g = grads[idx[m]]` (a missing `prior` is 0, a missing
-/// `scale` 1, a missing `g` contributes 0), zeros after the last member, and `extra`, when
-/// given, as one more element.
+/// What a member contributes to its bucket, by store position: `prior + scale * g` with
+/// `g = grads[i]` (a missing `prior` is 0, a missing `scale` 1, a missing `g` contributes 0).
+struct Contribution<'a> {
+    grads: &'a [Option<Tensor>],
+    prior: &'a [Option<Tensor>],
+    scale: Option<f64>,
+}
+
+/// Bucket `b` as one flat f32 tensor of `b.numel` elements: each member's (store position
+/// `idx[m]`) [`Contribution`], zeros after the last member, and `extra`, when given, as one
+/// more element.
 fn pack(
     params: &[Param],
     idx: &[usize],
     b: &Bucket,
-    grads: &[Option<Tensor>],
-    prior: &[Option<Tensor>],
-    scale: Option<f64>,
+    c: &Contribution,
     extra: Option<f64>,
 ) -> Result<Tensor> {
     let dev = params[idx[b.members[0]]].master.device().clone();
-    let at = |v: &[Option<Tensor>], i: usize| v.get(i).and_then(|x| x.clone());
     #[cfg(feature = "cuda")]
     if dev.is_cuda() {
-        return pack_cuda(params, idx, b, grads, prior, scale, extra);
+        return pack_cuda(params, idx, b, c, extra);
     }
+    let (grads, prior, scale) = (c.grads, c.prior, c.scale);
+    let at = |v: &[Option<Tensor>], i: usize| v.get(i).and_then(|x| x.clone());
     let mut parts = Vec::with_capacity(b.members.len() + 1);
     for &m in &b.members {
         let i = idx[m];
@@ -395,11 +387,10 @@ fn pack_cuda(
     params: &[Param],
     idx: &[usize],
     b: &Bucket,
-    grads: &[Option<Tensor>],
-    prior: &[Option<Tensor>],
-    scale: Option<f64>,
+    c: &Contribution,
     extra: Option<f64>,
 ) -> Result<Tensor> {
+    let (grads, prior, scale) = (c.grads, c.prior, c.scale);
     let dev = params[idx[b.members[0]]].master.device().clone();
     let flat = Tensor::zeros(b.numel + usize::from(extra.is_some()), DType::F32, &dev)?;
     let k = b.members.len();
