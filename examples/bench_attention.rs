@@ -3,7 +3,8 @@
 //! (CUDA events over `--iters` calls after warm-up) and TFLOP/s counted as FlashAttention does
 //! for causal attention (forward `2 * 2*B*H*T*T*D / 2` FLOPs, backward 2.5 times that).
 //!
-//! `qkv: (B, T, (H + 2 Hkv) * 64)` is random in `--dtype` (bf16 or f16); the backward is
+//! `qkv: (B, T, (H + 2 Hkv) * 64)` is random in `--dtype` (bf16, f16 or f32: 3xTF32, or TF32
+//! with `--tf32`, which allows f32 GEMMs TF32 as `PerfSettings::tf32` does); the backward is
 //! seeded by candle with ones (`y.backward()`), so its figure includes that fill and candle's
 //! gradient store, as PyTorch's includes autograd's. CUDA only.
 //!
@@ -35,9 +36,12 @@ struct Args {
     /// Sequence length.
     #[arg(long, default_value_t = 1024)]
     t: usize,
-    /// "bf16" or "f16".
+    /// "bf16", "f16" or "f32".
     #[arg(long, default_value = "bf16")]
     dtype: String,
+    /// f32 on plain TF32 operands (candle's `set_gemm_reduced_precision_f32`), else 3xTF32.
+    #[arg(long)]
+    tf32: bool,
     /// Timed calls per figure.
     #[arg(long, default_value_t = 50)]
     iters: usize,
@@ -48,7 +52,14 @@ fn main() -> Result<()> {
     let dtype = match a.dtype.as_str() {
         "bf16" => DType::BF16,
         "f16" => DType::F16,
-        d => anyhow::bail!("--dtype {d}: expected bf16 or f16"),
+        "f32" => DType::F32,
+        d => anyhow::bail!("--dtype {d}: expected bf16, f16 or f32"),
+    };
+    candle_core::cuda::set_gemm_reduced_precision_f32(a.tf32);
+    let label = match (dtype, a.tf32) {
+        (DType::F32, true) => "f32 (TF32)".to_string(),
+        (DType::F32, false) => "f32 (3xTF32)".to_string(),
+        _ => a.dtype.clone(),
     };
     let hkv = a.hkv.unwrap_or(a.h);
     anyhow::ensure!(
@@ -72,8 +83,8 @@ fn main() -> Result<()> {
     let flop = 2.0 * 2.0 * (a.b * a.h * a.t * a.t * d) as f64 / 2.0;
     let (fwd_tf, bwd_tf) = (flop / fwd / 1e9, 2.5 * flop / (fwd_bwd - fwd) / 1e9);
     println!(
-        "causal attention B{} H{} Hkv{hkv} T{} D{d} {}, {} calls",
-        a.b, a.h, a.t, a.dtype, a.iters
+        "causal attention B{} H{} Hkv{hkv} T{} D{d} {label}, {} calls",
+        a.b, a.h, a.t, a.iters
     );
     println!("forward            {fwd:8.4} ms  {fwd_tf:6.1} TFLOP/s");
     println!(
@@ -82,7 +93,7 @@ fn main() -> Result<()> {
     );
     println!("forward + backward {fwd_bwd:8.4} ms");
     let json = serde_json::json!({
-        "shape": [a.b, a.h, hkv, a.t, d], "dtype": a.dtype,
+        "shape": [a.b, a.h, hkv, a.t, d], "dtype": label,
         "fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd, "fwd_TFLOPs": fwd_tf, "bwd_TFLOPs": bwd_tf,
     });
     println!("{json}");

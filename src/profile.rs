@@ -71,28 +71,40 @@ impl PhaseTimes {
     }
 }
 
-/// Peak dense tensor-core throughput, FLOP/s, by GPU model and compute dtype, from NVIDIA's
-/// datasheets (dense, no sparsity; SXM parts). f32 means plain FP32 (no TF32).
+/// Peak dense throughput, FLOP/s, by GPU model and compute dtype, from NVIDIA's datasheets
+/// (dense, no sparsity; SXM parts). f32 means plain FP32 (no TF32; see [`peak_tf32_flops`]).
 /// Returns `None` for a model not in the table.
 pub fn peak_flops(gpu_name: &str, dtype: candle_core::DType) -> Option<f64> {
     use candle_core::DType::*;
-    let name = gpu_name.to_ascii_uppercase();
-    // (name fragment, bf16/f16, f32)
-    const TABLE: [(&str, f64, f64); 7] = [
-        ("H200", 989e12, 67e12),
-        ("H100", 989e12, 67e12),
-        ("A100", 312e12, 19.5e12),
-        ("L40S", 362e12, 91.6e12),
-        ("L4", 121e12, 30.3e12),
-        ("A10", 125e12, 31.2e12),
-        ("4090", 165e12, 82.6e12),
-    ];
-    let (_, half, single) = TABLE.iter().find(|(k, _, _)| name.contains(k))?;
+    let (half, single, _) = peak_row(gpu_name)?;
     match dtype {
-        BF16 | F16 => Some(*half),
-        F32 => Some(*single),
+        BF16 | F16 => Some(half),
+        F32 => Some(single),
         _ => None,
     }
+}
+
+/// Peak dense TF32 tensor-core throughput, FLOP/s (f32 work with TF32 allowed), from the same
+/// datasheets as [`peak_flops`]; `None` for a model not in the table.
+pub fn peak_tf32_flops(gpu_name: &str) -> Option<f64> {
+    peak_row(gpu_name).map(|(_, _, tf32)| tf32)
+}
+
+/// `(bf16/f16, f32, tf32)` dense peaks of the first table entry whose name fragment is in
+/// `gpu_name` (case-insensitive).
+fn peak_row(gpu_name: &str) -> Option<(f64, f64, f64)> {
+    let name = gpu_name.to_ascii_uppercase();
+    const TABLE: [(&str, f64, f64, f64); 7] = [
+        ("H200", 989e12, 67e12, 494.7e12),
+        ("H100", 989e12, 67e12, 494.7e12),
+        ("A100", 312e12, 19.5e12, 156e12),
+        ("L40S", 362e12, 91.6e12, 183e12),
+        ("L4", 121e12, 30.3e12, 60e12),
+        ("A10", 125e12, 31.2e12, 62.5e12),
+        ("4090", 165e12, 82.6e12, 82.6e12),
+    ];
+    let &(_, half, single, tf32) = TABLE.iter().find(|row| name.contains(row.0))?;
+    Some((half, single, tf32))
 }
 
 /// A run's figures for the end-of-run report and bottleneck hints.
@@ -311,5 +323,10 @@ mod tests {
             Some(312e12)
         );
         assert_eq!(peak_flops("Tesla T4", DType::BF16), None);
+        // NVIDIA's H100/H200 SXM datasheet: FP32 67, TF32 tensor core 989 with sparsity, so
+        // 494.7 dense
+        assert_eq!(peak_flops("NVIDIA H200", DType::F32), Some(67e12));
+        assert_eq!(peak_tf32_flops("NVIDIA H200"), Some(494.7e12));
+        assert_eq!(peak_tf32_flops("Tesla T4"), None);
     }
 }

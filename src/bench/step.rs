@@ -299,9 +299,12 @@ pub fn run(args: &StepArgs) -> Result<()> {
         gpu = d.cuda_stream().context().name().ok();
     }
     let dtype = args.precision.compute_dtype();
-    let peak_rate = gpu
-        .as_deref()
-        .and_then(|g| crate::profile::peak_flops(g, dtype));
+    // f32 runs with TF32 allowed on CUDA (above): TF32's peak, not plain FP32's
+    let tf32 = dtype == DType::F32 && perf.tf32;
+    let peak_rate = gpu.as_deref().and_then(|g| match tf32 {
+        true => crate::profile::peak_tf32_flops(g),
+        false => crate::profile::peak_flops(g, dtype),
+    });
     let mfu = peak_rate.map(|p| flops / (ms_per_step / 1e3) / p);
 
     println!(
@@ -340,11 +343,11 @@ pub fn run(args: &StepArgs) -> Result<()> {
     }
     match (mfu, peak_rate) {
         (Some(m), Some(p)) => println!(
-            "MFU         {:.1}% (6 x {params} params x {} tokens per step per GPU = {:.2} TFLOP; {:?} peak {:.0} TFLOP/s)",
+            "MFU         {:.1}% (6 x {params} params x {} tokens per step per GPU = {:.2} TFLOP; {} peak {:.0} TFLOP/s)",
             m * 100.0,
             batch * t,
             flops / 1e12,
-            dtype,
+            if tf32 { "TF32".to_string() } else { format!("{dtype:?}") },
             p / 1e12
         ),
         _ => println!(

@@ -15,15 +15,23 @@
 //! query head h attends with k and v head h / G        y: (B, T, H Dh)
 //! ```
 //! (`scaled_dot_product_attention(.., is_causal=True, enable_gqa=True)`); `Hkv == H` is the
-//! multi-head case above. On CUDA (bf16 or f16, `Dh == 64`) it is a FlashAttention-2 kernel
-//! pair on tensor cores (`kernels/attention.cu`; Dao 2023, arXiv:2307.08691): the `T x T`
-//! scores are never stored, K and V are read in place for every query head of their group
-//! (never repeated in memory), the forward keeps one f32 log-sum-exp per row, the backward
-//! recomputes the probabilities and is deterministic (no atomics: the dK/dV kernel of a
-//! key/value head sums over its query heads in registers). Everywhere else the op runs the CPU
-//! reference below (CPU tensors), or [`grouped_causal_attention_composed`] (CUDA f32 or another
-//! head width). Softmax and products accumulate in f32; the CUDA kernels round P and dS to the
-//! storage dtype before their products, as FlashAttention does.
+//! multi-head case above. On CUDA (`Dh == 64`) it is a FlashAttention-2 kernel pair on tensor
+//! cores (`kernels/attention.cu`; Dao 2023, arXiv:2307.08691): the `T x T` scores are never
+//! stored, K and V are read in place for every query head of their group (never repeated in
+//! memory), the forward keeps one f32 log-sum-exp per row, the backward recomputes the
+//! probabilities and is deterministic (no atomics: the dK/dV kernel of a key/value head sums
+//! over its query heads in registers). Everywhere else the op runs the CPU reference below (CPU
+//! tensors), or [`grouped_causal_attention_composed`] (another head width). Softmax and
+//! products accumulate in f32; the CUDA kernels round P and dS to the storage dtype before their
+//! products, as FlashAttention does.
+//!
+//! f32 runs on TF32 tensor cores in one of two modes, chosen when the forward runs:
+//! - where f32 GEMMs may use TF32 (candle's `gemm_reduced_precision_f32`, which
+//!   [`crate::perf::PerfSettings`]`::tf32` sets; PyTorch's `allow_tf32`), every product takes
+//!   TF32 operands (10 mantissa bits), as the projections around it do;
+//! - otherwise 3xTF32: each operand is split into a TF32 value and a TF32 remainder and three
+//!   products are summed (CUTLASS's `OpMultiplyAddFastF32`, which PyTorch's memory-efficient
+//!   attention uses for f32), about f32's accuracy at three times the tensor-core work.
 
 use super::{check_float, cpu_slice, Elem, SideOutput};
 use candle_core::backend::BackendStorage;
@@ -36,9 +44,9 @@ use std::sync::Arc;
 /// `n_head` heads of `Dh = C / n_head`; returns `(B, T, C)` in qkv's dtype (f32, bf16 or f16),
 /// heads merged. Scale `1 / sqrt(Dh)`; query `t` attends to keys `0..=t`.
 ///
-/// One graph node: on CUDA with bf16/f16, `Dh == 64`, compute capability 8.0 or newer,
-/// `B*H <= 65535` and `B*T*3C < 2^31`, the flash-attention kernels (memory O(B·T·C), no score
-/// tensor); on the CPU, a reference implementation in f32 (one rayon task per `(b, h)`);
+/// One graph node: on CUDA with `Dh == 64`, compute capability 8.0 or newer, `B*H <= 65535`
+/// and `B*T*3C < 2^31`, the flash-attention kernels (memory O(B·T·C), no score tensor; f32 on
+/// TF32 tensor cores, in the mode the module docs describe); on the CPU, a reference implementation in f32 (one rayon task per `(b, h)`);
 /// otherwise the composition [`causal_attention_composed`] (several nodes, scores
 /// materialised). Not twice differentiable. This is [`grouped_causal_attention`] with
 /// `n_kv_head == n_head` (the same kernels, one query head per key/value head).
@@ -59,9 +67,10 @@ pub fn causal_attention(qkv: &Tensor, n_head: usize) -> Result<Tensor> {
 /// `scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)`.
 /// `n_kv_head == n_head` is [`causal_attention`].
 ///
-/// One graph node: on CUDA with bf16/f16, `Dh == 64`, compute capability 8.0 or newer,
-/// `B*H <= 65535` and `B*T*(H + 2 Hkv)*Dh < 2^31`, the flash-attention kernels (K and V read in
-/// place, memory O(B·T·(H + 2 Hkv)·Dh), no score tensor); on the CPU, a reference
+/// One graph node: on CUDA with `Dh == 64`, compute capability 8.0 or newer, `B*H <= 65535`
+/// and `B*T*(H + 2 Hkv)*Dh < 2^31`, the flash-attention kernels (K and V read in place, memory
+/// O(B·T·(H + 2 Hkv)·Dh), no score tensor; f32 on TF32 tensor cores, in the mode the module
+/// docs describe); on the CPU, a reference
 /// implementation in f32 (one rayon task per `(b, query head)`, the key/value gradients summed
 /// over each group in a fixed order); otherwise the composition
 /// [`grouped_causal_attention_composed`]. Not twice differentiable.
@@ -84,8 +93,8 @@ pub fn grouped_causal_attention(qkv: &Tensor, n_head: usize, n_kv_head: usize) -
 pub(super) type AttentionOp = Arc<Box<dyn CustomOp1 + Send + Sync>>;
 
 /// [`grouped_causal_attention`]'s one-node form, with the op that ran it, for a non-empty
-/// `qkv`; `None` where that function takes the composition (CUDA in f32, head width other than
-/// 64, older GPUs, other devices).
+/// `qkv`; `None` where that function takes the composition (head width other than 64, older
+/// GPUs, other devices).
 pub(super) fn fused_attention(
     qkv: &Tensor,
     n_head: usize,
@@ -100,7 +109,7 @@ fn fused(qkv: &Tensor, d: Dims) -> Result<Option<(Tensor, AttentionOp)>> {
         candle_core::Device::Cpu => true,
         candle_core::Device::Cuda(dev) => {
             d.dh == HEAD_DIM
-                && matches!(qkv.dtype(), DType::BF16 | DType::F16)
+                && matches!(qkv.dtype(), DType::BF16 | DType::F16 | DType::F32)
                 && cuda_kernels_apply(dev, d)
         }
         _ => false,
@@ -111,6 +120,7 @@ fn fused(qkv: &Tensor, d: Dims) -> Result<Option<(Tensor, AttentionOp)>> {
     let op: AttentionOp = Arc::new(Box::new(Attention {
         n_head: d.h,
         n_kv_head: d.hkv,
+        tf32: tf32_allowed(),
         lse: SideOutput::default(),
     }));
     let y = qkv.contiguous()?.apply_op1_arc(op.clone())?;
@@ -120,7 +130,7 @@ fn fused(qkv: &Tensor, d: Dims) -> Result<Option<(Tensor, AttentionOp)>> {
 /// The same attention as [`causal_attention`] composed of separate differentiable ops:
 /// [`super::split_heads`], `q / sqrt(Dh)`, `q @ k^T`, [`super::causal_softmax_last_dim`],
 /// `@ v`, [`super::merge_heads`]. The `(B, H, T, T)` scores and probabilities are materialised
-/// in qkv's dtype. Used where the fused kernels do not apply (CUDA f32, `Dh != 64`) and as the
+/// in qkv's dtype. Used where the fused kernels do not apply (`Dh != 64` on CUDA) and as the
 /// independent reference in tests. For a power-of-two `Dh` the scaling of `q` is exact.
 ///
 /// Errors: as [`causal_attention`].
@@ -140,7 +150,7 @@ pub fn causal_attention_composed(qkv: &Tensor, n_head: usize) -> Result<Tensor> 
 /// (the gradient sums over them), then as [`causal_attention_composed`]: `q / sqrt(Dh)`,
 /// `q @ k^T`, [`super::causal_softmax_last_dim`], `@ v`, [`super::merge_heads`]. With
 /// `n_kv_head == n_head` it is [`causal_attention_composed`]. Used where the fused kernels do
-/// not apply (CUDA f32, `Dh != 64`) and as the independent reference in tests.
+/// not apply (`Dh != 64` on CUDA) and as the independent reference in tests.
 ///
 /// Errors: as [`grouped_causal_attention`].
 pub fn grouped_causal_attention_composed(
@@ -174,7 +184,7 @@ pub fn grouped_causal_attention_composed(
     super::merge_heads(&att.matmul(&v)?)
 }
 
-/// Whether the CUDA kernels take this problem: tensor-core `mma.sync` with bf16/f16 needs
+/// Whether the CUDA kernels take this problem: tensor-core `mma.sync` with bf16/f16/TF32 needs
 /// compute capability 8.0 or newer; `B*H` goes on the grid's y dimension (at most 65535) and
 /// the kernels index rows with 32-bit integers. Outside these limits the composed path runs.
 #[cfg(feature = "cuda")]
@@ -192,6 +202,18 @@ fn cuda_kernels_apply(_dev: &candle_core::CudaDevice, _d: Dims) -> bool {
 
 /// Head width of the CUDA kernels (`ATT_D` in kernels/attention.cu).
 const HEAD_DIM: usize = 64;
+
+/// Whether f32 attention may take TF32 operands: the switch of candle's f32 GEMMs.
+#[cfg(feature = "cuda")]
+fn tf32_allowed() -> bool {
+    candle_core::cuda::gemm_reduced_precision_f32()
+}
+
+/// Without the `cuda` feature no kernel reads it.
+#[cfg(not(feature = "cuda"))]
+fn tf32_allowed() -> bool {
+    false
+}
 
 /// `(B, T, C)` of a valid `qkv`.
 fn dims(qkv: &Tensor, n_head: usize) -> Result<(usize, usize, usize)> {
@@ -241,17 +263,22 @@ fn grouped_dims(qkv: &Tensor, n_head: usize, n_kv_head: usize) -> Result<Dims> {
     })
 }
 
-/// The forward op. On CUDA it leaves the rows' log-sum-exp in `lse` for the backward.
+/// The forward op. On CUDA it leaves the rows' log-sum-exp in `lse` for the backward; `tf32`:
+/// f32 products on plain TF32 operands (else 3xTF32), fixed for the forward and its backward.
 struct Attention {
     n_head: usize,
     n_kv_head: usize,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    tf32: bool,
     lse: SideOutput,
 }
 
-/// The backward op: `(qkv, y, dy) → dqkv`; `lse` is the forward's (CUDA only).
+/// The backward op: `(qkv, y, dy) → dqkv`; `lse` and `tf32` are the forward's (CUDA only).
 struct AttentionBwd {
     n_head: usize,
     n_kv_head: usize,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    tf32: bool,
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     lse: Option<Tensor>,
 }
@@ -477,7 +504,7 @@ impl CustomOp1 for Attention {
         l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let d = Dims::of(l, self.n_head, self.n_kv_head)?;
-        let (y, lse) = cuda::fwd(s, l, d)?;
+        let (y, lse) = cuda::fwd(s, l, d, self.tf32)?;
         self.lse
             .put(candle_core::Storage::Cuda(lse), d.b * d.h * d.t);
         Ok((y, Shape::from((d.b, d.t, d.c()))))
@@ -492,6 +519,7 @@ impl CustomOp1 for Attention {
         let op = AttentionBwd {
             n_head: self.n_head,
             n_kv_head: self.n_kv_head,
+            tf32: self.tf32,
             lse: self.lse.get(),
         };
         Ok(Some(qkv.apply_op3_no_bwd(y, &dy, &op)?))
@@ -556,6 +584,7 @@ impl CustomOp3 for AttentionBwd {
             dy: (dy, ldy),
             lse: (ls, ll),
             d,
+            tf32: self.tf32,
         })?;
         Ok((dqkv, l.shape().clone()))
     }
@@ -567,7 +596,8 @@ mod cuda {
     use super::{Dims, HEAD_DIM};
     use crate::cuda::launch::{alloc, dtype_name, in_ptr, out_ptr};
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
+    use candle_core::cuda::cudarc::driver::sys::CUfunction_attribute;
+    use candle_core::cuda::cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
     use candle_core::cuda::WrapErr;
     use candle_core::{bail, CudaStorage, DType, Layout, Result};
 
@@ -575,6 +605,9 @@ mod cuda {
     /// Threads per block of the tile kernels (`ATT_THREADS`), rows per tile (`ATT_TILE`).
     const THREADS: u32 = 128;
     const TILE: usize = 64;
+    /// Dynamic shared memory of the f32 tile kernels: four staged 64-row tiles of 68 floats
+    /// (`AttF32::LD`); the 16-bit kernels stage theirs in static shared memory.
+    const F32_SMEM: u32 = 4 * TILE as u32 * 68 * 4;
 
     /// A storage with its layout.
     pub(super) type In<'a> = (&'a CudaStorage, &'a Layout);
@@ -586,6 +619,7 @@ mod cuda {
         pub dy: In<'a>,
         pub lse: In<'a>,
         pub d: Dims,
+        pub tf32: bool,
     }
 
     /// A contiguous copy at offset 0 of an input whose first element is not 16-byte aligned
@@ -601,7 +635,7 @@ mod cuda {
 
     /// Launch shape of the tile kernels: one block per 64-row tile and per (batch row, head),
     /// `heads` being the query heads (forward, dQ) or the key/value heads (dK/dV).
-    fn tile_cfg(d: Dims, heads: usize) -> Result<LaunchConfig> {
+    fn tile_cfg(d: Dims, heads: usize, dtype: DType) -> Result<LaunchConfig> {
         let bh = d.b * d.h;
         if bh > 65535 || d.t > i32::MAX as usize / 4 || d.b * d.t * d.w() > i32::MAX as usize {
             bail!(
@@ -613,11 +647,25 @@ mod cuda {
         Ok(LaunchConfig {
             grid_dim: (d.t.div_ceil(TILE) as u32, (d.b * heads) as u32, 1),
             block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: if dtype == DType::F32 { F32_SMEM } else { 0 },
         })
     }
 
-    fn check(op: &str, d: Dims, dtype: DType) -> Result<&'static str> {
+    /// Allows a tile kernel the dynamic shared memory `cfg` asks for (past the default 48 KiB
+    /// for f32; every sm_80+ GPU offers at least 163 KiB per block).
+    fn allow_smem(func: &CudaFunction, cfg: &LaunchConfig) -> Result<()> {
+        if cfg.shared_mem_bytes > 0 {
+            func.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                cfg.shared_mem_bytes as i32,
+            )
+            .w()?;
+        }
+        Ok(())
+    }
+
+    /// The kernels' name suffix: the dtype's, or `tf32` for f32 on plain TF32 operands.
+    fn check(op: &str, d: Dims, dtype: DType, tf32: bool) -> Result<&'static str> {
         if d.hkv == 0 || d.h % d.hkv != 0 {
             bail!(
                 "{op}: {} query heads for {} key/value heads (internal error)",
@@ -629,8 +677,9 @@ mod cuda {
             bail!("{op}: the CUDA kernels take head width {HEAD_DIM}, found {} (internal error: the public function falls back)", d.dh)
         }
         match dtype {
-            DType::BF16 | DType::F16 => dtype_name(op, dtype),
-            d => bail!("{op}: the CUDA kernels take bf16 or f16, found {d:?} (internal error)"),
+            DType::F32 if tf32 => Ok("tf32"),
+            DType::BF16 | DType::F16 | DType::F32 => dtype_name(op, dtype),
+            d => bail!("{op}: the CUDA kernels take f32, bf16 or f16, found {d:?} (internal error)"),
         }
     }
 
@@ -640,10 +689,15 @@ mod cuda {
     }
 
     /// `(y, lse)`: y `(B, T, C)` in qkv's dtype, lse f32 `(B*H*T)` in base 2.
-    pub(super) fn fwd(s: &CudaStorage, l: &Layout, d: Dims) -> Result<(CudaStorage, CudaStorage)> {
+    pub(super) fn fwd(
+        s: &CudaStorage,
+        l: &Layout,
+        d: Dims,
+        tf32: bool,
+    ) -> Result<(CudaStorage, CudaStorage)> {
         let op = "causal_attention";
-        let tn = check(op, d, s.dtype())?;
-        let cfg = tile_cfg(d, d.h)?;
+        let tn = check(op, d, s.dtype(), tf32)?;
+        let cfg = tile_cfg(d, d.h, s.dtype())?;
         let copy = realign((s, l))?;
         let (s, l) = copy.as_ref().map_or((s, l), |(s, l)| (s, l));
         let dev = s.device();
@@ -659,6 +713,7 @@ mod cuda {
                 MODULE,
                 crate::cuda::ptx::ATTENTION,
             )?;
+            allow_smem(&func, &cfg)?;
             let (t, h, hkv, (scale2, _)) = (d.t as i32, d.h as i32, d.hkv as i32, scales(d));
             let mut lb = func.builder();
             lb.arg(&xp)
@@ -679,11 +734,12 @@ mod cuda {
     pub(super) fn bwd(a: Args<'_>) -> Result<CudaStorage> {
         let op = "causal_attention_backward";
         let d = a.d;
-        let tn = check(op, d, a.qkv.0.dtype())?;
+        let tn = check(op, d, a.qkv.0.dtype(), a.tf32)?;
         if a.dy.0.dtype() != a.qkv.0.dtype() || a.y.0.dtype() != a.qkv.0.dtype() {
             bail!("{op}: y and dy must have qkv's dtype (internal error)")
         }
-        let cfgs = [tile_cfg(d, d.hkv)?, tile_cfg(d, d.h)?];
+        let dtype = a.qkv.0.dtype();
+        let cfgs = [tile_cfg(d, d.hkv, dtype)?, tile_cfg(d, d.h, dtype)?];
         let (cq, cy, cdy) = (realign(a.qkv)?, realign(a.y)?, realign(a.dy)?);
         let (qs, ql) = cq.as_ref().map_or(a.qkv, |(s, l)| (s, l));
         let (ys, yl) = cy.as_ref().map_or(a.y, |(s, l)| (s, l));
@@ -724,6 +780,7 @@ mod cuda {
             // dkdv: one block per (key tile, batch row, key/value head); dq: per query head
             for (name, cfg) in ["attn_bwd_dkdv", "attn_bwd_dq"].into_iter().zip(cfgs) {
                 let func = load(name)?;
+                allow_smem(&func, &cfg)?;
                 let mut lb = func.builder();
                 lb.arg(&qp)
                     .arg(&gp)

@@ -170,7 +170,7 @@ pub enum Half<'a> {
 /// docs), which also saves the zero-filled buffer and the add of the f32 stream between halves;
 /// elsewhere, or when neither x nor any parameter is tracked, a norm parameter is tracked but
 /// not an f32 variable, a parameter is neither a variable nor untracked (a tensor computed
-/// from one), or an attention half would take the composed attention (CUDA in f32, head width
+/// from one), or an attention half would take the composed attention (CUDA with a head width
 /// other than 64), each half is the composition of its ops. The same values and gradients
 /// either way, bit for bit when the stack is x's only consumer (with another, candle sums x's
 /// gradients in another order). An empty `halves` returns x.
@@ -373,15 +373,10 @@ fn one_node(x: &Tensor, halves: &[Half<'_>], compute: DType) -> Result<Option<Te
         .flat_map(|(h, l)| tensors(h.norm(), l))
         .collect();
     // known before any work: norm parameters that prepare would cast (no longer the
-    // variables), and attention that would take the composition on CUDA (f32 compute)
-    let fused_attention = x.device().is_cpu() || matches!(compute, DType::BF16 | DType::F16);
-    let attention = layers
-        .iter()
-        .flatten()
-        .any(|l| matches!(l, Layer::Attention { .. }));
-    let applies = halves.iter().all(|h| h.norm().one_node_ok())
-        && (fused_attention || !attention)
-        && read.iter().all(|t| sinkable(t));
+    // variables); attention that takes the composition (head width other than 64) is only
+    // known when its half is built
+    let applies =
+        halves.iter().all(|h| h.norm().one_node_ok()) && read.iter().all(|t| sinkable(t));
     let Some(anchor) = anchor(x, read.into_iter()).filter(|_| applies) else {
         return Ok(None);
     };
