@@ -1,5 +1,5 @@
-// Causal self-attention on tensor cores, forward and backward, for head width 64 in bf16 or f16
-// (f32 accumulation and softmax), reading q, k, v straight from the fused projection
+// Causal self-attention on tensor cores, forward and backward, for head width 64 in bf16, f16 or
+// f32 (f32 on TF32 tensor cores; f32 accumulation and softmax throughout), reading q, k, v straight from the fused projection
 // qkv: (B, T, (H + 2 Hkv) * 64) = [q heads | k heads | v heads] and writing the merged heads
 // (B, T, C); C = H * 64. Grouped-query attention (Ainslie et al. 2023, arXiv:2305.13245): query
 // head h uses key/value head h / G, G = H / Hkv, read in place (K and V are never repeated in
@@ -25,11 +25,12 @@
 // columns 2c, 2c+1 and 8+2c, 8+2c+1; a B fragment (16x8) holds k = 2c, 2c+1 and 8+2c, 8+2c+1 at
 // column n = g; the f32 C fragment (16x8) holds rows g (c0, c1) and g+8 (c2, c3) at columns
 // 2c, 2c+1. A C fragment of two adjacent 8-column blocks is therefore an A fragment of one
-// 16-column block once packed to 16 bits, which is how P and dS feed the next product.
+// 16-column block once packed to 16 bits, which is how P and dS feed the next product. f32
+// uses mma.m16n8k8 on TF32 operands (AttF32 below), whose fragments differ.
 //
 // Block: 4 warps, 64 rows of the tile it owns (16 per warp); tiles of 64 keys or queries are
-// staged in shared memory (row stride 72 elements: 144-byte rows keep the fragment loads free
-// of bank conflicts) in two stages: cp.async copies the next tile while the warps work on the
+// staged in shared memory (row stride 72 16-bit elements or 68 floats, which keep the fragment
+// loads free of bank conflicts) in two stages: cp.async copies the next tile while the warps work on the
 // current one, one barrier per tile. Launchers and the CPU reference: src/ops/attention.rs.
 //
 // What the H200 measurements (Nsight Compute) showed paid, at GPT-2's B16 H12 T1024: these
@@ -42,9 +43,9 @@
 // Together: forward 0.208 -> 0.141 ms, backward 0.839 -> 0.646 ms. Two row fragments per warp
 // (128-row tiles, as FlashAttention-2's forward) were slower here: 247 registers, 2 blocks per SM.
 //
-// Needs sm_80+ (mma.sync with bf16/f16 operands); the launcher falls back below that.
+// Needs sm_80+ (mma.sync with bf16/f16/TF32 operands); the launcher falls back below that.
 //
-// Entry points (TN = bf16 | f16; scale2 = scale * log2(e); lse and dsum are (B, H, T) f32):
+// Entry points (TN = bf16 | f16 | f32 (3xTF32) | tf32 (f32 data, TF32 operands); scale2 = scale * log2(e); lse and dsum are (B, H, T) f32):
 //   attn_fwd_<TN>(qkv, out, lse, T, H, Hkv, scale2)          grid (ceil(T/64), B*H)
 //   attn_bwd_dot_<TN>(out, dout, dsum, rows, T, H)           D = rowsum(dO * O), rows = B*T*H
 //   attn_bwd_dkdv_<TN>(qkv, dout, lse, dsum, dqkv, T, H, Hkv, scale2, scale)  grid (ceil(T/64), B*Hkv)
