@@ -6,11 +6,11 @@
 //! ```
 //! One graph node instead of candle's log_softmax + gather + their backward: the logits stay in
 //! their storage dtype (no f32 copy, no log-probability tensor, which for GPT-2's 16384 x 50304
-//! logits are 3.3 GB each), the forward reads them once and the backward recomputes `lse` and
-//! writes `dx` in the logits' dtype. Arithmetic is f32 whatever the storage dtype (wick's
+//! logits are 3.3 GB each), the forward reads them once and keeps `lse` (one f32 per row, on
+//! CUDA), the backward reads them once more and writes `dx` in the logits' dtype. Arithmetic is f32 whatever the storage dtype (wick's
 //! autocast policy: losses in f32). Kernels: `kernels/cross_entropy.cu`.
 
-use super::{check_float, cpu_slice, Elem};
+use super::{check_float, cpu_slice, Elem, SideOutput};
 use candle_core::backend::BackendStorage;
 use candle_core::{
     bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType,
@@ -27,6 +27,30 @@ use rayon::prelude::*;
 /// differ, `C == 0`. A target `>= C` is an error on the CPU; on CUDA (where checking would
 /// need a device read) that row's loss and gradient are NaN.
 pub fn cross_entropy_rows(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let Some((logits, targets)) = checked(logits, targets)? else {
+        return Tensor::zeros(0, DType::F32, logits.device());
+    };
+    logits.apply_op2(&targets, CrossEntropy::default())
+}
+
+/// [`cross_entropy_rows`] outside the graph, with the backward op that turns the same logits and
+/// a loss gradient into `dlogits` (holding the forward's `lse` on CUDA): for ops that call the
+/// backward themselves. Errors: as [`cross_entropy_rows`].
+pub(super) fn cross_entropy_rows_no_bwd(
+    logits: &Tensor,
+    targets: &Tensor,
+) -> Result<(Tensor, CrossEntropyBwd)> {
+    let Some((logits, targets)) = checked(logits, targets)? else {
+        let empty = Tensor::zeros(0, DType::F32, logits.device())?;
+        return Ok((empty, CrossEntropyBwd { lse: None }));
+    };
+    let fwd = CrossEntropy::default();
+    let loss = logits.apply_op2_no_bwd(&targets, &fwd)?;
+    Ok((loss, CrossEntropyBwd { lse: fwd.lse.get() }))
+}
+
+/// The checked operands: contiguous logits and u32 targets, or `None` for zero rows.
+fn checked(logits: &Tensor, targets: &Tensor) -> Result<Option<(Tensor, Tensor)>> {
     let op = "cross_entropy";
     check_float(op, "logits", logits.dtype())?;
     let (n, c) = match logits.dims() {
@@ -40,16 +64,23 @@ pub fn cross_entropy_rows(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     super::check_device(op, "targets", logits, targets)?;
     let targets = super::index_u32(op, "targets", targets)?;
     if n == 0 {
-        return Tensor::zeros(0, DType::F32, logits.device());
+        return Ok(None);
     }
-    logits.contiguous()?.apply_op2(&targets, CrossEntropy)
+    Ok(Some((logits.contiguous()?, targets)))
 }
 
-/// The forward op ((x, t) → loss).
-struct CrossEntropy;
+/// The forward op ((x, t) → loss); on CUDA it leaves each row's `lse` (f32, `(N,)`) in `lse`.
+#[derive(Default)]
+struct CrossEntropy {
+    lse: SideOutput,
+}
 
-/// The backward op ((x, t, g) → dx).
-pub(super) struct CrossEntropyBwd;
+/// The backward op ((x, t, g) → dx), with the forward's `lse` where it kept one (CUDA), else
+/// recomputing it.
+pub(super) struct CrossEntropyBwd {
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    lse: Option<Tensor>,
+}
 
 /// `lse` of one row, f32, the kernel's formula (max first, then the sum of exponentials).
 fn row_lse<T: Elem>(xr: &[T]) -> f32 {
@@ -123,7 +154,10 @@ impl CustomOp2 for CrossEntropy {
         t: &candle_core::CudaStorage,
         lt: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        cuda::fwd(x, lx, t, lt)
+        let (loss, lse) = cuda::fwd(x, lx, t, lt)?;
+        let rows = lx.dims()[0];
+        self.lse.put(candle_core::Storage::Cuda(lse), rows);
+        Ok((loss, Shape::from(rows)))
     }
 
     fn bwd(
@@ -134,7 +168,10 @@ impl CustomOp2 for CrossEntropy {
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let g = g.to_dtype(DType::F32)?.contiguous()?;
-        let dx = x.apply_op3_no_bwd(t, &g, &CrossEntropyBwd)?;
+        let op = CrossEntropyBwd {
+            lse: self.lse.get(),
+        };
+        let dx = x.apply_op3_no_bwd(t, &g, &op)?;
         Ok((Some(dx), None))
     }
 }
@@ -176,7 +213,17 @@ impl CustomOp3 for CrossEntropyBwd {
         g: &candle_core::CudaStorage,
         lg: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        cuda::bwd(x, lx, t, lt, g, lg)
+        let lse = self.lse.as_ref().map(|l| l.storage_and_layout());
+        let lse = match &lse {
+            Some((s, l)) => match &**s {
+                candle_core::Storage::Cuda(s) => Some((s, *l)),
+                _ => candle_core::bail!(
+                    "cross_entropy_backward: the saved lse is not on the GPU (internal error)"
+                ),
+            },
+            None => None,
+        };
+        cuda::bwd(x, lx, t, lt, g, lg, lse)
     }
 }
 
@@ -201,21 +248,24 @@ mod cuda {
         }
     }
 
+    /// `(loss, lse)`, each `(rows,)` f32.
     pub(super) fn fwd(
         x: &CudaStorage,
         lx: &Layout,
         t: &CudaStorage,
         lt: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
+    ) -> Result<(CudaStorage, CudaStorage)> {
         let op = "cross_entropy";
         let dev = &x.device;
         let (rows, c) = rows_cols(op, lx)?;
         let mut loss = alloc(dev, DType::F32, rows)?;
+        let mut lse = alloc(dev, DType::F32, rows)?;
         {
             let stream = dev.cuda_stream();
             let (xp, _gx) = in_ptr(op, "logits", x, lx, &stream)?;
             let (tp, _gt) = in_ptr(op, "targets", t, lt, &stream)?;
             let (lp, _gl) = out_ptr(&mut loss, &stream)?;
+            let (sp, _gs) = out_ptr(&mut lse, &stream)?;
             let vec = vec_ok(c, x.dtype().size_in_bytes(), &[xp]);
             let kernel = format!(
                 "ce_fwd_{}{}",
@@ -226,11 +276,17 @@ mod cuda {
                 dev.get_or_load_custom_func(&kernel, MODULE, crate::cuda::ptx::CROSS_ENTROPY)?;
             let (rows_i, c_i) = (rows as i32, c as i32);
             let mut lb = func.builder();
-            lb.arg(&xp).arg(&tp).arg(&lp).arg(&rows_i).arg(&c_i);
-            // SAFETY: x holds rows * c elements of the kernel's dtype, t and loss `rows` u32 / f32.
+            lb.arg(&xp)
+                .arg(&tp)
+                .arg(&lp)
+                .arg(&sp)
+                .arg(&rows_i)
+                .arg(&c_i);
+            // SAFETY: x holds rows * c elements of the kernel's dtype, t, loss and lse `rows`
+            // u32 / f32 / f32.
             unsafe { lb.launch(cfg(rows)) }.w()?;
         }
-        Ok((loss, Shape::from(rows)))
+        Ok((loss, lse))
     }
 
     pub(super) fn bwd(
@@ -240,6 +296,7 @@ mod cuda {
         lt: &Layout,
         g: &CudaStorage,
         lg: &Layout,
+        lse: Option<(&CudaStorage, &Layout)>,
     ) -> Result<(CudaStorage, Shape)> {
         let op = "cross_entropy_backward";
         let dev = &x.device;
@@ -250,6 +307,10 @@ mod cuda {
             let (xp, _gx) = in_ptr(op, "logits", x, lx, &stream)?;
             let (tp, _gt) = in_ptr(op, "targets", t, lt, &stream)?;
             let (gp, _gg) = in_ptr(op, "g", g, lg, &stream)?;
+            let lse = lse
+                .map(|(s, l)| in_ptr(op, "lse", s, l, &stream))
+                .transpose()?;
+            let sp = lse.as_ref().map_or(0u64, |(p, _)| *p); // 0: the kernel recomputes lse
             let (dxp, _gdx) = out_ptr(&mut dx, &stream)?;
             let vec = vec_ok(c, x.dtype().size_in_bytes(), &[xp, dxp]);
             let kernel = format!(
@@ -264,10 +325,12 @@ mod cuda {
             lb.arg(&xp)
                 .arg(&tp)
                 .arg(&gp)
+                .arg(&sp)
                 .arg(&dxp)
                 .arg(&rows_i)
                 .arg(&c_i);
-            // SAFETY: x and dx hold rows * c elements of the kernel's dtype, t and g `rows` each.
+            // SAFETY: x and dx hold rows * c elements of the kernel's dtype, t, g and lse (when
+            // not null) `rows` each.
             unsafe { lb.launch(cfg(rows)) }.w()?;
         }
         Ok((dx, lx.shape().clone()))

@@ -10,7 +10,7 @@
 //! `dh = dlogits W` and `dW = dlogits^T h` have consumed them. Same values as
 //! `cross_entropy_rows(h.matmul(w.t()), t)`: the same GEMM and the same kernels.
 
-use super::cross_entropy::CrossEntropyBwd;
+use super::cross_entropy::{cross_entropy_rows_no_bwd, CrossEntropyBwd};
 use super::{check_device, check_float, index_u32, SideOutput};
 use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Storage, Tensor};
 
@@ -53,7 +53,7 @@ pub fn linear_cross_entropy_rows(h: &Tensor, w: &Tensor, targets: &Tensor) -> Re
     let (hc, wc) = (h.detach().contiguous()?, w.detach().contiguous()?);
     let logits = hc.matmul(&wc.t()?)?; // (N, V), no graph
     let targets = index_u32(op, "targets", targets)?;
-    let loss = super::cross_entropy_rows(&logits, &targets)?; // checks the targets' shape
+    let (loss, ce_bwd) = cross_entropy_rows_no_bwd(&logits, &targets)?; // checks the targets' shape
     if n == 0 {
         return Ok(loss);
     }
@@ -63,6 +63,7 @@ pub fn linear_cross_entropy_rows(h: &Tensor, w: &Tensor, targets: &Tensor) -> Re
             loss,
             targets,
             logits: SideOutput::holding(logits),
+            ce_bwd,
         },
     )
 }
@@ -74,6 +75,8 @@ struct HeadLoss {
     targets: Tensor,
     /// Taken (and freed) by the backward.
     logits: SideOutput,
+    /// The cross-entropy's backward, with its forward's per-row lse.
+    ce_bwd: CrossEntropyBwd,
 }
 
 impl HeadLoss {
@@ -129,7 +132,7 @@ impl CustomOp2 for HeadLoss {
             )
         };
         let g = g.detach().to_dtype(DType::F32)?.contiguous()?;
-        let dlogits = logits.apply_op3_no_bwd(&self.targets, &g, &CrossEntropyBwd)?;
+        let dlogits = logits.apply_op3_no_bwd(&self.targets, &g, &self.ce_bwd)?;
         drop(logits);
         let dh = dlogits.matmul(&w.detach().contiguous()?)?; // (N, V) @ (V, C)
                                                              // a frozen head (LoRA's tied table, a constant) costs no dW GEMM
