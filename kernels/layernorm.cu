@@ -5,7 +5,7 @@
 //
 // Entry points (TN = x's dtype, UN = y's / dy's dtype; the _vec variants use 16-byte loads):
 //   layernorm_fwd_<TN>_<UN>[_vec](x, w, b, y, rows, D, eps)
-//   layernorm_bwd_<TN>_<UN>[_vec](x, w, dy, dx, partials, rows, D, eps, acc_in_smem)
+//   layernorm_bwd_<TN>_<UN>[_vec](x, w, dy, dx, partials, rows, D, eps, acc_in_smem, dres, dx_low)
 //   layernorm_reduce_partials(partials, out, nparts, ncols)
 #include "norm.cuh"
 
@@ -20,13 +20,13 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS) layernorm_fwd_##TN##_
 }                                                                                                   \
 extern "C" __global__ void __launch_bounds__(NORM_THREADS) layernorm_bwd_##TN##_##UN(               \
     const T* x, const float* w, const U* dy, T* dx, float* partials, int rows, int D, float eps,    \
-    int acc_in_smem) {                                                                              \
-    norm_bwd<true, 1>(x, w, dy, dx, partials, rows, D, eps, acc_in_smem);                           \
+    int acc_in_smem, const T* dres, U* dx_low) {                                                    \
+    norm_bwd<true, 1>(x, w, dy, dx, partials, rows, D, eps, acc_in_smem, dres, dx_low);             \
 }                                                                                                   \
 extern "C" __global__ void __launch_bounds__(NORM_THREADS) layernorm_bwd_##TN##_##UN##_vec(         \
     const T* x, const float* w, const U* dy, T* dx, float* partials, int rows, int D, float eps,    \
-    int acc_in_smem) {                                                                              \
-    norm_bwd<true, 16 / sizeof(T)>(x, w, dy, dx, partials, rows, D, eps, acc_in_smem);              \
+    int acc_in_smem, const T* dres, U* dx_low) {                                                    \
+    norm_bwd<true, 16 / sizeof(T)>(x, w, dy, dx, partials, rows, D, eps, acc_in_smem, dres, dx_low);\
 }
 
 LN_ENTRIES(f32, float, f32, float)

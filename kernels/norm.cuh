@@ -123,6 +123,10 @@ __device__ __forceinline__ void norm_fwd(const T* __restrict__ x, const float* _
 //   dx = rstd * (g - mean(g) - xhat * mean(g * xhat))     (LayerNorm)
 //   dx = rstd * (g - xhat * mean(g * xhat))               (RMSNorm: no centering term)
 //   dw = sum_rows(dy * xhat),  db = sum_rows(dy)
+// With dres (a residual stream's gradient, x's dtype; may be null) the kernel writes
+// dx + dres instead of dx, the sum rounded once to x's dtype (the pre-norm residual add's
+// backward, d + norm'(..), in one pass); with dx_low (may be null) it also writes that result
+// rounded to U, the dtype the branch before the norm takes its gradient in.
 // Launch with blockDim.x == NORM_THREADS and dynamic shared memory of
 // NORM_WARPS * NP * NORM_TILE floats (+ NP * D floats when acc_in_smem), NP = CENTER ? 2 : 1.
 // partials has gridDim.x * NP * D floats: block g writes [g][p][c] (p = 0: dw, p = 1: db).
@@ -134,7 +138,8 @@ template <bool CENTER, int V, typename T, typename U>
 __device__ __forceinline__ void norm_bwd(const T* __restrict__ x, const float* __restrict__ w,
                                          const U* __restrict__ dy, T* __restrict__ dx,
                                          float* __restrict__ partials, int rows, int D, float eps,
-                                         int acc_in_smem) {
+                                         int acc_in_smem, const T* __restrict__ dres,
+                                         U* __restrict__ dx_low) {
     constexpr int NP = CENTER ? 2 : 1;             // parameter gradients: dw (and db)
     constexpr int J = NORM_TILE / (32 * V);        // vectors per lane per tile
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -152,6 +157,8 @@ __device__ __forceinline__ void norm_bwd(const T* __restrict__ x, const float* _
         const T* xr = x + row * D;
         const U* dyr = dy + row * D;
         T* dxr = dx + row * D;
+        const T* dresr = dres ? dres + row * D : nullptr;
+        U* lowr = dx_low ? dx_low + row * D : nullptr;
         float mean = 0.0f, rstd = 0.0f, mg = 0.0f, mgx = 0.0f;
         if (valid) {
             norm_row_stats<CENTER, V>(xr, D, eps, lane, mean, rstd);   // recomputed: cheap
@@ -191,7 +198,14 @@ __device__ __forceinline__ void norm_bwd(const T* __restrict__ x, const float* _
                         pw[k] = d[k] * xhat;                          // dw contribution
                         pb[k] = d[k];                                 // db contribution
                     }
+                    if (dresr) {
+                        float r[V];
+                        load_f32<V>(dresr + c, r);
+#pragma unroll
+                        for (int k = 0; k < V; k++) o[k] += r[k];
+                    }
                     store_f32<V>(dxr + c, o);
+                    if (lowr) store_f32<V>(lowr + c, o);
                 } else {
 #pragma unroll
                     for (int k = 0; k < V; k++) { pw[k] = 0.0f; pb[k] = 0.0f; }

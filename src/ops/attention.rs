@@ -679,7 +679,9 @@ mod cuda {
         match dtype {
             DType::F32 if tf32 => Ok("tf32"),
             DType::BF16 | DType::F16 | DType::F32 => dtype_name(op, dtype),
-            d => bail!("{op}: the CUDA kernels take f32, bf16 or f16, found {d:?} (internal error)"),
+            d => {
+                bail!("{op}: the CUDA kernels take f32, bf16 or f16, found {d:?} (internal error)")
+            }
         }
     }
 

@@ -256,6 +256,29 @@ impl Step {
         self.want_x || self.tracks_params()
     }
 
+    /// `residual + ` x's gradient from the output's `dy` (`None` where [`Step::backward`] gives
+    /// none), and that sum in `low` where a norm's kernel wrote it in the same pass.
+    fn backward_adding(
+        &self,
+        dy: &Tensor,
+        residual: Tensor,
+        low: DType,
+    ) -> Result<Option<(Tensor, Option<Tensor>)>> {
+        if let Op::Norm { op, w, b } = &self.op {
+            let (dx, p, dx_low) =
+                layer_norm::backward_with_residual(op, &self.x, w, dy, Some(&residual), Some(low))?;
+            give(w, Some(p.get(0)?))?;
+            if let Some(b) = b {
+                give(b, Some(p.get(1)?))?;
+            }
+            return Ok(Some((dx, dx_low)));
+        }
+        Ok(match self.backward(dy)? {
+            Some(dx) => Some(((residual + dx)?, None)),
+            None => None,
+        })
+    }
+
     /// x's gradient from the output's (`None` unless `want_x`); the parameter gradients go to
     /// the sink.
     pub(super) fn backward(&self, dy: &Tensor) -> Result<Option<Tensor>> {
@@ -377,17 +400,36 @@ impl Chain {
     /// composition give it: `d + chain'(d in m's dtype)`; `None` where nothing before the
     /// chain is tracked.
     pub(super) fn backward(&self, d: Tensor) -> Result<Option<Tensor>> {
-        let mut g = d.to_dtype(self.output()?.dtype())?;
-        for step in self.0.iter().rev() {
+        Ok(self.backward_low(d, None)?.map(|(dx, _)| dx))
+    }
+
+    /// [`Chain::backward`] given `d` also in m's dtype where the chain after this one made it
+    /// (`d_low`: no cast), returning x's gradient and, where the first op is a norm whose
+    /// kernel adds `d` (a pre-norm half: [`layer_norm::backward_with_residual`]), that gradient
+    /// in m's dtype too, for the chain before. Values as [`Chain::backward`]'s, bit for bit.
+    pub(super) fn backward_low(
+        &self,
+        d: Tensor,
+        d_low: Option<Tensor>,
+    ) -> Result<Option<(Tensor, Option<Tensor>)>> {
+        let out = self.output()?.dtype();
+        let mut g = match d_low {
+            Some(low) if low.dtype() == out => low,
+            _ => d.to_dtype(out)?,
+        };
+        for (i, step) in self.0.iter().enumerate().rev() {
             if !step.needed() {
                 // nothing earlier is tracked either
                 return Ok(None);
+            }
+            if i == 0 {
+                return step.backward_adding(&g, d, out);
             }
             match step.backward(&g)? {
                 Some(dx) => g = dx,
                 None => return Ok(None),
             }
         }
-        Ok(Some((d + g)?))
+        bail!("block op: an empty chain of ops (internal error)")
     }
 }

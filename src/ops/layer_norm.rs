@@ -413,11 +413,17 @@ fn bwd_cpu<T: Elem, U: Elem>(
 }
 
 /// The backward op: a `CustomOp3` (x, w, dy) whose output is dx; the parameter gradients
-/// (`(np, D)` f32: dw, then db for LayerNorm) come out through `params`.
+/// (`(np, D)` f32: dw, then db for LayerNorm) come out through `params`. On CUDA, with
+/// `residual` (f32, x's shape, x f32) the output is `residual + dx` and, with `low`, that sum
+/// rounded to dy's dtype also comes out through `low` (see [`backward_with_residual`]).
 struct NormBwd {
     kind: Kind,
     eps: f32,
     params: SideOutput,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    residual: Option<Tensor>,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    low: Option<SideOutput>,
 }
 
 /// dx (x's dtype) and the `(np, D)` f32 parameter gradients for the forward op `fwd`.
@@ -427,25 +433,62 @@ pub(super) fn backward(
     w: &Tensor,
     dy: &Tensor,
 ) -> Result<(Tensor, Tensor)> {
+    let (dx, p, _) = backward_with_residual(fwd, x, w, dy, None, None)?;
+    Ok((dx, p))
+}
+
+/// The backward of a pre-norm residual step `x + branch(norm(x))` at the norm:
+/// `(residual + dx, params, (residual + dx) in low)` where `residual` is the gradient reaching x
+/// through the residual path and `low` the dtype the branch of the step before takes its
+/// gradient in; the composition's `residual + dx` and `.to_dtype(low)`, bit for bit. On CUDA,
+/// with x, residual and dx in f32 and `low` dy's dtype (or `None`), the norm's backward kernel
+/// adds the residual and writes the low copy in the same pass (one read of residual instead of
+/// an add kernel's two reads and a write, and no separate cast). Without `residual` it is
+/// [`backward`] (and `low` is ignored).
+pub(super) fn backward_with_residual(
+    fwd: &NormFwd,
+    x: &Tensor,
+    w: &Tensor,
+    dy: &Tensor,
+    residual: Option<&Tensor>,
+    low: Option<DType>,
+) -> Result<(Tensor, Tensor, Option<Tensor>)> {
     let dy = if dy.dtype() == fwd.out {
         dy.clone()
     } else {
         dy.to_dtype(fwd.out)?
     };
     let dy = dy.contiguous()?;
+    let fused = residual.filter(|r| {
+        x.device().is_cuda()
+            && x.dtype() == DType::F32
+            && r.dtype() == DType::F32
+            && r.dims() == x.dims()
+            && low.is_none_or(|l| l == dy.dtype())
+    });
     let op = NormBwd {
         kind: fwd.kind,
         eps: fwd.eps,
         params: SideOutput::default(),
+        residual: fused.map(Tensor::contiguous).transpose()?,
+        low: fused.and(low).map(|_| SideOutput::default()),
     };
-    let dx = x.apply_op3_no_bwd(w, &dy, &op)?;
+    let mut dx = x.apply_op3_no_bwd(w, &dy, &op)?;
     let Some(p) = op.params.take() else {
         bail!(
             "{}: the backward kernel produced no parameter gradients (internal error)",
             fwd.kind.name()
         )
     };
-    Ok((dx, p))
+    let low_copy = match (fused, residual) {
+        (Some(_), _) => op.low.as_ref().and_then(SideOutput::take),
+        (None, Some(r)) => {
+            dx = (r + dx)?;
+            low.map(|l| dx.to_dtype(l)).transpose()?
+        }
+        (None, None) => None,
+    };
+    Ok((dx, p, low_copy))
 }
 
 impl CustomOp3 for NormBwd {
@@ -493,9 +536,30 @@ impl CustomOp3 for NormBwd {
         dy: &candle_core::CudaStorage,
         ldy: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (dx, p) = cuda::bwd(self.kind, self.eps, x, lx, w, lw, dy, ldy)?;
+        let residual = self.residual.as_ref().map(|r| r.storage_and_layout());
+        let residual = match &residual {
+            Some((s, l)) => match &**s {
+                candle_core::Storage::Cuda(s) => Some((s, *l)),
+                _ => bail!(
+                    "{}: the residual gradient is not on the GPU (internal error)",
+                    self.name()
+                ),
+            },
+            None => None,
+        };
+        let io = cuda::Io {
+            x: (x, lx),
+            w: (w, lw),
+            dy: (dy, ldy),
+            residual,
+            low: self.low.is_some(),
+        };
+        let (dx, p, low) = cuda::bwd(self.kind, self.eps, io)?;
         let shape = (self.kind.np(), lw.dims()[0]);
         self.params.put(candle_core::Storage::Cuda(p), shape);
+        if let (Some(out), Some(low)) = (&self.low, low) {
+            out.put(candle_core::Storage::Cuda(low), lx.shape().clone());
+        }
         Ok((dx, lx.shape().clone()))
     }
 }
@@ -579,18 +643,27 @@ mod cuda {
         Ok((y, lx.shape().clone()))
     }
 
-    /// dx and the `(np * D)` f32 parameter gradients.
-    #[allow(clippy::too_many_arguments)]
+    /// A storage with its layout.
+    pub(super) type In<'a> = (&'a CudaStorage, &'a Layout);
+
+    /// The backward's operands: x, w, dy; the residual gradient added to dx (x's dtype, x's
+    /// shape); whether to also write dx rounded to dy's dtype.
+    pub(super) struct Io<'a> {
+        pub x: In<'a>,
+        pub w: In<'a>,
+        pub dy: In<'a>,
+        pub residual: Option<In<'a>>,
+        pub low: bool,
+    }
+
+    /// dx (plus the residual), the `(np * D)` f32 parameter gradients, and dx in dy's dtype
+    /// when `io.low`.
     pub(super) fn bwd(
         kind: Kind,
         eps: f32,
-        x: &CudaStorage,
-        lx: &Layout,
-        w: &CudaStorage,
-        lw: &Layout,
-        dy: &CudaStorage,
-        ldy: &Layout,
-    ) -> Result<(CudaStorage, CudaStorage)> {
+        io: Io<'_>,
+    ) -> Result<(CudaStorage, CudaStorage, Option<CudaStorage>)> {
+        let ((x, lx), (w, lw), (dy, ldy)) = (io.x, io.w, io.dy);
         let name = kind.name();
         let (prefix, module, ptx) = module(kind);
         let dev = &x.device;
@@ -600,8 +673,17 @@ mod cuda {
             bail!("{name}: D = {d} exceeds the backward kernel's i32 range")
         }
         let mut dx = alloc(dev, x.dtype(), rows * d)?;
+        let mut low = io
+            .low
+            .then(|| alloc(dev, dy.dtype(), rows * d))
+            .transpose()?;
         if rows == 0 {
-            return Ok((dx, zeros_f32(dev, np * d)?));
+            return Ok((dx, zeros_f32(dev, np * d)?, low));
+        }
+        if let Some((r, _)) = io.residual {
+            if r.dtype() != x.dtype() {
+                bail!("{name}: the residual gradient must have x's dtype (internal error)")
+            }
         }
         // Pass 1: dx, and one partial sum of dw (db) per block.
         let blocks = rows.div_ceil(ROW_WARPS).min(BWD_MAX_BLOCKS);
@@ -617,7 +699,17 @@ mod cuda {
             let (dyp, _gdy) = in_ptr(name, "dy", dy, ldy, &stream)?;
             let (dxp, _gdx) = out_ptr(&mut dx, &stream)?;
             let (pp, _gp) = out_ptr(&mut partials, &stream)?;
-            let vec = vec_ok(d, x.dtype().size_in_bytes(), &[xp, wp, dyp, dxp]);
+            let res = io
+                .residual
+                .map(|(s, l)| in_ptr(name, "residual", s, l, &stream))
+                .transpose()?;
+            let low_g = low.as_mut().map(|s| out_ptr(s, &stream)).transpose()?;
+            // 0: no residual to add, no low copy to write
+            let (rp, lp) = (
+                res.as_ref().map_or(0u64, |r| r.0),
+                low_g.as_ref().map_or(0u64, |l| l.0),
+            );
+            let vec = vec_ok(d, x.dtype().size_in_bytes(), &[xp, wp, dyp, dxp, rp]);
             let kernel = format!(
                 "{prefix}_bwd_{}_{}{}",
                 dtype_name(name, x.dtype())?,
@@ -635,14 +727,17 @@ mod cuda {
                 .arg(&rows_i)
                 .arg(&d_i)
                 .arg(&eps)
-                .arg(&acc_i);
+                .arg(&acc_i)
+                .arg(&rp)
+                .arg(&lp);
             let cfg = LaunchConfig {
                 grid_dim: (blocks as u32, 1, 1),
                 block_dim: (ROW_THREADS, 1, 1),
                 shared_mem_bytes: smem as u32,
             };
-            // SAFETY: pointers from live storages of the sizes the kernel indexes (x, dy, dx:
-            // rows * d; w: d; partials: blocks * np * d), shared memory as the kernel expects.
+            // SAFETY: pointers from live storages of the sizes the kernel indexes (x, dy, dx and,
+            // when not null, residual and low: rows * d; w: d; partials: blocks * np * d),
+            // shared memory as the kernel expects.
             unsafe { lb.launch(cfg) }.w()?;
         }
         // Pass 2: sum the per-block partials in a fixed order.
@@ -669,6 +764,6 @@ mod cuda {
             // SAFETY: partials holds nparts * ncols f32, params ncols.
             unsafe { lb.launch(cfg) }.w()?;
         }
-        Ok((dx, params))
+        Ok((dx, params, low))
     }
 }

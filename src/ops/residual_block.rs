@@ -375,8 +375,7 @@ fn one_node(x: &Tensor, halves: &[Half<'_>], compute: DType) -> Result<Option<Te
     // known before any work: norm parameters that prepare would cast (no longer the
     // variables); attention that takes the composition (head width other than 64) is only
     // known when its half is built
-    let applies =
-        halves.iter().all(|h| h.norm().one_node_ok()) && read.iter().all(|t| sinkable(t));
+    let applies = halves.iter().all(|h| h.norm().one_node_ok()) && read.iter().all(|t| sinkable(t));
     let Some(anchor) = anchor(x, read.into_iter()).filter(|_| applies) else {
         return Ok(None);
     };
@@ -469,10 +468,12 @@ impl CustomOp3 for Stack {
         _out: &Tensor,
         dout: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let mut d = dout.detach();
+        // the stream's gradient, and the same in the compute dtype where a norm's backward
+        // wrote it (the next half's branch takes it without a cast)
+        let (mut d, mut d_low) = (dout.detach(), None);
         for half in self.halves.iter().rev() {
-            match half.backward(d)? {
-                Some(dx) => d = dx,
+            match half.backward_low(d, d_low)? {
+                Some((dx, low)) => (d, d_low) = (dx, low),
                 None => return Ok((None, None, None)),
             }
         }
