@@ -60,6 +60,9 @@ fn f32_attention_is_3xtf32_by_default_and_tf32_where_allowed() -> Result<()> {
     // TF32 operands (10 mantissa bits, 2^-11 relative rounding): errors of that order, and
     // visibly coarser than 3xTF32's, so the switch took effect
     assert!(e1.iter().all(|e| *e <= 5e-3), "TF32 errors {e1:?}");
-    assert!(e1[0] > 4.0 * e3[0], "TF32 {e1:?} not coarser than 3xTF32 {e3:?}");
+    assert!(
+        e1[0] > 4.0 * e3[0],
+        "TF32 {e1:?} not coarser than 3xTF32 {e3:?}"
+    );
     Ok(())
 }
