@@ -47,7 +47,7 @@
 //
 // Entry points (TN = bf16 | f16 | f32 (3xTF32) | tf32 (f32 data, TF32 operands); scale2 = scale * log2(e); lse and dsum are (B, H, T) f32):
 //   attn_fwd_<TN>(qkv, out, lse, T, H, Hkv, scale2)          grid (ceil(T/64), B*H)
-//   attn_bwd_dot_<TN>(out, dout, dsum, rows, T, H)           D = rowsum(dO * O), rows = B*T*H
+//   attn_bwd_dot_<TN>(out, dout, dsum, rows, T, H)           D = rowsum(dO * O), rows = B*T*H, 256 threads
 //   attn_bwd_dkdv_<TN>(qkv, dout, lse, dsum, dqkv, T, H, Hkv, scale2, scale)  grid (ceil(T/64), B*Hkv)
 //   attn_bwd_dq_<TN>(qkv, dout, lse, dsum, dqkv, T, H, Hkv, scale2, scale)    grid (ceil(T/64), B*H)
 #include <cuda_bf16.h>
@@ -341,22 +341,32 @@ __device__ __forceinline__ void att_store(typename Ops::T* __restrict__ dst, con
     }
 }
 
-// D = rowsum(dO * O) per (b, t, h) row of 64, f32; stored at [(b*H + h)*T + t]. One warp a row.
+// D = rowsum(dO * O) per (b, t, h) row of 64, f32; stored at [(b*H + h)*T + t]. Each lane loads
+// 16 bytes of O and dO (V elements), so 64 / V lanes share a row and a warp covers 32 V / 64 rows
+// at a time; the warps stride over the rows.
 template <typename Ops, typename T = typename Ops::T>
 __device__ void attn_bwd_dot(const T* __restrict__ out, const T* __restrict__ dout, float* __restrict__ dsum,
                              int rows, int T_, int H) {
-    const int lane = threadIdx.x & 31;
-    const long row = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (row >= rows) return;
-    const T* o = out + row * ATT_D;
-    const T* d = dout + row * ATT_D;
-    float acc = Ops::to_f32(o[2 * lane]) * Ops::to_f32(d[2 * lane]) +
-                Ops::to_f32(o[2 * lane + 1]) * Ops::to_f32(d[2 * lane + 1]);
+    constexpr int V = 16 / sizeof(T), LPR = ATT_D / V, RPW = 32 / LPR;   // lanes per row, rows per warp
+    const int lane = threadIdx.x & 31, sub = lane / LPR, part = lane % LPR;
+    const long warps = (long)gridDim.x * (blockDim.x >> 5);
+    for (long r0 = ((long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * RPW; r0 < rows; r0 += warps * RPW) {
+        const long row = r0 + sub;
+        float acc = 0.0f;
+        if (row < rows) {
+            const int4 o4 = *reinterpret_cast<const int4*>(out + row * ATT_D + part * V);
+            const int4 d4 = *reinterpret_cast<const int4*>(dout + row * ATT_D + part * V);
+            const T* o = reinterpret_cast<const T*>(&o4);
+            const T* d = reinterpret_cast<const T*>(&d4);
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-    if (lane == 0) {
-        const long h = row % H, bt = row / H, t = bt % T_, b = bt / T_;
-        dsum[(b * H + h) * T_ + t] = acc;
+            for (int k = 0; k < V; k++) acc += Ops::to_f32(o[k]) * Ops::to_f32(d[k]);
+        }
+#pragma unroll
+        for (int off = LPR / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+        if (part == 0 && row < rows) {
+            const long h = row % H, bt = row / H, t = bt % T_, b = bt / T_;
+            dsum[(b * H + h) * T_ + t] = acc;
+        }
     }
 }
 

@@ -768,12 +768,14 @@ mod cuda {
             let (op_, _go) = out_ptr(&mut dqkv, &stream)?;
             let (t, h, hkv, rows_i) = (d.t as i32, d.h as i32, d.hkv as i32, rows as i32);
             let (scale2, scale) = scales(d);
-            // D = rowsum(dy * y): one warp per (b, t, h) row, 8 rows per block
+            // D = rowsum(dy * y): 16 bytes of a (b, t, h) row per lane, 8 warps per block
+            // striding over the rows (at most 16 blocks per SM of an H100/H200)
             let func = load("attn_bwd_dot")?;
             let mut lb = func.builder();
             lb.arg(&yp).arg(&gp).arg(&dp).arg(&rows_i).arg(&t).arg(&h);
+            let rows_per_warp = 32 / (HEAD_DIM / (16 / dtype.size_in_bytes()));
             let dot_cfg = LaunchConfig {
-                grid_dim: (rows.div_ceil(8) as u32, 1, 1),
+                grid_dim: (rows.div_ceil(8 * rows_per_warp).min(132 * 16) as u32, 1, 1),
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
