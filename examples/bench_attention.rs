@@ -55,6 +55,10 @@ fn main() -> Result<()> {
         "f32" => DType::F32,
         d => anyhow::bail!("--dtype {d}: expected bf16, f16 or f32"),
     };
+    anyhow::ensure!(
+        !a.tf32 || dtype == DType::F32,
+        "--tf32 selects the f32 kernels' mode; use it with --dtype f32"
+    );
     candle_core::cuda::set_gemm_reduced_precision_f32(a.tf32);
     let label = match (dtype, a.tf32) {
         (DType::F32, true) => "f32 (TF32)".to_string(),

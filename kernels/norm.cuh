@@ -202,7 +202,7 @@ __device__ __forceinline__ void norm_bwd(const T* __restrict__ x, const float* _
                         float r[V];
                         load_f32<V>(dresr + c, r);
 #pragma unroll
-                        for (int k = 0; k < V; k++) o[k] += r[k];
+                        for (int k = 0; k < V; k++) o[k] = __fadd_rn(o[k], r[k]);   // never fused into an FMA
                     }
                     store_f32<V>(dxr + c, o);
                     if (lowr) store_f32<V>(lowr + c, o);

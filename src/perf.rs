@@ -20,6 +20,8 @@
 //!   accumulation): candle's `set_gemm_reduced_precision_f32`, i.e. cuBLAS
 //!   `CUBLAS_COMPUTE_32F_FAST_TF32` (PyTorch: `torch.backends.cuda.matmul.allow_tf32`).
 //!   Needs compute capability >= 8.0; measured on an H200: 4096³ f32 matmul 51 → 390 TFLOP/s.
+//!   The same switch makes f32 flash attention ([`crate::ops::causal_attention`]) take plain
+//!   TF32 operands instead of 3xTF32.
 //! - `reduced_precision_reductions`: bf16 GEMMs use `CUBLAS_COMPUTE_32F_FAST_16BF` and f16
 //!   GEMMs accumulate in f16 (`CUBLAS_COMPUTE_16F`): candle's
 //!   `set_gemm_reduced_precision_{bf16,f16}`. Faster, but f16 accumulation loses precision on
@@ -63,7 +65,8 @@ pub fn deterministic() -> bool {
 pub struct PerfSettings {
     /// Seed of every random generator of the run.
     pub seed: u64,
-    /// Allow TF32 tensor-core math for f32 GEMMs on CUDA (compute capability >= 8.0).
+    /// Allow TF32 tensor-core math for f32 GEMMs and f32 flash attention on CUDA (compute
+    /// capability >= 8.0).
     pub tf32: bool,
     /// Allow reduced-precision accumulation in bf16 and f16 GEMMs on CUDA.
     pub reduced_precision_reductions: bool,

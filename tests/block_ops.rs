@@ -589,7 +589,8 @@ mod cuda {
     #[test]
     fn llama_blocks_equal_their_composition_on_cuda() -> Result<()> {
         let dev = Device::new_cuda(0)?;
-        for compute in [DType::BF16, DType::F16] {
+        // f32: RMSNorm's fused residual backward without a low copy, f32 flash attention
+        for compute in [DType::BF16, DType::F16, DType::F32] {
             super::check_llama_stack(&dev, compute, false)?;
             super::check_llama_stack(&dev, compute, true)?;
         }
@@ -600,6 +601,8 @@ mod cuda {
     fn a_stack_of_two_blocks_equals_its_halves_on_cuda() -> Result<()> {
         let dev = Device::new_cuda(0)?;
         super::check_stack(&dev, DType::BF16)?;
-        super::check_stack(&dev, DType::F16)
+        super::check_stack(&dev, DType::F16)?;
+        // the f32 one-node stack (f32 flash attention; no low copy of the stream's gradient)
+        super::check_stack(&dev, DType::F32)
     }
 }

@@ -1616,18 +1616,20 @@ mod cuda {
             }
         }
         // an input that starts off a 16-byte boundary is copied, not misread
-        let (b, t, h) = (1, 100, 2);
-        let n = b * t * 3 * h * 64;
-        let flat = rand_t(&[n + 1], -2.0, 2.0, 3820, DType::BF16, &Device::Cpu);
-        let qkv = flat.narrow(0, 1, n)?.reshape((b, t, 3 * h * 64))?;
-        let y_g = ops::causal_attention(&qkv.to_device(&gpu())?.narrow(0, 0, b)?, h)?;
-        let flat_g = flat.to_device(&gpu())?;
-        let y_off =
-            ops::causal_attention(&flat_g.narrow(0, 1, n)?.reshape((b, t, 3 * h * 64))?, h)?;
-        let y_c = ops::causal_attention(&qkv, h)?;
-        let (e1, e2) = (err(&y_g, &y_c), err(&y_off, &y_c));
-        println!("cuda causal attention misaligned: {e1:.2e} {e2:.2e}");
-        assert!(e1 <= tol(DType::BF16) && e2 <= tol(DType::BF16));
+        for dtype in [DType::BF16, DType::F32] {
+            let (b, t, h) = (1, 100, 2);
+            let n = b * t * 3 * h * 64;
+            let flat = rand_t(&[n + 1], -2.0, 2.0, 3820, dtype, &Device::Cpu);
+            let qkv = flat.narrow(0, 1, n)?.reshape((b, t, 3 * h * 64))?;
+            let y_g = ops::causal_attention(&qkv.to_device(&gpu())?.narrow(0, 0, b)?, h)?;
+            let flat_g = flat.to_device(&gpu())?;
+            let y_off =
+                ops::causal_attention(&flat_g.narrow(0, 1, n)?.reshape((b, t, 3 * h * 64))?, h)?;
+            let y_c = ops::causal_attention(&qkv, h)?;
+            let (e1, e2) = (err(&y_g, &y_c), err(&y_off, &y_c));
+            println!("cuda causal attention misaligned {dtype:?}: {e1:.2e} {e2:.2e}");
+            assert!(e1 <= tol(dtype) && e2 <= tol(dtype));
+        }
         Ok(())
     }
 
@@ -1864,19 +1866,21 @@ mod cuda {
         let l: Vec<f32> =
             ops::cross_entropy_rows(&x, &Tensor::new(&[0u32, 3], &dev)?)?.to_vec1()?;
         assert!((l[0] - 3f32.ln()).abs() < 1e-6 && l[1].is_nan(), "{l:?}");
-        // masked classes (-inf logits; in the first loaded vectors, so the running maximum
-        // starts at -inf) get probability 0: finite losses and gradients equal to the CPU's
-        let (n, c) = (5, 64);
+        // masked classes (-inf logits) get probability 0: finite losses and gradients equal
+        // to the CPU's. Rows of 6000 with the first 4200 masked: every thread's first loaded
+        // vectors are -inf, so its own running maximum starts at -inf (512 threads x 4 f32 =
+        // 2048 columns a pass)
+        let (n, c) = (5, 6000);
         let mut v = rand_t(&[n, c], -6.0, 6.0, 3710, DType::F32, &Device::Cpu)
             .flatten_all()?
             .to_vec1::<f32>()?;
         for (i, x) in v.iter_mut().enumerate() {
-            if i % c < 12 {
+            if i % c < 4200 {
                 *x = f32::NEG_INFINITY;
             }
         }
         let x = Tensor::from_vec(v, (n, c), &Device::Cpu)?;
-        let t = Tensor::new(&[12u32, 20, 63, 40, 13], &Device::Cpu)?;
+        let t = Tensor::new(&[4200u32, 5000, 5999, 4321, 4201], &Device::Cpu)?;
         let r = rand_t(&[n], 0.0, 2.0, 3711, DType::F32, &Device::Cpu);
         let f = |a: &[Tensor]| ops::cross_entropy_rows(&a[0], &t.to_device(a[0].device())?);
         let (y_g, g_g) = value_and_grads(&f, &[x.to_device(&dev)?], &r.to_device(&dev)?)?;

@@ -19,9 +19,10 @@
 //! - matmul-class ops (the four linear layers of a block, attention, the head) run in the compute
 //!   dtype, on the parameters' working copies;
 //! - LayerNorm statistics and output, the loss: f32; attention ([`crate::ops::causal_attention`]:
-//!   flash attention on CUDA in bf16/f16) takes q, k, v in the compute dtype, accumulates and
-//!   takes its softmax in f32; on CUDA it rounds the probabilities to the compute dtype before
-//!   `@ v`, as SDPA's flash kernels do (the CPU reference keeps them in f32);
+//!   flash attention on CUDA, on TF32 tensor cores in f32) takes q, k, v in the compute dtype,
+//!   accumulates and takes its softmax in f32; on CUDA it rounds the probabilities to the
+//!   compute dtype (TF32 in f32) before `@ v`, as SDPA's flash kernels do (the CPU reference
+//!   keeps them in f32);
 //! - fused ops (`crate::ops`): LayerNorm (writing the compute dtype for the next linear),
 //!   linear (cast + GEMM + bias), attention (head split and merge included), GELU and fc2
 //!   together ([`crate::ops::act_linear`], the GELU output recomputed in the backward instead

@@ -22,8 +22,8 @@
 //! probabilities and is deterministic (no atomics: the dK/dV kernel of a key/value head sums
 //! over its query heads in registers). Everywhere else the op runs the CPU reference below (CPU
 //! tensors), or [`grouped_causal_attention_composed`] (another head width). Softmax and
-//! products accumulate in f32; the CUDA kernels round P and dS to the storage dtype before their
-//! products, as FlashAttention does.
+//! products accumulate in f32; the CUDA kernels round P and dS to the storage dtype (f32: to
+//! TF32, or split into two TF32 parts in 3xTF32) before their products, as FlashAttention does.
 //!
 //! f32 runs on TF32 tensor cores in one of two modes, chosen when the forward runs:
 //! - where f32 GEMMs may use TF32 (candle's `gemm_reduced_precision_f32`, which

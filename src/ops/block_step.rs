@@ -256,22 +256,20 @@ impl Step {
         self.want_x || self.tracks_params()
     }
 
-    /// `residual + ` x's gradient from the output's `dy` (`None` where [`Step::backward`] gives
-    /// none), and that sum in `low` where a norm's kernel wrote it in the same pass.
+    /// `residual + ` x's gradient from the output's `dy` (`None` where x is not tracked, or
+    /// where [`Step::backward`] gives none), and that sum in `low` where a norm's kernel wrote
+    /// it in the same pass.
     fn backward_adding(
         &self,
         dy: &Tensor,
         residual: Tensor,
-        low: DType,
+        low: Option<DType>,
     ) -> Result<Option<(Tensor, Option<Tensor>)>> {
         if let Op::Norm { op, w, b } = &self.op {
             let (dx, p, dx_low) =
-                layer_norm::backward_with_residual(op, &self.x, w, dy, Some(&residual), Some(low))?;
-            give(w, Some(p.get(0)?))?;
-            if let Some(b) = b {
-                give(b, Some(p.get(1)?))?;
-            }
-            return Ok(Some((dx, dx_low)));
+                layer_norm::backward_with_residual(op, &self.x, w, dy, Some(&residual), low)?;
+            give_norm(w, b.as_ref(), &p)?;
+            return Ok(self.want_x.then_some((dx, dx_low)));
         }
         Ok(match self.backward(dy)? {
             Some(dx) => Some(((residual + dx)?, None)),
@@ -287,10 +285,7 @@ impl Step {
             Op::Norm { op, w, b } => {
                 // dx, and the gain's (and bias's) gradient as rows of one f32 buffer
                 let (dx, p) = layer_norm::backward(op, x, w, dy)?;
-                give(w, Some(p.get(0)?))?;
-                if let Some(b) = b {
-                    give(b, Some(p.get(1)?))?;
-                }
+                give_norm(w, b.as_ref(), &p)?;
                 Some(dx)
             }
             Op::Linear {
@@ -337,6 +332,16 @@ impl Step {
 /// Whether a sink can take `t`'s gradient, or it needs none: a variable, or untracked.
 pub(super) fn sinkable(t: &Tensor) -> bool {
     t.is_variable() || !t.track_op()
+}
+
+/// Hands a norm's parameter gradients, rows of one `(np, D)` f32 buffer (dw, then db), to
+/// the sink, as [`give`].
+fn give_norm(w: &Tensor, b: Option<&Tensor>, p: &Tensor) -> Result<()> {
+    give(w, Some(p.get(0)?))?;
+    match b {
+        Some(b) => give(b, Some(p.get(1)?)),
+        None => Ok(()),
+    }
 }
 
 /// Hands parameter `p`'s gradient `g` to the sink. Dropped when `p` is untracked (a frozen
@@ -400,19 +405,23 @@ impl Chain {
     /// composition give it: `d + chain'(d in m's dtype)`; `None` where nothing before the
     /// chain is tracked.
     pub(super) fn backward(&self, d: Tensor) -> Result<Option<Tensor>> {
-        Ok(self.backward_low(d, None)?.map(|(dx, _)| dx))
+        Ok(self.backward_low(d, None, false)?.map(|(dx, _)| dx))
     }
 
     /// [`Chain::backward`] given `d` also in m's dtype where the chain after this one made it
-    /// (`d_low`: no cast), returning x's gradient and, where the first op is a norm whose
-    /// kernel adds `d` (a pre-norm half: [`layer_norm::backward_with_residual`]), that gradient
-    /// in m's dtype too, for the chain before. Values as [`Chain::backward`]'s, bit for bit.
+    /// (`d_low`: no cast), returning x's gradient and, with `want_low` (a chain before this one
+    /// will cast it) where the first op is a norm whose kernel adds `d` (a pre-norm half:
+    /// [`layer_norm::backward_with_residual`]), that gradient in m's dtype too. Values as
+    /// [`Chain::backward`]'s, bit for bit.
     pub(super) fn backward_low(
         &self,
         d: Tensor,
         d_low: Option<Tensor>,
+        want_low: bool,
     ) -> Result<Option<(Tensor, Option<Tensor>)>> {
         let out = self.output()?.dtype();
+        // a copy in m's dtype only where it differs from d's (f32 compute: none)
+        let low = (want_low && out != d.dtype()).then_some(out);
         let mut g = match d_low {
             Some(low) if low.dtype() == out => low,
             _ => d.to_dtype(out)?,
@@ -423,7 +432,7 @@ impl Chain {
                 return Ok(None);
             }
             if i == 0 {
-                return step.backward_adding(&g, d, out);
+                return step.backward_adding(&g, d, low);
             }
             match step.backward(&g)? {
                 Some(dx) => g = dx,

@@ -471,8 +471,9 @@ impl CustomOp3 for Stack {
         // the stream's gradient, and the same in the compute dtype where a norm's backward
         // wrote it (the next half's branch takes it without a cast)
         let (mut d, mut d_low) = (dout.detach(), None);
-        for half in self.halves.iter().rev() {
-            match half.backward_low(d, d_low)? {
+        for (i, half) in self.halves.iter().enumerate().rev() {
+            // the first half's x is the stack's input: no half before it takes a low copy
+            match half.backward_low(d, d_low, i > 0)? {
                 Some((dx, low)) => (d, d_low) = (dx, low),
                 None => return Ok((None, None, None)),
             }
