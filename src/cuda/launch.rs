@@ -8,6 +8,29 @@ use candle_core::cuda::cudarc::driver::{
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result};
 use half::{bf16, f16};
 
+/// A CUDA storage with its layout: an op's operand as its launcher takes it.
+pub(crate) type In<'a> = (&'a CudaStorage, &'a Layout);
+
+/// Runs `f` on the CUDA storage and layout of a tensor an op saved for its backward (`None`
+/// passes through as `None`); a saved tensor on another device is an internal error naming `op`
+/// and `what`. The storage stays borrowed for the whole of `f`.
+pub(crate) fn with_saved<R>(
+    op: &str,
+    what: &str,
+    t: Option<&candle_core::Tensor>,
+    f: impl FnOnce(Option<In<'_>>) -> Result<R>,
+) -> Result<R> {
+    let held = t.map(|t| t.storage_and_layout());
+    let cuda = match &held {
+        Some((s, l)) => match &**s {
+            candle_core::Storage::Cuda(s) => Some((s, *l)),
+            _ => bail!("{op}: the saved {what} is not on the GPU (internal error)"),
+        },
+        None => None,
+    };
+    f(cuda)
+}
+
 /// Threads per block of the row kernels (8 warps, one row each); `NORM_THREADS` in norm.cuh.
 pub(crate) const ROW_THREADS: u32 = 256;
 /// Rows per block of the row kernels; `NORM_WARPS` in norm.cuh.

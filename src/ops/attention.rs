@@ -120,7 +120,8 @@ fn fused(qkv: &Tensor, d: Dims) -> Result<Option<(Tensor, AttentionOp)>> {
     let op: AttentionOp = Arc::new(Box::new(Attention {
         n_head: d.h,
         n_kv_head: d.hkv,
-        tf32: tf32_allowed(),
+        // f32 on TF32 operands where f32 GEMMs may use TF32 (candle's switch)
+        tf32: candle_core::cuda::gemm_reduced_precision_f32(),
         lse: SideOutput::default(),
     }));
     let y = qkv.contiguous()?.apply_op1_arc(op.clone())?;
@@ -202,18 +203,6 @@ fn cuda_kernels_apply(_dev: &candle_core::CudaDevice, _d: Dims) -> bool {
 
 /// Head width of the CUDA kernels (`ATT_D` in kernels/attention.cu).
 const HEAD_DIM: usize = 64;
-
-/// Whether f32 attention may take TF32 operands: the switch of candle's f32 GEMMs.
-#[cfg(feature = "cuda")]
-fn tf32_allowed() -> bool {
-    candle_core::cuda::gemm_reduced_precision_f32()
-}
-
-/// Without the `cuda` feature no kernel reads it.
-#[cfg(not(feature = "cuda"))]
-fn tf32_allowed() -> bool {
-    false
-}
 
 /// `(B, T, C)` of a valid `qkv`.
 fn dims(qkv: &Tensor, n_head: usize) -> Result<(usize, usize, usize)> {
@@ -574,17 +563,18 @@ impl CustomOp3 for AttentionBwd {
         let Some(lse) = &self.lse else {
             bail!("{op}: the forward left no log-sum-exp (internal error)")
         };
-        let (ls, ll) = lse.storage_and_layout();
-        let candle_core::Storage::Cuda(ls) = &*ls else {
-            bail!("{op}: the log-sum-exp is not on the GPU (internal error)")
-        };
-        let dqkv = cuda::bwd(cuda::Args {
-            qkv: (s, l),
-            y: (y, ly),
-            dy: (dy, ldy),
-            lse: (ls, ll),
-            d,
-            tf32: self.tf32,
+        let dqkv = crate::cuda::launch::with_saved(op, "log-sum-exp", Some(lse), |lse| {
+            let Some(lse) = lse else {
+                bail!("{op}: no log-sum-exp (internal error)")
+            };
+            cuda::bwd(cuda::Args {
+                qkv: (s, l),
+                y: (y, ly),
+                dy: (dy, ldy),
+                lse,
+                d,
+                tf32: self.tf32,
+            })
         })?;
         Ok((dqkv, l.shape().clone()))
     }
@@ -594,7 +584,7 @@ impl CustomOp3 for AttentionBwd {
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::{Dims, HEAD_DIM};
-    use crate::cuda::launch::{alloc, dtype_name, in_ptr, out_ptr};
+    use crate::cuda::launch::{alloc, dtype_name, in_ptr, out_ptr, In};
     use candle_core::backend::BackendStorage;
     use candle_core::cuda::cudarc::driver::sys::CUfunction_attribute;
     use candle_core::cuda::cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
@@ -608,9 +598,6 @@ mod cuda {
     /// Dynamic shared memory of the f32 tile kernels: four staged 64-row tiles of 68 floats
     /// (`AttF32::LD`); the 16-bit kernels stage theirs in static shared memory.
     const F32_SMEM: u32 = 4 * TILE as u32 * 68 * 4;
-
-    /// A storage with its layout.
-    pub(super) type In<'a> = (&'a CudaStorage, &'a Layout);
 
     /// The backward's inputs.
     pub(super) struct Args<'a> {

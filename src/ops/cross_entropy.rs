@@ -213,17 +213,9 @@ impl CustomOp3 for CrossEntropyBwd {
         g: &candle_core::CudaStorage,
         lg: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let lse = self.lse.as_ref().map(|l| l.storage_and_layout());
-        let lse = match &lse {
-            Some((s, l)) => match &**s {
-                candle_core::Storage::Cuda(s) => Some((s, *l)),
-                _ => candle_core::bail!(
-                    "cross_entropy_backward: the saved lse is not on the GPU (internal error)"
-                ),
-            },
-            None => None,
-        };
-        cuda::bwd(x, lx, t, lt, g, lg, lse)
+        crate::cuda::launch::with_saved(self.name(), "lse", self.lse.as_ref(), |lse| {
+            cuda::bwd(x, lx, t, lt, g, lg, lse)
+        })
     }
 }
 

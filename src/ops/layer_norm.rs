@@ -536,25 +536,18 @@ impl CustomOp3 for NormBwd {
         dy: &candle_core::CudaStorage,
         ldy: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let residual = self.residual.as_ref().map(|r| r.storage_and_layout());
-        let residual = match &residual {
-            Some((s, l)) => match &**s {
-                candle_core::Storage::Cuda(s) => Some((s, *l)),
-                _ => bail!(
-                    "{}: the residual gradient is not on the GPU (internal error)",
-                    self.name()
-                ),
-            },
-            None => None,
-        };
-        let io = cuda::Io {
-            x: (x, lx),
-            w: (w, lw),
-            dy: (dy, ldy),
-            residual,
-            low: self.low.is_some(),
-        };
-        let (dx, p, low) = cuda::bwd(self.kind, self.eps, io)?;
+        let saved = self.residual.as_ref();
+        let (dx, p, low) =
+            crate::cuda::launch::with_saved(self.name(), "residual gradient", saved, |residual| {
+                let io = cuda::Io {
+                    x: (x, lx),
+                    w: (w, lw),
+                    dy: (dy, ldy),
+                    residual,
+                    low: self.low.is_some(),
+                };
+                cuda::bwd(self.kind, self.eps, io)
+            })?;
         let shape = (self.kind.np(), lw.dims()[0]);
         self.params.put(candle_core::Storage::Cuda(p), shape);
         if let (Some(out), Some(low)) = (&self.low, low) {
@@ -570,7 +563,7 @@ impl CustomOp3 for NormBwd {
 mod cuda {
     use super::{Kind, NormFwd};
     use crate::cuda::launch::{
-        alloc, dtype_name, in_ptr, out_ptr, row_cfg, rows_cols, vec_ok, zeros_f32, ROW_THREADS,
+        alloc, dtype_name, in_ptr, out_ptr, row_cfg, rows_cols, vec_ok, zeros_f32, In, ROW_THREADS,
         ROW_WARPS,
     };
     use candle_core::backend::BackendStorage;
@@ -642,9 +635,6 @@ mod cuda {
         }
         Ok((y, lx.shape().clone()))
     }
-
-    /// A storage with its layout.
-    pub(super) type In<'a> = (&'a CudaStorage, &'a Layout);
 
     /// The backward's operands: x, w, dy; the residual gradient added to dx (x's dtype, x's
     /// shape); whether to also write dx rounded to dy's dtype.

@@ -281,13 +281,11 @@ impl CustomOp3 for Rotary {
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::Rotary;
-    use crate::cuda::launch::{alloc, dtype_name, grid_stride_cfg, in_ptr, out_ptr, vec_ok};
+    use crate::cuda::launch::{alloc, dtype_name, grid_stride_cfg, in_ptr, out_ptr, vec_ok, In};
     use candle_core::backend::BackendStorage;
     use candle_core::cuda::cudarc::driver::PushKernelArg;
     use candle_core::cuda::WrapErr;
-    use candle_core::{bail, CudaStorage, CustomOp3, DType, Layout, Result};
-
-    type In<'a> = (&'a CudaStorage, &'a Layout);
+    use candle_core::{bail, CudaStorage, CustomOp3, DType, Result};
 
     /// Runs `rotary_<dtype>[_vec](x, cos, sin, y, rows, T, n_rot, n_copy, half, sgn)`.
     pub(super) fn launch(
