@@ -1,7 +1,9 @@
 // With the `cuda` feature, compiles every kernels/*.cu to PTX with nvcc and writes
 // $OUT_DIR/kernels.rs, which embeds each as `pub const <STEM>: &str` (e.g. kernels/adamw.cu ->
 // ADAMW). nvcc comes from $NVCC (else `nvcc` on PATH), the target from $CUDA_COMPUTE_CAP
-// (default 90). Without the feature this does nothing, so CPU builds need no CUDA toolchain.
+// (default 90); a file named *_sm90a.cu (Hopper-only instructions such as wgmma) is always built
+// for sm_90a, and its launcher loads it only on compute capability 9.0. Without the feature
+// this does nothing, so CPU builds need no CUDA toolchain.
 use std::{env, fs, path::PathBuf, process::Command};
 
 fn main() {
@@ -28,9 +30,14 @@ fn main() {
     for src in sources {
         let stem = src.file_stem().unwrap().to_string_lossy().to_string();
         let ptx = out.join(format!("{stem}.ptx"));
+        let arch = if stem.ends_with("_sm90a") {
+            "sm_90a".to_string()
+        } else {
+            format!("sm_{cap}")
+        };
         let status = Command::new(&nvcc)
             .args(["--ptx", "-O3", "-std=c++17", "-Ikernels"])
-            .arg(format!("-arch=sm_{cap}"))
+            .arg(format!("-arch={arch}"))
             .arg("-o")
             .arg(&ptx)
             .arg(&src)

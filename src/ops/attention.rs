@@ -580,7 +580,8 @@ impl CustomOp3 for AttentionBwd {
     }
 }
 
-/// CUDA launchers for `kernels/attention.cu`.
+/// CUDA launchers for `kernels/attention.cu` (mma.sync, sm_80+) and
+/// `kernels/attention_sm90a.cu` (the same kernels on wgmma, Hopper).
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::{Dims, HEAD_DIM};
@@ -591,13 +592,66 @@ mod cuda {
     use candle_core::cuda::WrapErr;
     use candle_core::{bail, CudaStorage, DType, Layout, Result};
 
-    const MODULE: &str = "wick_ops_attention";
     /// Threads per block of the tile kernels (`ATT_THREADS`), rows per tile (`ATT_TILE`).
     const THREADS: u32 = 128;
     const TILE: usize = 64;
     /// Dynamic shared memory of the f32 tile kernels: four staged 64-row tiles of 68 floats
-    /// (`AttF32::LD`); the 16-bit kernels stage theirs in static shared memory.
+    /// (`AttF32::LD`); the 16-bit mma.sync kernels stage theirs in static shared memory.
     const F32_SMEM: u32 = 4 * TILE as u32 * 68 * 4;
+    /// Dynamic shared memory of the wgmma kernels (`ATT_WG_SMEM`): six 64-row tiles of 128
+    /// bytes and 1 KiB to align them to 1024 bytes.
+    const WGMMA_SMEM: u32 = 6 * TILE as u32 * 128 + 1024;
+
+    /// One build of the kernels: its module, PTX, entry-name suffix and dynamic shared memory.
+    struct Kernels {
+        module: &'static str,
+        ptx: &'static str,
+        suffix: &'static str,
+        smem: u32,
+    }
+
+    impl Kernels {
+        /// The wgmma build for bf16/f16 on compute capability 9.0 (its PTX targets sm_90a,
+        /// which runs there only), unless `WICK_ATTENTION_KERNELS=mma` asks for the mma.sync
+        /// build (a diagnostic switch for comparisons); the mma.sync build otherwise.
+        fn pick(
+            op: &str,
+            d: Dims,
+            dev: &candle_core::CudaDevice,
+            dtype: DType,
+            tf32: bool,
+        ) -> Result<Self> {
+            let suffix = check(op, d, dtype, tf32)?;
+            let hopper = dev.cuda_stream().context().compute_capability().ok() == Some((9, 0));
+            if hopper && dtype != DType::F32 && !mma_forced() {
+                return Ok(Self {
+                    module: "wick_ops_attention_sm90a",
+                    ptx: crate::cuda::ptx::ATTENTION_SM90A,
+                    suffix,
+                    smem: WGMMA_SMEM,
+                });
+            }
+            Ok(Self {
+                module: "wick_ops_attention",
+                ptx: crate::cuda::ptx::ATTENTION,
+                suffix,
+                smem: if dtype == DType::F32 { F32_SMEM } else { 0 },
+            })
+        }
+
+        /// The entry `name` of this build (candle loads the module once per device).
+        fn entry(&self, name: &str) -> String {
+            format!("{name}_{}", self.suffix)
+        }
+    }
+
+    /// `WICK_ATTENTION_KERNELS=mma`, read once.
+    fn mma_forced() -> bool {
+        static FORCED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *FORCED.get_or_init(|| {
+            std::env::var("WICK_ATTENTION_KERNELS").is_ok_and(|v| v.eq_ignore_ascii_case("mma"))
+        })
+    }
 
     /// The backward's inputs.
     pub(super) struct Args<'a> {
@@ -622,7 +676,7 @@ mod cuda {
 
     /// Launch shape of the tile kernels: one block per 64-row tile and per (batch row, head),
     /// `heads` being the query heads (forward, dQ) or the key/value heads (dK/dV).
-    fn tile_cfg(d: Dims, heads: usize, dtype: DType) -> Result<LaunchConfig> {
+    fn tile_cfg(d: Dims, heads: usize, k: &Kernels) -> Result<LaunchConfig> {
         let bh = d.b * d.h;
         if bh > 65535 || d.t > i32::MAX as usize / 4 || d.b * d.t * d.w() > i32::MAX as usize {
             bail!(
@@ -634,12 +688,12 @@ mod cuda {
         Ok(LaunchConfig {
             grid_dim: (d.t.div_ceil(TILE) as u32, (d.b * heads) as u32, 1),
             block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: if dtype == DType::F32 { F32_SMEM } else { 0 },
+            shared_mem_bytes: k.smem,
         })
     }
 
     /// Allows a tile kernel the dynamic shared memory `cfg` asks for (past the default 48 KiB
-    /// for f32; every sm_80+ GPU offers at least 163 KiB per block).
+    /// for f32 and wgmma; every sm_80+ GPU offers at least 163 KiB per block).
     fn allow_smem(func: &CudaFunction, cfg: &LaunchConfig) -> Result<()> {
         if cfg.shared_mem_bytes > 0 {
             func.set_attribute(
@@ -685,11 +739,11 @@ mod cuda {
         tf32: bool,
     ) -> Result<(CudaStorage, CudaStorage)> {
         let op = "causal_attention";
-        let tn = check(op, d, s.dtype(), tf32)?;
-        let cfg = tile_cfg(d, d.h, s.dtype())?;
+        let dev = s.device();
+        let kernels = Kernels::pick(op, d, dev, s.dtype(), tf32)?;
+        let cfg = tile_cfg(d, d.h, &kernels)?;
         let copy = realign((s, l))?;
         let (s, l) = copy.as_ref().map_or((s, l), |(s, l)| (s, l));
-        let dev = s.device();
         let mut y = alloc(dev, s.dtype(), d.b * d.t * d.c())?;
         let mut lse = alloc(dev, DType::F32, d.b * d.h * d.t)?;
         let stream = dev.cuda_stream();
@@ -698,9 +752,9 @@ mod cuda {
             let (yp, _gy) = out_ptr(&mut y, &stream)?;
             let (lp, _gl) = out_ptr(&mut lse, &stream)?;
             let func = dev.get_or_load_custom_func(
-                &format!("attn_fwd_{tn}"),
-                MODULE,
-                crate::cuda::ptx::ATTENTION,
+                &kernels.entry("attn_fwd"),
+                kernels.module,
+                kernels.ptx,
             )?;
             allow_smem(&func, &cfg)?;
             let (t, h, hkv, (scale2, _)) = (d.t as i32, d.h as i32, d.hkv as i32, scales(d));
@@ -723,12 +777,12 @@ mod cuda {
     pub(super) fn bwd(a: Args<'_>) -> Result<CudaStorage> {
         let op = "causal_attention_backward";
         let d = a.d;
-        let tn = check(op, d, a.qkv.0.dtype(), a.tf32)?;
         if a.dy.0.dtype() != a.qkv.0.dtype() || a.y.0.dtype() != a.qkv.0.dtype() {
             bail!("{op}: y and dy must have qkv's dtype (internal error)")
         }
         let dtype = a.qkv.0.dtype();
-        let cfgs = [tile_cfg(d, d.hkv, dtype)?, tile_cfg(d, d.h, dtype)?];
+        let kernels = Kernels::pick(op, d, a.qkv.0.device(), dtype, a.tf32)?;
+        let cfgs = [tile_cfg(d, d.hkv, &kernels)?, tile_cfg(d, d.h, &kernels)?];
         let (cq, cy, cdy) = (realign(a.qkv)?, realign(a.y)?, realign(a.dy)?);
         let (qs, ql) = cq.as_ref().map_or(a.qkv, |(s, l)| (s, l));
         let (ys, yl) = cy.as_ref().map_or(a.y, |(s, l)| (s, l));
@@ -740,11 +794,7 @@ mod cuda {
         // every element is written once: the q columns by dq, the k and v columns by dkdv
         let mut dqkv = alloc(dev, qs.dtype(), d.b * d.t * d.w())?;
         let load = |name: &str| {
-            dev.get_or_load_custom_func(
-                &format!("{name}_{tn}"),
-                MODULE,
-                crate::cuda::ptx::ATTENTION,
-            )
+            dev.get_or_load_custom_func(&kernels.entry(name), kernels.module, kernels.ptx)
         };
         {
             let (qp, _gq) = in_ptr(op, "qkv", qs, ql, &stream)?;

@@ -1,0 +1,168 @@
+// The attention kernels of attention.cuh on Hopper's warpgroup MMA (wgmma, sm_90a; PTX ISA,
+// "Asynchronous Warpgroup Level Matrix Multiply-Accumulate Instructions"), bf16 and f16.
+//
+// The tile kernels already give each block one warpgroup (4 warps) and 64 rows, each warp 16:
+// exactly a wgmma.m64nNk16, whose f32 accumulator fragment is mma.m16n8k16's, warp w holding
+// rows 16w..16w+15, and whose A-in-registers fragment is mma.m16n8k16's A fragment. So the
+// kernels, the online softmax and the masking are attention.cuh's unchanged; only the matrix
+// products differ (AttWgmma below):
+//   mm_nt: acc (64 x 64) += A . S^T, A the block's own 64 rows (Q, K, V or dO) kept in shared
+//          memory, S a staged tile: four wgmma.m64n64k16 with both operands in shared memory,
+//          both K-major (rows of 64 contiguous elements);
+//   mm_nn: acc += P . S, P (or dS) packed to 16 bits in registers, S a staged tile read as an
+//          N-major B operand (imm-trans-b = 1): four wgmma.m64n64k16.
+// One wgmma.m64n64k16 does what 32 mma.m16n8k16 and 16 ldmatrix did across the four warps,
+// which is what bound the mma.sync kernels (instruction issue, Nsight Compute).
+//
+// Shared memory layout (PTX ISA, "Shared Memory Matrix Layout", 128-byte swizzling): a tile row
+// is 64 16-bit elements = 128 bytes = eight 16-byte chunks; chunk c of row r is stored at chunk
+// c ^ (r % 8) of that row, and tiles start at 1024-byte boundaries (the swizzle pattern repeats
+// every 8 rows), so the matrix base offset of the descriptors is 0. Descriptors: K-major, the
+// stride between 8-row groups (SBO) is 1024 bytes and the k-th 16-column step starts 32 k bytes
+// further; N-major (trans-b), the 16-row k-steps are 2048 bytes apart and SBO is again the
+// 1024 bytes between 8-row groups along K (the leading byte offset, between 64-column groups, is
+// unused for a 64-wide tile).
+//
+// Six tiles of 8 KiB in dynamic shared memory: four staged (two stages of two) as in
+// attention.cuh, and two for the block's own rows, which mma.sync kept in registers as A
+// fragments and wgmma reads from shared memory (a_frags copies them there). Each product waits
+// for its wgmma group before returning (wgmma.wait_group 0): within a block the steps stay in
+// order, and the 3-4 blocks per SM overlap one another's softmax and products.
+#include "attention.cuh"
+
+// A shared memory matrix descriptor (PTX ISA, "Matrix Descriptor Format"): start address,
+// leading and stride byte offsets, each >> 4 in 14 bits; base offset 0; 128-byte swizzle (1).
+__device__ __forceinline__ uint64_t wg_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32) |
+           (1ull << 62);
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit_wait() {
+    asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+
+// Pins the accumulator registers in place around a wgmma group: the compiler sees them read and
+// written here, so it moves no use of them across the issue or the wait (CUTLASS's
+// warpgroup_fence_operand does the same).
+__device__ __forceinline__ void wg_hold(float (&d)[8][4]) {
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) asm volatile("" : "+f"(d[j][i])::"memory");
+}
+
+// The 32 accumulator registers of a thread, d0..d31 = acc[j][i] (8-column block j, fragment i).
+#define WG_ACC                                                                                                  \
+    "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),   \
+        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), \
+        "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), \
+        "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), \
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+#define WG_D                                                                                                    \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
+    "%23, %24, %25, %26, %27, %28, %29, %30, %31}"
+
+// d (64 x 64 over the warpgroup) += A (64 x 16) . B (16 x 64): A and B from shared memory
+// (descriptors, K-major), or A from registers and B N-major. TY: "bf16" or "f16".
+#define WG_MMA_FNS(TY)                                                                                             \
+    __device__ __forceinline__ void wg_ss_##TY(float (&d)[8][4], uint64_t da, uint64_t db) {                       \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                  \
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32." #TY "." #TY " " WG_D ", %32, %33, p, 1, 1, 0, 0;\n}\n" \
+                     : WG_ACC                                                                                      \
+                     : "l"(da), "l"(db), "r"(1));                                                                  \
+    }                                                                                                              \
+    __device__ __forceinline__ void wg_rs_##TY(float (&d)[8][4], const uint32_t (&a)[4], uint64_t db) {            \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                  \
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32." #TY "." #TY " " WG_D                            \
+                     ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"                                               \
+                     : WG_ACC                                                                                      \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));                               \
+    }
+WG_MMA_FNS(bf16)
+WG_MMA_FNS(f16)
+
+template <typename T> struct WgMma;
+template <> struct WgMma<__nv_bfloat16> {
+    static __device__ __forceinline__ void ss(float (&d)[8][4], uint64_t da, uint64_t db) { wg_ss_bf16(d, da, db); }
+    static __device__ __forceinline__ void rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t db) {
+        wg_rs_bf16(d, a, db);
+    }
+};
+template <> struct WgMma<__half> {
+    static __device__ __forceinline__ void ss(float (&d)[8][4], uint64_t da, uint64_t db) { wg_ss_f16(d, da, db); }
+    static __device__ __forceinline__ void rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t db) {
+        wg_rs_f16(d, a, db);
+    }
+};
+
+// Bytes of dynamic shared memory the launcher gives these kernels: six 8 KiB tiles and the
+// room to start them at a 1024-byte boundary (src/ops/attention.rs: WGMMA_SMEM).
+#define ATT_WG_TILE_BYTES (ATT_TILE * ATT_D * 2)
+#define ATT_WG_SMEM (6 * ATT_WG_TILE_BYTES + 1024)
+
+template <typename Elem> struct AttWgmma : AttHalf<Elem> {
+    using T = Elem;
+    using Row = T[ATT_D];   // 128 bytes, swizzled in 16-byte chunks
+    struct AFrag {
+        uint32_t addr;   // shared memory address of the block's own 64 rows
+    };
+    static constexpr bool ASYNC_PROXY = true;
+
+    // Tile i: 0-3 staged, 4-5 the block's own rows; 1024-byte aligned.
+    static __device__ __forceinline__ Row* tile(int i) {
+        const uint32_t raw = (uint32_t)__cvta_generic_to_shared(att_smem);
+        const uint32_t pad = ((raw + 1023) & ~1023u) - raw;
+        return reinterpret_cast<Row*>(att_smem + pad + i * ATT_WG_TILE_BYTES);
+    }
+    // Element v (a multiple of 8: one 16-byte chunk) of row r: chunk v / 8 swizzled by r % 8.
+    static __device__ __forceinline__ T* at(Row* s, int r, int v) { return &s[r][((v >> 3) ^ (r & 7)) << 3]; }
+
+    // The block's own rows (a staged tile) copied to tile 4 + slot, which the products read
+    // through the async proxy: the fence orders this thread's copies before them; the caller's
+    // __syncthreads publishes the block's.
+    static __device__ __forceinline__ void a_frags(AFrag& a, const Row* s, int /*r0*/, int /*c*/, int slot) {
+        Row* dst = tile(4 + slot);
+        const uint4* from = reinterpret_cast<const uint4*>(s);
+        uint4* to = reinterpret_cast<uint4*>(dst);
+        for (int i = threadIdx.x; i < ATT_WG_TILE_BYTES / 16; i += ATT_THREADS) to[i] = from[i];
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        a.addr = (uint32_t)__cvta_generic_to_shared(dst);
+    }
+    // acc += A . S^T: A and S K-major; k-step kk starts 32 kk bytes into each row.
+    static __device__ __forceinline__ void mm_nt(float (&acc)[8][4], const AFrag& a, const Row* s) {
+        const uint64_t da = wg_desc(a.addr, 16, 1024);
+        const uint64_t db = wg_desc((uint32_t)__cvta_generic_to_shared(s), 16, 1024);
+        wg_hold(acc);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) WgMma<T>::ss(acc, da + 2 * kk, db + 2 * kk);
+        wg_commit_wait();
+        wg_hold(acc);
+    }
+    // acc += P . S: P from registers (P's C fragments packed to 16 bits are the A fragments),
+    // S N-major; k-step kk is rows 16 kk.. of S, 2048 bytes apart.
+    static __device__ __forceinline__ void mm_nn(float (&acc)[8][4], const float (&p)[8][4], const Row* s) {
+        const uint64_t db = wg_desc((uint32_t)__cvta_generic_to_shared(s), 8192, 1024);
+        uint32_t a[4][4];
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+            a[kk][0] = AttHalf<Elem>::pack(p[2 * kk][0], p[2 * kk][1]);
+            a[kk][1] = AttHalf<Elem>::pack(p[2 * kk][2], p[2 * kk][3]);
+            a[kk][2] = AttHalf<Elem>::pack(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+            a[kk][3] = AttHalf<Elem>::pack(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+        }
+        wg_hold(acc);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) WgMma<T>::rs(acc, a[kk], db + (2048 >> 4) * kk);
+        wg_commit_wait();
+        wg_hold(acc);
+    }
+};
+
+// Blocks per SM asked of the register allocator: 4 for the forward and dQ (ptxas, sm_90a: 100
+// and 126 registers), 3 for dK/dV (162, with two accumulators more); 4 x 50 KiB of shared
+// memory fit in an SM's 228 KiB.
+ATT_ENTRIES(bf16, AttWgmma<__nv_bfloat16>, 4, 3, 4)
+ATT_ENTRIES(f16, AttWgmma<__half>, 4, 3, 4)
