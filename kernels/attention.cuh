@@ -75,12 +75,12 @@ __device__ __forceinline__ void att_cp4(void* dst, const void* src, bool in) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(in ? 4 : 0) : "memory");
 }
 __device__ __forceinline__ void att_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
-// Waits for this thread's copies; where the tiles feed wgmma (Ops::WGMMA, the sm_90a kernels of
-// attention_sm90a.cu), also orders them before the async proxy's reads (PTX ISA,
+// Waits for this thread's copies; where the tiles feed wgmma (Ops::ASYNC_PROXY, the sm_90a
+// kernels of attention_sm90a.cu), also orders them before the async proxy's reads (PTX ISA,
 // "fence.proxy.async"). The __syncthreads after it publishes every thread's copies.
 template <typename Ops> __device__ __forceinline__ void att_wait() {
     att_wait_all();
-    if constexpr (Ops::WGMMA) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    if constexpr (Ops::ASYNC_PROXY) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
 // ldmatrix (PTX ISA, "Warp-level matrix load instruction: ldmatrix"): four 8x8 16-bit
@@ -139,7 +139,7 @@ template <typename Elem> struct AttHalf {
     static constexpr int LD = 72;   // 144-byte rows keep the fragment loads free of bank conflicts
     using Row = T[LD];
     using AFrag = uint32_t[4][4];   // 4 k-steps of 16 columns
-    static constexpr bool WGMMA = false;
+    static constexpr bool ASYNC_PROXY = false;
 
     // Staged tile i of four (36 KiB of static shared memory); element (r, v) of a tile.
     static __device__ __forceinline__ Row* tile(int i) {
@@ -231,7 +231,7 @@ template <int SPLIT> struct AttF32 {
     static constexpr int LD = 68;
     using Row = float[LD];
     using AFrag = float[8][4];   // 8 k-steps of 8 columns, kept in f32 and split per use
-    static constexpr bool WGMMA = false;
+    static constexpr bool ASYNC_PROXY = false;
 
     // Staged tile i of four: 68 KiB of dynamic shared memory, past the 48 KiB a static array
     // may take (the launcher raises the limit); element (r, v) of a tile.
@@ -339,32 +339,6 @@ __device__ __forceinline__ void att_zero(float (&a)[8][4]) {
     for (int nb = 0; nb < 8; nb++)
 #pragma unroll
         for (int i = 0; i < 4; i++) a[nb][i] = 0.0f;
-}
-
-// Two independent products: the wgmma build issues them as one group and waits once; the
-// mma.sync builds run them one after the other.
-template <typename Ops>
-__device__ __forceinline__ void att_mm_nt2(float (&acc1)[8][4], const typename Ops::AFrag& a1, const typename Ops::Row* s1,
-                                           float (&acc2)[8][4], const typename Ops::AFrag& a2, const typename Ops::Row* s2) {
-    if constexpr (Ops::WGMMA) {
-        Ops::mm_nt2(acc1, a1, s1, acc2, a2, s2);
-    } else {
-        Ops::mm_nt(acc1, a1, s1);
-        Ops::mm_nt(acc2, a2, s2);
-    }
-}
-// acc1 += P . S1 and acc2 = A2 . S2^T (acc2 is overwritten).
-template <typename Ops>
-__device__ __forceinline__ void att_mm_nn_nt(float (&acc1)[8][4], const float (&p)[8][4], const typename Ops::Row* s1,
-                                             float (&acc2)[8][4], const typename Ops::AFrag& a2, const typename Ops::Row* s2) {
-    if constexpr (Ops::WGMMA) {
-        att_zero(acc2);
-        Ops::mm_nn_nt(acc1, p, s1, acc2, a2, s2);
-    } else {
-        Ops::mm_nn(acc1, p, s1);
-        att_zero(acc2);
-        Ops::mm_nt(acc2, a2, s2);
-    }
 }
 
 // Writes rows r0 and r0 + 8 (global rows row0 + r0, + 8; those < T) of a 16 x 64 accumulator,
@@ -541,9 +515,11 @@ __device__ __forceinline__ void att_dkdv_step(float (&dk)[8][4], float (&dv)[8][
             const float e = att_exp2(fmaf(p[nb][i], scale2, -Ls[col]));
             p[nb][i] = (MASK && (q0 + col < kr + 8 * (i >> 1) || q0 + col >= T_)) ? 0.0f : e;
         }
-    // dV += P^T dO and dP^T = V dO^T, then dS^T = P^T * (dP^T - D)
+    Ops::mm_nn(dv, p, Ds);   // dV += P^T dO
+    // dP^T = V dO^T, then dS^T = P^T * (dP^T - D)
     float dp[8][4];
-    att_mm_nn_nt<Ops>(dv, p, Ds, dp, va, Ds);
+    att_zero(dp);
+    Ops::mm_nt(dp, va, Ds);
 #pragma unroll
     for (int nb = 0; nb < 8; nb++)
 #pragma unroll
@@ -622,7 +598,8 @@ __device__ __forceinline__ void att_dq_step(float (&dq)[8][4], const typename Op
     float p[8][4], dp[8][4];
     att_zero(p);
     att_zero(dp);
-    att_mm_nt2<Ops>(p, qa, Ks, dp, da, Vs);   // S and dP = dO V^T
+    Ops::mm_nt(p, qa, Ks);    // S
+    Ops::mm_nt(dp, da, Vs);   // dP = dO V^T
 #pragma unroll
     for (int nb = 0; nb < 8; nb++)
 #pragma unroll
@@ -688,12 +665,11 @@ __device__ void attn_bwd_dq(const T* __restrict__ qkv, const T* __restrict__ dou
     att_store<Ops>(dqkv + (long)b * T_ * s3 + h * ATT_D, dq, q0, r0, T_, s3, c, scale, scale);
 }
 
-// Entry points; MB_*: the blocks per SM that __launch_bounds__ asks the register allocator for;
-// FWD: the forward's body (attn_fwd, or attention_sm90a.cu's attn_fwd_wg).
-#define ATT_ENTRIES(TN, OPS, FWD, MB_FWD, MB_DKDV, MB_DQ)                                                        \
+// Entry points; MB_*: the blocks per SM that __launch_bounds__ asks the register allocator for.
+#define ATT_ENTRIES(TN, OPS, MB_FWD, MB_DKDV, MB_DQ)                                                             \
 extern "C" __global__ void __launch_bounds__(ATT_THREADS, MB_FWD)                                                \
     attn_fwd_##TN(const OPS::T* qkv, OPS::T* out, float* lse, int T_, int H, int Hkv, float scale2) {            \
-    FWD<OPS>(qkv, out, lse, T_, H, Hkv, scale2);                                                                 \
+    attn_fwd<OPS>(qkv, out, lse, T_, H, Hkv, scale2);                                                            \
 }                                                                                                                \
 extern "C" __global__ void __launch_bounds__(256)                                                                \
     attn_bwd_dot_##TN(const OPS::T* out, const OPS::T* dout, float* dsum, int rows, int T_, int H) {             \

@@ -107,7 +107,7 @@ template <typename Elem> struct AttWgmma : AttHalf<Elem> {
     struct AFrag {
         uint32_t addr;   // shared memory address of the block's own 64 rows
     };
-    static constexpr bool WGMMA = true;
+    static constexpr bool ASYNC_PROXY = true;
 
     // Tile i: 0-3 staged, 4-5 the block's own rows; 1024-byte aligned.
     static __device__ __forceinline__ Row* tile(int i) {
@@ -130,15 +130,21 @@ template <typename Elem> struct AttWgmma : AttHalf<Elem> {
         a.addr = (uint32_t)__cvta_generic_to_shared(dst);
     }
     // acc += A . S^T: A and S K-major; k-step kk starts 32 kk bytes into each row.
-    static __device__ __forceinline__ void issue_nt(float (&acc)[8][4], const AFrag& a, const Row* s) {
+    static __device__ __forceinline__ void mm_nt(float (&acc)[8][4], const AFrag& a, const Row* s) {
         const uint64_t da = wg_desc(a.addr, 16, 1024);
         const uint64_t db = wg_desc((uint32_t)__cvta_generic_to_shared(s), 16, 1024);
+        wg_hold(acc);
+        wg_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) WgMma<T>::ss(acc, da + 2 * kk, db + 2 * kk);
+        wg_commit_wait();
+        wg_hold(acc);
     }
-    // acc += P . S: P's C fragments packed to 16 bits are the A fragments (registers); S
-    // N-major, k-step kk is rows 16 kk.. of S, 2048 bytes apart.
-    static __device__ __forceinline__ void pack_p(uint32_t (&a)[4][4], const float (&p)[8][4]) {
+    // acc += P . S: P from registers (P's C fragments packed to 16 bits are the A fragments),
+    // S N-major; k-step kk is rows 16 kk.. of S, 2048 bytes apart.
+    static __device__ __forceinline__ void mm_nn(float (&acc)[8][4], const float (&p)[8][4], const Row* s) {
+        const uint64_t db = wg_desc((uint32_t)__cvta_generic_to_shared(s), 8192, 1024);
+        uint32_t a[4][4];
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) {
             a[kk][0] = AttHalf<Elem>::pack(p[2 * kk][0], p[2 * kk][1]);
@@ -146,137 +152,17 @@ template <typename Elem> struct AttWgmma : AttHalf<Elem> {
             a[kk][2] = AttHalf<Elem>::pack(p[2 * kk + 1][0], p[2 * kk + 1][1]);
             a[kk][3] = AttHalf<Elem>::pack(p[2 * kk + 1][2], p[2 * kk + 1][3]);
         }
-    }
-    static __device__ __forceinline__ void issue_nn(float (&acc)[8][4], const uint32_t (&a)[4][4], const Row* s) {
-        const uint64_t db = wg_desc((uint32_t)__cvta_generic_to_shared(s), 8192, 1024);
+        wg_hold(acc);
+        wg_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) WgMma<T>::rs(acc, a[kk], db + (2048 >> 4) * kk);
-    }
-
-    // One wgmma group each: fence, issue, commit, wait for it.
-    static __device__ __forceinline__ void mm_nt(float (&acc)[8][4], const AFrag& a, const Row* s) {
-        wg_hold(acc);
-        wg_fence();
-        issue_nt(acc, a, s);
         wg_commit_wait();
         wg_hold(acc);
-    }
-    static __device__ __forceinline__ void mm_nn(float (&acc)[8][4], const float (&p)[8][4], const Row* s) {
-        uint32_t a[4][4];
-        pack_p(a, p);
-        wg_hold(acc);
-        wg_fence();
-        issue_nn(acc, a, s);
-        wg_commit_wait();
-        wg_hold(acc);
-    }
-    // Two independent products in one group (attention.cuh: att_mm_nt2, att_mm_nn_nt).
-    static __device__ __forceinline__ void mm_nt2(float (&acc1)[8][4], const AFrag& a1, const Row* s1,
-                                                  float (&acc2)[8][4], const AFrag& a2, const Row* s2) {
-        wg_hold(acc1);
-        wg_hold(acc2);
-        wg_fence();
-        issue_nt(acc1, a1, s1);
-        issue_nt(acc2, a2, s2);
-        wg_commit_wait();
-        wg_hold(acc1);
-        wg_hold(acc2);
-    }
-    // acc1 += P . S1, then acc2 = A2 . S2^T into P's own registers (the forward's P V of one key
-    // tile and Q K^T of the next, one group).
-    static __device__ __forceinline__ void mm_nn_then_nt(float (&acc1)[8][4], float (&p)[8][4], const Row* s1,
-                                                         const AFrag& a2, const Row* s2) {
-        uint32_t a[4][4];
-        pack_p(a, p);
-        att_zero(p);
-        wg_hold(acc1);
-        wg_hold(p);
-        wg_fence();
-        issue_nn(acc1, a, s1);
-        issue_nt(p, a2, s2);
-        wg_commit_wait();
-        wg_hold(acc1);
-        wg_hold(p);
-    }
-    static __device__ __forceinline__ void mm_nn_nt(float (&acc1)[8][4], const float (&p)[8][4], const Row* s1,
-                                                    float (&acc2)[8][4], const AFrag& a2, const Row* s2) {
-        uint32_t a[4][4];
-        pack_p(a, p);
-        wg_hold(acc1);
-        wg_hold(acc2);
-        wg_fence();
-        issue_nn(acc1, a, s1);
-        issue_nt(acc2, a2, s2);
-        wg_commit_wait();
-        wg_hold(acc1);
-        wg_hold(acc2);
     }
 };
-
-// The forward with the products of consecutive key tiles overlapped: P V of tile kt and Q K^T
-// of tile kt + 1 are one wgmma group, so a block waits once per key tile (attention.cuh's
-// attn_fwd waits twice). Q stays in tile 4; key tiles kt go to stage kt % 2 (tiles 2s, 2s + 1);
-// the copy of tile kt + 2 starts once every warp is past tile kt and runs during the softmax
-// of tile kt + 1. Same arithmetic as attn_fwd, in the same order.
-template <typename Ops, typename T = typename Ops::T>
-__device__ void attn_fwd_wg(const T* __restrict__ qkv, T* __restrict__ out, float* __restrict__ lse, int T_, int H,
-                            int Hkv, float scale2) {
-    const int qt = gridDim.x - 1 - blockIdx.x;   // longest (last) query tiles first
-    const int bh = blockIdx.y, b = bh / H, h = bh % H, kvh = h / (H / Hkv);
-    const int C = H * ATT_D;
-    const long s3 = (long)(H + 2 * Hkv) * ATT_D;   // qkv row stride
-    const T* row0 = qkv + (long)b * T_ * s3;
-    const T* k = row0 + (long)(H + kvh) * ATT_D;
-    const T* v = row0 + (long)(H + Hkv + kvh) * ATT_D;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-    const int q0 = qt * ATT_TILE, r0 = warp * 16 + g;
-
-    att_load_tile<Ops>(att_tile<Ops>(4), row0 + h * ATT_D, q0, T_, s3);
-    for (int kt = 0; kt < 2 && kt <= qt; kt++) {
-        att_load_tile<Ops>(att_tile<Ops>(2 * kt), k, kt * ATT_TILE, T_, s3);
-        att_load_tile<Ops>(att_tile<Ops>(2 * kt + 1), v, kt * ATT_TILE, T_, s3);
-    }
-    att_wait<Ops>();
-    __syncthreads();
-    const typename Ops::AFrag qa{(uint32_t)__cvta_generic_to_shared(att_tile<Ops>(4))};
-
-    float o[8][4], s[8][4];
-    att_zero(o);
-    att_zero(s);
-    Ops::mm_nt(s, qa, att_tile<Ops>(0));
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-    for (int kt = 0; kt <= qt; kt++) {
-        const int k0 = kt * ATT_TILE, st = 2 * (kt & 1);
-        if (kt == qt) {   // the diagonal tile, the only one that can also reach past T
-            att_softmax_step<true>(s, o, m, l, k0, q0 + r0, T_, scale2, c);
-            Ops::mm_nn(o, s, att_tile<Ops>(st + 1));
-            break;
-        }
-        att_softmax_step<false>(s, o, m, l, k0, q0 + r0, T_, scale2, c);
-        att_wait<Ops>();   // tile kt + 1
-        __syncthreads();
-        Ops::mm_nn_then_nt(o, s, att_tile<Ops>(st + 1), qa, att_tile<Ops>(2 - st));
-        __syncthreads();   // every warp is past tile kt: its stage takes tile kt + 2
-        if (kt + 2 <= qt) {
-            att_load_tile<Ops>(att_tile<Ops>(st), k, k0 + 2 * ATT_TILE, T_, s3);
-            att_load_tile<Ops>(att_tile<Ops>(st + 1), v, k0 + 2 * ATT_TILE, T_, s3);
-        }
-    }
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-    }
-    att_store<Ops>(out + (long)b * T_ * C + h * ATT_D, o, q0, r0, T_, (long)C, c, 1.0f / l[0], 1.0f / l[1]);
-    if (c == 0) {
-#pragma unroll
-        for (int r = 0; r < 2; r++)
-            if (q0 + r0 + 8 * r < T_) lse[(long)bh * T_ + q0 + r0 + 8 * r] = m[r] + log2f(l[r]);
-    }
-}
 
 // Blocks per SM asked of the register allocator: 4 for the forward and dQ (ptxas, sm_90a: 100
 // and 126 registers), 3 for dK/dV (162, with two accumulators more); 4 x 50 KiB of shared
 // memory fit in an SM's 228 KiB.
-ATT_ENTRIES(bf16, AttWgmma<__nv_bfloat16>, attn_fwd_wg, 4, 3, 4)
-ATT_ENTRIES(f16, AttWgmma<__half>, attn_fwd_wg, 4, 3, 4)
+ATT_ENTRIES(bf16, AttWgmma<__nv_bfloat16>, 4, 3, 4)
+ATT_ENTRIES(f16, AttWgmma<__half>, 4, 3, 4)
