@@ -25,6 +25,12 @@
 //! products accumulate in f32; the CUDA kernels round P and dS to the storage dtype (f32: to
 //! TF32, or split into two TF32 parts in 3xTF32) before their products, as FlashAttention does.
 //!
+//! On compute capability 9.0 (H100, H200) bf16 and f16 take the same kernels built on Hopper's
+//! warpgroup MMA (`kernels/attention_sm90a.cu`: `wgmma.m64n64k16` reading 128-byte-swizzled
+//! shared memory, where the sm_80 build issues `mma.sync`); the tiling, the online softmax, the
+//! order of the sums over tiles and the determinism are the same. `WICK_ATTENTION_KERNELS=mma`
+//! (read once per process) selects the `mma.sync` build there too, for comparisons.
+//!
 //! f32 runs on TF32 tensor cores in one of two modes, chosen when the forward runs:
 //! - where f32 GEMMs may use TF32 (candle's `gemm_reduced_precision_f32`, which
 //!   [`crate::perf::PerfSettings`]`::tf32` sets; PyTorch's `allow_tf32`), every product takes
