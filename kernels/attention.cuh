@@ -304,11 +304,17 @@ template <int SPLIT> struct AttF32 {
 template <typename Ops>
 __device__ __forceinline__ void att_load_tile(typename Ops::Row* dst, const typename Ops::T* __restrict__ src,
                                               int row0, int T_, long stride) {
-    constexpr unsigned V = 16 / sizeof(typename Ops::T), PER_ROW = ATT_D / V;   // elements, copies per row
-    for (unsigned i = threadIdx.x; i < ATT_TILE * PER_ROW; i += ATT_THREADS) {
-        const int r = i / PER_ROW, v = (i % PER_ROW) * V;
-        const bool in = row0 + r < T_;
-        att_cp16(Ops::at(dst, r, v), src + (long)(in ? row0 + r : 0) * stride + v, in);
+    // a thread copies the same 16 bytes (columns v..v+V) of rows r, r + STEP, ...: the row
+    // offsets are multiples of one product, the loop unrolled
+    constexpr int V = 16 / sizeof(typename Ops::T), PER_ROW = ATT_D / V;   // elements, copies per row
+    constexpr int STEP = ATT_THREADS / PER_ROW, N = ATT_TILE / STEP;        // rows apart, copies per thread
+    const int r = threadIdx.x / PER_ROW, v = (threadIdx.x % PER_ROW) * V;
+    const typename Ops::T* from = src + (long)(row0 + r) * stride + v;
+    const long step = (long)STEP * stride;
+#pragma unroll
+    for (int j = 0; j < N; j++) {
+        const bool in = row0 + r + j * STEP < T_;
+        att_cp16(Ops::at(dst, r + j * STEP, v), in ? from + j * step : src + v, in);
     }
 }
 // Starts staging `n` floats of a row vector from index i0; indices at or past `T` are zero.
