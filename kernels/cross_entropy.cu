@@ -19,7 +19,14 @@
 //
 // Entry points (TN = dtype of x and dx):
 //   ce_fwd_<TN>[_vec](x, t, loss, lse, rows, C)       lse: (rows,) f32 out
-//   ce_bwd_<TN>[_vec](x, t, g, lse, dx, rows, C)      lse: the forward's, or null to recompute
+//   ce_bwd_<TN>[_vec](x, t, g, lse, dx, rows, C, g_stride, g_scale)
+//                                                     lse: the forward's, or null to recompute;
+//                                                     row r's upstream gradient is
+//                                                     g[r * g_stride] * g_scale (g_stride 1,
+//                                                     g_scale 1: per-row losses; g_stride 0,
+//                                                     g_scale 1/N: the mean loss's scalar)
+//   ce_mean(loss, out, rows, inv_n)                   out[0] = (sum of loss[0..rows]) * inv_n,
+//                                                     one block, a fixed summation order
 #include "norm.cuh"   // load_f32 / store_f32, to_f32 / from_f32
 
 #define CE_THREADS 512
@@ -82,14 +89,15 @@ __device__ __forceinline__ void ce_fwd(const T* __restrict__ x, const unsigned* 
 template <int V, typename T>
 __device__ __forceinline__ void ce_bwd(const T* __restrict__ x, const unsigned* __restrict__ t,
                                        const float* __restrict__ g, const float* __restrict__ lse_in,
-                                       T* __restrict__ dx, int rows, int C) {
+                                       T* __restrict__ dx, int rows, int C, int g_stride, float g_scale) {
     const long row = blockIdx.x;
     if (row >= rows) return;
     const T* xr = x + row * C;
     T* dxr = dx + row * C;
     const float lse = lse_in ? lse_in[row] : ce_row_lse<V>(xr, C);
     const unsigned k = t[row];
-    const float gr = k < (unsigned)C ? g[row] : __int_as_float(0x7fc00000);
+    // g_scale 1: g exactly; 1/N: candle's affine(g, 1/N, 0) of the mean's backward, bit for bit
+    const float gr = k < (unsigned)C ? g[row * g_stride] * g_scale : __int_as_float(0x7fc00000);
     for (int c = threadIdx.x * V; c < C; c += CE_THREADS * V) {
         float v[V], o[V];
         load_f32<V>(xr + c, v);
@@ -108,12 +116,35 @@ extern "C" __global__ void __launch_bounds__(CE_THREADS) ce_fwd_##TN##_vec(     
     const T* x, const unsigned* t, float* loss, float* lse, int rows, int C) {                      \
     ce_fwd<16 / sizeof(T)>(x, t, loss, lse, rows, C); }                                             \
 extern "C" __global__ void __launch_bounds__(CE_THREADS) ce_bwd_##TN(                               \
-    const T* x, const unsigned* t, const float* g, const float* lse, T* dx, int rows, int C) {      \
-    ce_bwd<1>(x, t, g, lse, dx, rows, C); }                                                         \
+    const T* x, const unsigned* t, const float* g, const float* lse, T* dx, int rows, int C,        \
+    int g_stride, float g_scale) {                                                                  \
+    ce_bwd<1>(x, t, g, lse, dx, rows, C, g_stride, g_scale); }                                      \
 extern "C" __global__ void __launch_bounds__(CE_THREADS) ce_bwd_##TN##_vec(                         \
-    const T* x, const unsigned* t, const float* g, const float* lse, T* dx, int rows, int C) {      \
-    ce_bwd<16 / sizeof(T)>(x, t, g, lse, dx, rows, C); }
+    const T* x, const unsigned* t, const float* g, const float* lse, T* dx, int rows, int C,        \
+    int g_stride, float g_scale) {                                                                  \
+    ce_bwd<16 / sizeof(T)>(x, t, g, lse, dx, rows, C, g_stride, g_scale); }
 
 CE_ENTRIES(f32, float)
 CE_ENTRIES(bf16, __nv_bfloat16)
 CE_ENTRIES(f16, __half)
+
+// The mean of the per-row losses, in one block of CE_THREADS threads: thread i sums rows i,
+// i + CE_THREADS, ... in order, then the block adds the partial sums in a fixed tree (warp
+// shuffles, then the warps' sums in warp order): deterministic for a given row count. A NaN
+// row (a target out of range) makes the mean NaN.
+extern "C" __global__ void __launch_bounds__(CE_THREADS) ce_mean(const float* __restrict__ loss,
+                                                                 float* __restrict__ out, int rows, float inv_n) {
+    __shared__ float sm[CE_THREADS / 32];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    float s = 0.0f;
+    for (int r = tid; r < rows; r += CE_THREADS) s += loss[r];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (lane == 0) sm[warp] = s;
+    __syncthreads();
+    if (tid == 0) {
+        float total = sm[0];
+        for (int w = 1; w < CE_THREADS / 32; w++) total += sm[w];
+        out[0] = total * inv_n;
+    }
+}

@@ -64,8 +64,8 @@ extern "C" __global__ void finalize_grad_stats(const double* partials, int n, co
     if (threadIdx.x == 0) {
         double norm = sqrt(total);
         double unscale = 1.0 / ((double)amp_state[0] * (double)weight_sum);
-        // non-finite gradients, a non-finite scaled loss in the window (loss_probe = sum of
-        // 0 * loss), or a reciprocal of the scale that is not a finite f32 (GradScaler's check)
+        // non-finite gradients, a non-finite scaled loss in the window (loss_probe = the first
+        // scaled loss plus 0 * each later one), or a reciprocal of the scale that is not a finite f32 (GradScaler's check)
         bool found_inf = !isfinite(total) || (loss_probe && !isfinite(*loss_probe)) ||
                          !isfinite((float)unscale) || !(unscale > 0.0);
         // clip_grad_norm_'s factor, and the multiplier 1 / (scale * sum_w) * clip, in f64 as on the CPU

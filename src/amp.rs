@@ -22,12 +22,14 @@ pub enum ScaleValue {
 }
 
 impl ScaleValue {
-    /// `loss * scale` (no copy for a host scale of 1).
+    /// `loss * scale` (no copy for a host scale of 1), differentiable with respect to `loss`
+    /// only. `loss` is the engine's rank-0 f32 loss; a device scale must have one element on
+    /// the loss's device (errors otherwise, as candle's `mul` would).
     pub fn scale_loss(&self, loss: &Tensor) -> Result<Tensor> {
         Ok(match self {
             ScaleValue::Host(s) if *s == 1.0 => loss.clone(),
             ScaleValue::Host(s) => (loss * *s as f64)?,
-            ScaleValue::Device(t) => loss.mul(&t.reshape(())?)?,
+            ScaleValue::Device(t) => loss.apply_op2(&t.reshape(loss.shape())?, ScaleLoss)?,
         })
     }
 
@@ -37,6 +39,52 @@ impl ScaleValue {
             ScaleValue::Host(s) => *s,
             ScaleValue::Device(t) => t.to_vec1::<f32>()?[0],
         })
+    }
+}
+
+/// `loss * scale` with the gradient of `loss` only, `g * scale`: candle's `mul` would also
+/// compute (and store, in a zeroed buffer) the gradient of the scale, which nothing reads: two
+/// launches per step saved. The product is candle's own `mul` kernel on the storages.
+struct ScaleLoss;
+
+impl candle_core::CustomOp2 for ScaleLoss {
+    fn name(&self) -> &'static str {
+        "scale_loss"
+    }
+
+    fn cpu_fwd(
+        &self,
+        l: &candle_core::CpuStorage,
+        ll: &candle_core::Layout,
+        s: &candle_core::CpuStorage,
+        ls: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        use candle_core::backend::BackendStorage;
+        let y = l.binary_impl::<candle_core::op::Mul>(s, ll, ls)?;
+        Ok((y, ll.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        l: &candle_core::CudaStorage,
+        ll: &candle_core::Layout,
+        s: &candle_core::CudaStorage,
+        ls: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        use candle_core::backend::BackendStorage;
+        let y = l.binary_impl::<candle_core::op::Mul>(s, ll, ls)?;
+        Ok((y, ll.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        _loss: &Tensor,
+        scale: &Tensor,
+        _scaled: &Tensor,
+        g: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        Ok((Some(g.mul(scale)?), None))
     }
 }
 

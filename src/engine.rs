@@ -679,7 +679,13 @@ fn scalar_loss(loss: Tensor) -> Result<Tensor> {
             loss.dtype()
         );
     }
-    let loss = loss.reshape(())?;
+    // a rank-0 loss is used as is: a reshape is a graph node, whose backward costs a zeroed
+    // buffer and an add
+    let loss = if loss.rank() == 0 {
+        loss
+    } else {
+        loss.reshape(())?
+    };
     Ok(if loss.dtype() == DType::F32 {
         loss
     } else {

@@ -27,7 +27,8 @@ pub struct GradBuffers {
     pool: Vec<Option<Tensor>>,
     weight_sum: f64,
     micro_steps: usize,
-    /// Sum over the window of `0 * scaled_loss`: NaN when some scaled loss was inf or NaN.
+    /// The window's first scaled loss plus `0 * scaled_loss` of each later one: not finite
+    /// exactly when some scaled loss was inf or NaN.
     loss_probe: Option<Tensor>,
 }
 
@@ -156,11 +157,13 @@ impl GradBuffers {
     /// Records this micro-batch's scaled loss (a scalar f32 tensor): a window in which one is
     /// inf or NaN is skipped whatever its gradients. No device read.
     pub fn note_scaled_loss(&mut self, scaled_loss: &Tensor) -> Result<()> {
-        // detached, so the probe does not keep the forward graph alive across the window
-        let z = scaled_loss.detach().affine(0.0, 0.0)?.reshape(1)?;
+        // detached, so the probe does not keep the forward graph alive across the window. The
+        // first loss is kept as it is (a view, no launch): it is finite iff `0 * loss` is; the
+        // later ones add `0 * loss`, so a sum of finite losses cannot overflow into a false inf
+        let l = scaled_loss.detach().reshape(1)?;
         self.loss_probe = Some(match self.loss_probe.take() {
-            Some(p) => (p + z)?,
-            None => z,
+            Some(p) => (p + l.affine(0.0, 0.0)?)?,
+            None => l,
         });
         Ok(())
     }
@@ -479,6 +482,39 @@ mod tests {
                 .found_inf
         );
         assert_eq!(clip_factor(10.0, Some(1.0)), 1.0 / (10.0 + 1e-6));
+        Ok(())
+    }
+
+    #[test]
+    fn a_non_finite_scaled_loss_anywhere_in_the_window_is_found() -> Result<()> {
+        let grads = Tensor::new(&[3f32, 4.0], &Device::Cpu)?;
+        let scalar = |v: f32| Tensor::new(v, &Device::Cpu);
+        // (window's scaled losses, found_inf): finite losses whose sum overflows f32 are not an
+        // overflow; an inf or NaN first, middle or last one is
+        let cases: [(&[f32], bool); 6] = [
+            (&[2.5], false),
+            (&[3e38, 3e38, 3e38], false),
+            (&[f32::INFINITY], true),
+            (&[f32::NAN, 1.0], true),
+            (&[1.0, f32::NEG_INFINITY, 1.0], true),
+            (&[1.0, 2.0, f32::NAN], true),
+        ];
+        for (losses, want) in cases {
+            let mut bufs = GradBuffers {
+                bufs: vec![Some(grads.clone())],
+                pool: vec![],
+                weight_sum: 1.0,
+                micro_steps: 1,
+                loss_probe: None,
+            };
+            for &l in losses {
+                bufs.note_scaled_loss(&scalar(l)?)?;
+            }
+            for fused in [false, true] {
+                let s = bufs.unscale_and_check(1.0, None, fused, None)?.read()?;
+                assert_eq!(s.found_inf, want, "{losses:?} (fused {fused})");
+            }
+        }
         assert_eq!(clip_factor(0.5, Some(1.0)), 1.0);
         Ok(())
     }

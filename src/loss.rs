@@ -8,15 +8,16 @@ use candle_core::{DType, Tensor, D};
 /// Mean cross-entropy of `logits: (N, C)` against class indices `targets: (N,)` (u32 or i64),
 /// `mean(lse(logits[i]) - logits[i, t_i])` in f32, like `torch.nn.functional.cross_entropy`
 /// with `reduction="mean"`. f32, bf16 and f16 logits go through the fused
-/// [`crate::ops::cross_entropy_rows`] (no f32 copy of the logits, one-pass gradient in the
-/// logits' dtype); other float dtypes through `log_softmax` in f32.
+/// [`crate::ops::cross_entropy_mean`] (one graph node: no f32 copy of the logits, the mean
+/// taken inside the op, a one-pass gradient in the logits' dtype); other float dtypes through
+/// `log_softmax` in f32.
 ///
 /// Errors: logits not rank 2, targets not rank 1, batch sizes that differ, non-integer
 /// targets, an empty batch, or (on the CPU) a target `>= C`.
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
     check_ce(logits, targets).map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?;
     if matches!(logits.dtype(), DType::F32 | DType::BF16 | DType::F16) {
-        return crate::ops::cross_entropy_rows(logits, targets)?.mean_all();
+        return crate::ops::cross_entropy_mean(logits, targets);
     }
     let logp = candle_nn::ops::log_softmax(&to_f32(logits)?, D::Minus1)?;
     let targets = targets.to_dtype(DType::U32)?.unsqueeze(1)?;

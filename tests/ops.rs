@@ -779,6 +779,64 @@ fn cross_entropy_matches_log_softmax_gather_on_cpu() -> Result<()> {
 }
 
 #[test]
+fn cross_entropy_mean_is_the_rows_mean_in_one_node() -> Result<()> {
+    for dtype in DTYPES {
+        for (i, &(n, c)) in [(8usize, 256usize), (5, 37), (1300, 10), (1, 1)]
+            .iter()
+            .enumerate()
+        {
+            let x = rand_t(&[n, c], -6.0, 6.0, 610 + i as u64, dtype, &Device::Cpu);
+            let t = targets(n, c, 710 + i as u64, &Device::Cpu);
+            let name = format!("cross_entropy_mean {dtype:?} ({n}, {c})");
+            let r = Tensor::new(1.75f32, &Device::Cpu)?;
+            let fused = |a: &[Tensor]| ops::cross_entropy_mean(&a[0], &t);
+            let composed = |a: &[Tensor]| ops::cross_entropy_rows(&a[0], &t)?.mean_all();
+            let reference = |a: &[Tensor]| ce_ref(&a[0], &t)?.mean_all();
+            let errs = compare_any(&name, &fused, &reference, std::slice::from_ref(&x), &r)?;
+            assert!(errs.iter().all(|e| *e <= tol(dtype)), "{name}: {errs:?}");
+            let (y, g) = value_and_grads(&fused, std::slice::from_ref(&x), &r)?;
+            let (y_c, g_c) = value_and_grads(&composed, std::slice::from_ref(&x), &r)?;
+            assert_eq!((y.dtype(), y.dims()), (DType::F32, &[][..]), "{name}");
+            assert_eq!(g[0].dtype(), dtype, "{name}: gradient dtype");
+            // the gradient is the composition's bit for bit (g / N inside the kernel), the
+            // value up to the order of the f32 sum
+            let bits = |t: &Tensor| -> Result<Vec<u32>> {
+                let v: Vec<f32> = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+                Ok(v.iter().map(|x| x.to_bits()).collect())
+            };
+            assert_eq!(bits(&g[0])?, bits(&g_c[0])?, "{name}: gradient bits");
+            let (a, b) = (y.to_scalar::<f32>()?, y_c.to_scalar::<f32>()?);
+            assert!(
+                (a - b).abs() <= 1e-6 * b.abs().max(1.0),
+                "{name}: {a} vs {b}"
+            );
+        }
+    }
+    // closed form: uniform logits give ln(C)
+    let x = Tensor::zeros((4, 10), DType::F32, &Device::Cpu)?;
+    let l = ops::cross_entropy_mean(&x, &targets(4, 10, 1, &Device::Cpu))?.to_scalar::<f32>()?;
+    assert!((l - 10f32.ln()).abs() < 1e-6, "{l}");
+    // bad input: an empty batch, an out-of-range target, mismatched shapes
+    let e = ops::cross_entropy_mean(
+        &Tensor::zeros((0, 3), DType::F32, &Device::Cpu)?,
+        &Tensor::zeros(0, DType::U32, &Device::Cpu)?,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("batch is empty"), "{e}");
+    let x = Tensor::zeros((2, 3), DType::F32, &Device::Cpu)?;
+    let e = ops::cross_entropy_mean(&x, &Tensor::new(&[0u32, 3], &Device::Cpu)?)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("target 3 at row 1"), "{e}");
+    let e = ops::cross_entropy_mean(&x, &Tensor::new(&[0u32], &Device::Cpu)?)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("targets must be (N,)"), "{e}");
+    Ok(())
+}
+
+#[test]
 fn norms_can_return_f32_for_half_inputs() -> Result<()> {
     let (args, r) = norm_args(&[8, 64], DType::BF16, 400, &Device::Cpu);
     let f = |a: &[Tensor]| ops::layer_norm_with_dtype(&a[0], &a[1], &a[2], EPS, DType::F32);
@@ -1729,9 +1787,18 @@ mod cuda {
     #[test]
     fn bias_add_cuda_matches_cpu() -> Result<()> {
         for dtype in DTYPES {
-            for (i, shape) in [&[16384usize, 1152][..], &[7, 37], &[3, 5, 8]]
-                .iter()
-                .enumerate()
+            // db: 16384 rows (16 chunks and the finishing pass), 4097 (two chunks, one of a
+            // single row), 4096 (one chunk), a column count that is no multiple of 32, one row
+            for (i, shape) in [
+                &[16384usize, 1152][..],
+                &[4097, 33],
+                &[4096, 10],
+                &[7, 37],
+                &[3, 5, 8],
+                &[1, 1],
+            ]
+            .iter()
+            .enumerate()
             {
                 let c = *shape.last().unwrap();
                 let x = rand_t(shape, -2.0, 2.0, 4100 + i as u64, dtype, &Device::Cpu);
@@ -1888,6 +1955,32 @@ mod cuda {
         let e = [err(&y_g, &y_c), err(&g_g[0], &g_c[0])];
         println!("cuda cross_entropy with -inf logits: {e:?}");
         assert!(e.iter().all(|e| *e <= tol(DType::F32)), "{e:?}");
+        Ok(())
+    }
+
+    #[test]
+    fn cross_entropy_mean_cuda_matches_cpu() -> Result<()> {
+        // 1300 rows: more than the mean kernel's 512 threads (each sums several rows)
+        for dtype in DTYPES {
+            for (i, &(n, c)) in [(512usize, 10usize), (1300, 37), (33, 50304), (2, 1)]
+                .iter()
+                .enumerate()
+            {
+                let x = rand_t(&[n, c], -6.0, 6.0, 3800 + i as u64, dtype, &Device::Cpu);
+                let t = targets(n, c, 3850 + i as u64, &Device::Cpu);
+                let r = Tensor::new(0.75f32, &Device::Cpu)?;
+                let name = format!("cuda cross_entropy_mean {dtype:?} ({n}, {c})");
+                let fused =
+                    |a: &[Tensor]| ops::cross_entropy_mean(&a[0], &t.to_device(a[0].device())?);
+                let reference = |a: &[Tensor]| ce_ref(&a[0], &t)?.mean_all();
+                check(&name, &fused, &reference, &[x], &r, tol(dtype))?;
+            }
+        }
+        // an out-of-range target makes the mean NaN on the GPU
+        let dev = gpu();
+        let x = Tensor::zeros((2, 3), DType::F32, &dev)?;
+        let l = ops::cross_entropy_mean(&x, &Tensor::new(&[0u32, 3], &dev)?)?;
+        assert!(l.to_scalar::<f32>()?.is_nan());
         Ok(())
     }
 

@@ -12,7 +12,8 @@ use std::collections::BTreeMap;
 /// `[found_inf, norm, multiplier]` (f32, on the device) for gradient buffers `grads` (any mix of
 /// f32/bf16/f16), a loss scale in `scaler[0]` (the device [`crate::amp::AmpState`]), the accumulation normaliser
 /// `weight_sum = sum_w` and an optional clip threshold. found_inf is also set when the
-/// `(1,)` `loss_probe` (the window's `sum 0 * scaled_loss`) is not finite, and when the
+/// `(1,)` `loss_probe` (the window's first scaled loss plus `0 * scaled_loss` of the
+/// others: [`crate::grads::GradBuffers::note_scaled_loss`]) is not finite, and when the
 /// multiplier's unscale factor is not a finite positive f32 (an underflowed scale). Deterministic: per-block
 /// partial sums of squares in f64 in a fixed order, no float atomics. No host synchronisation.
 /// `across` (flat ZeRO-1: `grads` are this rank's part of the gradient): the partial sums are

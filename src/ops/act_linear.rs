@@ -15,8 +15,8 @@
 //! kernel and [`super::linear`]'s kernels (the forward on the storages, the activation's output
 //! a temporary buffer), so the results are those of the composition, bit for bit.
 
-use super::gelu;
 use super::linear::{self, Operands};
+use super::{gelu, relu};
 use crate::grad_sink::offer;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
@@ -60,12 +60,12 @@ impl Activation {
         }
     }
 
-    /// `dh` for the upstream `dg` (in h's dtype), given `g = act(h)`, no graph. ReLU's mask is
-    /// `sign(g)`: 1 where h > 0, else 0 (two launches, no scalar tensor to build).
-    fn backward(self, h: &Tensor, g: &Tensor, dg: &Tensor) -> Result<Tensor> {
+    /// `dh` for the upstream `dg` (in h's dtype), no graph. ReLU's is `dg * (h > 0)` in one
+    /// launch ([`super::relu`]), the values of `dg * sign(relu(h))` bit for bit.
+    fn backward(self, h: &Tensor, dg: &Tensor) -> Result<Tensor> {
         match self.gelu() {
             Some(kind) => gelu::backward(kind, h, dg),
-            None => dg.to_dtype(h.dtype())?.mul(&g.sign()?),
+            None => relu::backward(h, dg),
         }
     }
 
@@ -186,7 +186,7 @@ impl ActLinear {
         let (dg, dw, db) =
             linear::grads_wanted(&g, w, Some(b), dy, want_h, w.track_op(), b.track_op())?;
         let dh = match dg {
-            Some(dg) => Some(self.0.backward(&h, &g, &dg)?),
+            Some(dg) => Some(self.0.backward(&h, &dg)?),
             None => None,
         };
         Ok((dh, dw, db))

@@ -8,14 +8,14 @@
 //! candle's `broadcast_add` runs a strided-index kernel forward (0.45 ms for gptmini's
 //! 16384 x 1536 bf16 MLP activations on an H200, about 9x the cost of the 16-byte-vector
 //! kernel here), and its backward reduces the rows with one thread block per column reading a
-//! strided column. Here the column sum is a `ones(1, N) @ dy` GEMM for half dtypes on CUDA
-//! (cuBLAS, f32 accumulation; exact ones) and an f32 `sum` otherwise (a TF32 GEMM would round
-//! f32 dy; candle's CPU half GEMM accumulates in the half dtype).
-//! Kernels: `kernels/bias.cu`.
+//! strided column. Here the column sum is one kernel on CUDA (`bias_grad`: f32 accumulation in
+//! a fixed order, rounded once to dy's dtype; it replaced a `ones(1, N) @ dy` GEMV, which took
+//! two launches and an allocation for the ones) and an f32 `sum` on the CPU (candle's CPU half
+//! GEMM accumulates in the half dtype). Kernels: `kernels/bias.cu`.
 
 use super::{check_float, cpu_slice, Elem};
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
@@ -49,22 +49,56 @@ pub fn bias_add(x: &Tensor, b: &Tensor) -> Result<Tensor> {
 
 struct BiasAdd;
 
-/// True when candle's cuBLAS switch makes `dtype` GEMMs accumulate in that dtype
-/// (`PerfSettings::reduced_precision_reductions`): the column sum then takes the f32 path.
-fn half_gemm_reduces_in_half(dtype: DType) -> bool {
-    #[cfg(feature = "cuda")]
-    {
-        match dtype {
-            DType::F16 => candle_core::cuda::gemm_reduced_precision_f16(),
-            DType::BF16 => candle_core::cuda::gemm_reduced_precision_bf16(),
-            _ => false,
+/// The column sum of a contiguous `(rows, C)` tensor as one op (no graph): `(C,)` in its
+/// dtype, f32 accumulation rounded once. CUDA: `bias_grad` (module docs); CPU: the reference,
+/// f32 sums in row order.
+struct ColumnSum;
+
+/// Per-column f32 sums of `dy: (rows, c)` in row order, rounded to T: [`ColumnSum`]'s CPU
+/// reference.
+fn column_sum_cpu<T: Elem>(dy: &[T], c: usize) -> Vec<T> {
+    let mut acc = vec![0f32; c];
+    for row in dy.chunks(c) {
+        for (a, v) in acc.iter_mut().zip(row) {
+            *a += v.to32();
         }
     }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = dtype;
-        false
+    acc.into_iter().map(T::from32).collect()
+}
+
+impl CustomOp1 for ColumnSum {
+    fn name(&self) -> &'static str {
+        "bias_grad"
     }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let op = self.name();
+        let (_, c) = l.shape().dims2()?;
+        macro_rules! run {
+            ($t:ty) => {{
+                let v = cpu_slice::<$t>(op, "dy", s, l)?;
+                <$t as candle_core::WithDType>::to_cpu_storage_owned(column_sum_cpu(v, c))
+            }};
+        }
+        Ok((with_type!(op, s.dtype(), run), Shape::from(c)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (rows, c) = l.shape().dims2()?;
+        Ok((cuda::column_sum(s, l, rows, c)?, Shape::from(c)))
+    }
+}
+
+/// [`ColumnSum`] of `dy: (rows, c)`, any layout: `(c,)` in dy's dtype (the CUDA kernel's
+/// numerics on every device). Errors: a dtype other than f32/bf16/f16, `dy` not 2-D.
+pub(super) fn column_sum_op(dy: &Tensor) -> Result<Tensor> {
+    check_float("bias_grad", "dy", dy.dtype())?;
+    dy.detach().contiguous()?.apply_op1_no_bwd(&ColumnSum)
 }
 
 fn fwd_cpu<T: Elem>(x: &[T], b: &[T]) -> Vec<T> {
@@ -126,21 +160,16 @@ pub(super) fn add_cuda(
 }
 
 /// The bias gradient of `dy: (.., C)`: the sum over all rows, `(C,)`: in dy's dtype from the
-/// CUDA half GEMM, in f32 from the f32 sums (the caller casts to the bias's dtype, so an f32
-/// bias master gets the f32 sum unrounded). Shared with `linear`'s backward.
+/// CUDA kernel (f32 accumulation, one rounding), in f32 from the CPU's f32 sums (the caller
+/// casts to the bias's dtype, so on the CPU an f32 bias master gets the f32 sum unrounded).
+/// Shared with `linear`'s backward.
 pub(super) fn column_sum(dy: &Tensor, c: usize) -> Result<Tensor> {
     let rows = dy.elem_count() / c.max(1);
     let dy2 = dy.reshape((rows, c))?;
-    // CUDA, half dtypes: cuBLAS GEMM (f32 accumulation); elsewhere an f32 sum (candle's CPU
-    // half GEMM accumulates in the half dtype, and a TF32 GEMM would round f32 inputs)
+    if dy.device().is_cuda() && rows > 0 && c > 0 {
+        return column_sum_op(&dy2);
+    }
     match dy.dtype() {
-        DType::BF16 | DType::F16
-            if dy.device().is_cuda() && !half_gemm_reduces_in_half(dy.dtype()) =>
-        {
-            Tensor::ones((1, rows), dy.dtype(), dy.device())?
-                .matmul(&dy2)?
-                .reshape(c)
-        }
         DType::F32 => dy2.sum(0),
         _ => dy2.to_dtype(DType::F32)?.sum(0),
     }
@@ -194,11 +223,85 @@ impl CustomOp2 for BiasAdd {
 mod cuda {
     use crate::cuda::launch::{alloc, dtype_name, grid_stride_cfg, in_ptr, out_ptr, vec_ok};
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda::cudarc::driver::PushKernelArg;
+    use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
     use candle_core::cuda::WrapErr;
     use candle_core::{CudaStorage, Layout, Result};
 
     const MODULE: &str = "wick_ops_bias";
+
+    /// `BG_X` x `BG_Y` in kernels/bias.cu.
+    const BG_X: usize = 32;
+    const BG_Y: usize = 32;
+    /// Up to this many rows one chunk (one launch); beyond, chunks of `CHUNK` rows and a
+    /// second, finishing launch (enough blocks to fill the GPU for tall gradients).
+    const ONE_CHUNK_ROWS: usize = 4096;
+    const CHUNK: usize = 1024;
+
+    /// `db[c] = sum_r dy[r][c]` for a contiguous `dy: (rows, c)`, in dy's dtype.
+    pub(super) fn column_sum(
+        dy: &CudaStorage,
+        l: &Layout,
+        rows: usize,
+        c: usize,
+    ) -> Result<CudaStorage> {
+        let op = "bias_grad";
+        crate::cuda::launch::rows_cols(op, l)?; // i32 ranges
+        let dev = &dy.device;
+        let tn = dtype_name(op, dy.dtype())?;
+        let chunk = if rows <= ONE_CHUNK_ROWS { rows } else { CHUNK };
+        let chunks = rows.div_ceil(chunk.max(1)).max(1);
+        let mut db = alloc(dev, dy.dtype(), c)?;
+        let mut partials = match chunks > 1 {
+            true => Some(alloc(dev, candle_core::DType::F32, chunks * c)?),
+            false => None,
+        };
+        {
+            let stream = dev.cuda_stream();
+            let (dyp, _gdy) = in_ptr(op, "dy", dy, l, &stream)?;
+            let (dbp, _gdb) = out_ptr(&mut db, &stream)?;
+            let part = partials.as_mut().map(|p| out_ptr(p, &stream)).transpose()?;
+            let pp = part.as_ref().map_or(0u64, |(p, _)| *p); // 0: write db directly
+            let func = dev.get_or_load_custom_func(
+                &format!("bias_grad_{tn}"),
+                MODULE,
+                crate::cuda::ptx::BIAS,
+            )?;
+            let cfg = LaunchConfig {
+                grid_dim: (c.div_ceil(BG_X) as u32, chunks as u32, 1),
+                block_dim: (BG_X as u32, BG_Y as u32, 1),
+                shared_mem_bytes: 0,
+            };
+            let (rows_i, c_i, chunk_i) = (rows as i32, c as i32, chunk as i32);
+            let mut lb = func.builder();
+            lb.arg(&dyp)
+                .arg(&dbp)
+                .arg(&pp)
+                .arg(&rows_i)
+                .arg(&c_i)
+                .arg(&chunk_i);
+            // SAFETY: dy holds rows * c elements, db c, partials (when not null) chunks * c f32.
+            unsafe { lb.launch(cfg) }.w()?;
+            if chunks > 1 {
+                let func = dev.get_or_load_custom_func(
+                    &format!("bias_grad_finish_{tn}"),
+                    MODULE,
+                    crate::cuda::ptx::BIAS,
+                )?;
+                let chunks_i = chunks as i32;
+                let mut lb = func.builder();
+                lb.arg(&pp).arg(&dbp).arg(&chunks_i).arg(&c_i);
+                let cfg = LaunchConfig {
+                    grid_dim: (c.div_ceil(256) as u32, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: partials holds chunks * c f32, db c elements.
+                unsafe { lb.launch(cfg) }.w()?;
+            }
+            drop(part);
+        }
+        Ok(db)
+    }
 
     pub(super) fn fwd(
         x: &CudaStorage,

@@ -9,6 +9,11 @@
 //! logits are 3.3 GB each), the forward reads them once and keeps `lse` (one f32 per row, on
 //! CUDA), the backward reads them once more and writes `dx` in the logits' dtype. Arithmetic is f32 whatever the storage dtype (wick's
 //! autocast policy: losses in f32). Kernels: `kernels/cross_entropy.cu`.
+//!
+//! [`cross_entropy_mean`] is the same node with the mean over the rows folded in: its forward
+//! adds the rows' losses in the op (no `sum_all` / affine nodes), its backward takes the scalar
+//! upstream gradient and applies `g / N` inside the backward kernel, where candle's `mean_all`
+//! would have run an affine and four zeroed-buffer adds (one per node) before it.
 
 use super::{check_float, cpu_slice, Elem, SideOutput};
 use candle_core::backend::BackendStorage;
@@ -42,11 +47,36 @@ pub(super) fn cross_entropy_rows_no_bwd(
 ) -> Result<(Tensor, CrossEntropyBwd)> {
     let Some((logits, targets)) = checked(logits, targets)? else {
         let empty = Tensor::zeros(0, DType::F32, logits.device())?;
-        return Ok((empty, CrossEntropyBwd { lse: None }));
+        let bwd = CrossEntropyBwd {
+            lse: None,
+            mean_of: None,
+        };
+        return Ok((empty, bwd));
     };
     let fwd = CrossEntropy::default();
     let loss = logits.apply_op2_no_bwd(&targets, &fwd)?;
-    Ok((loss, CrossEntropyBwd { lse: fwd.lse.get() }))
+    let bwd = CrossEntropyBwd {
+        lse: fwd.lse.get(),
+        mean_of: None,
+    };
+    Ok((loss, bwd))
+}
+
+/// Mean cross-entropy of `logits: (N, C)` (f32, bf16 or f16) against class indices
+/// `targets: (N,)` (u32; i64 and u8 are converted), as `torch.nn.functional.cross_entropy(...,
+/// reduction="mean")`: returns a rank-0 f32 tensor, `mean_r(lse(x[r]) - x[r][t[r]])`,
+/// differentiable with respect to the logits (gradient `g / N * (softmax(x[r]) - onehot(t[r]))`
+/// in the logits' dtype). The values are those of `cross_entropy_rows(..)?.mean_all()` up to
+/// the order of the f32 sum over the rows (the gradient is the same bit for bit); it is one
+/// graph node instead of four.
+///
+/// Errors (no panics): those of [`cross_entropy_rows`], and an empty batch (`N == 0`, whose
+/// mean is undefined). A target `>= C` is an error on the CPU and a NaN loss on CUDA.
+pub fn cross_entropy_mean(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let Some((logits, targets)) = checked(logits, targets)? else {
+        bail!("cross_entropy_mean: the batch is empty (N = 0); the mean of no rows is undefined")
+    };
+    logits.apply_op2(&targets, CrossEntropyMean::default())
 }
 
 /// The checked operands: contiguous logits and u32 targets, or `None` for zero rows.
@@ -75,11 +105,34 @@ struct CrossEntropy {
     lse: SideOutput,
 }
 
+/// The mean-loss forward op ((x, t) → mean loss, rank 0); on CUDA it leaves each row's `lse`.
+#[derive(Default)]
+struct CrossEntropyMean {
+    lse: SideOutput,
+}
+
 /// The backward op ((x, t, g) → dx), with the forward's `lse` where it kept one (CUDA), else
-/// recomputing it.
+/// recomputing it. Row `r`'s upstream gradient is `g[r]` (`mean_of: None`, g: `(N,)`), or
+/// `g[0] * (1 / N)` for the mean loss (`mean_of: Some(1 / N as f32)`, g: one element).
 pub(super) struct CrossEntropyBwd {
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     lse: Option<Tensor>,
+    mean_of: Option<f32>,
+}
+
+impl CrossEntropyBwd {
+    /// `(g_stride, g_scale)`: row r's gradient is `g[r * g_stride] * g_scale`.
+    fn g_index(&self) -> (usize, f32) {
+        match self.mean_of {
+            Some(inv_n) => (0, inv_n),
+            None => (1, 1.0),
+        }
+    }
+}
+
+/// `1 / rows` as the f32 that candle's `affine(x, 1 / rows, 0)` multiplies by.
+fn inv_rows(rows: usize) -> f32 {
+    (1.0 / rows as f64) as f32
 }
 
 /// `lse` of one row, f32, the kernel's formula (max first, then the sum of exponentials).
@@ -106,12 +159,27 @@ fn fwd_cpu<T: Elem>(x: &[T], t: &[u32], c: usize) -> Vec<f32> {
         .collect()
 }
 
-fn bwd_cpu<T: Elem>(x: &[T], t: &[u32], g: &[f32], c: usize) -> Vec<T> {
+/// The mean of the rows' losses: an f32 sum in row order, times `1 / rows` (in f32, as
+/// candle's `mean_all` scales its sum).
+fn mean_cpu(loss: &[f32]) -> f32 {
+    loss.iter().sum::<f32>() * inv_rows(loss.len())
+}
+
+/// `dx` with row r's upstream gradient `g[r * g_stride] * g_scale` (the CUDA kernel's).
+fn bwd_cpu<T: Elem>(
+    x: &[T],
+    t: &[u32],
+    g: &[f32],
+    (stride, scale): (usize, f32),
+    c: usize,
+) -> Vec<T> {
     let mut dx = vec![T::from32(0.0); x.len()];
     dx.par_chunks_mut(c)
         .zip(x.par_chunks(c))
-        .zip(t.par_iter().zip(g.par_iter()))
-        .for_each(|((dr, xr), (&k, &gr))| {
+        .zip(t.par_iter())
+        .enumerate()
+        .for_each(|(r, ((dr, xr), &k))| {
+            let gr = g[r * stride] * scale;
             let lse = row_lse(xr);
             for (j, (o, v)) in dr.iter_mut().zip(xr).enumerate() {
                 let hot = if j == k as usize { 1.0 } else { 0.0 };
@@ -170,6 +238,61 @@ impl CustomOp2 for CrossEntropy {
         let g = g.to_dtype(DType::F32)?.contiguous()?;
         let op = CrossEntropyBwd {
             lse: self.lse.get(),
+            mean_of: None,
+        };
+        let dx = x.apply_op3_no_bwd(t, &g, &op)?;
+        Ok((Some(dx), None))
+    }
+}
+
+impl CustomOp2 for CrossEntropyMean {
+    fn name(&self) -> &'static str {
+        "cross_entropy_mean"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        t: &CpuStorage,
+        lt: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (rows, _) = CrossEntropy::default().cpu_fwd(x, lx, t, lt)?;
+        let loss = cpu_slice::<f32>(
+            self.name(),
+            "loss",
+            &rows,
+            &Layout::contiguous(lx.dims()[0]),
+        )?;
+        Ok((CpuStorage::F32(vec![mean_cpu(loss)]), Shape::from(())))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        t: &candle_core::CudaStorage,
+        lt: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (loss, lse) = cuda::fwd(x, lx, t, lt)?;
+        let rows = lx.dims()[0];
+        let mean = cuda::mean(&loss, rows, inv_rows(rows))?;
+        self.lse.put(candle_core::Storage::Cuda(lse), rows);
+        Ok((mean, Shape::from(())))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        t: &Tensor,
+        _loss: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let g = g.to_dtype(DType::F32)?.contiguous()?;
+        let op = CrossEntropyBwd {
+            lse: self.lse.get(),
+            mean_of: Some(inv_rows(x.dim(0)?)),
         };
         let dx = x.apply_op3_no_bwd(t, &g, &op)?;
         Ok((Some(dx), None))
@@ -194,10 +317,19 @@ impl CustomOp3 for CrossEntropyBwd {
         let c = lx.dims()[1];
         let tv = cpu_slice::<u32>(op, "targets", t, lt)?;
         let gv = cpu_slice::<f32>(op, "g", g, lg)?;
+        let gi = self.g_index();
+        let need = if gi.0 == 0 { 1 } else { tv.len() };
+        if gv.len() < need {
+            bail!(
+                "{op}: {} upstream gradients for {} rows (internal error)",
+                gv.len(),
+                tv.len()
+            )
+        }
         macro_rules! run {
             ($t:ty) => {{
                 let xv = cpu_slice::<$t>(op, "logits", x, lx)?;
-                <$t as WithDType>::to_cpu_storage_owned(bwd_cpu(xv, tv, gv, c))
+                <$t as WithDType>::to_cpu_storage_owned(bwd_cpu(xv, tv, gv, gi, c))
             }};
         }
         Ok((with_type!(op, x.dtype(), run), lx.shape().clone()))
@@ -214,7 +346,7 @@ impl CustomOp3 for CrossEntropyBwd {
         lg: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         crate::cuda::launch::with_saved(self.name(), "lse", self.lse.as_ref(), |lse| {
-            cuda::bwd(x, lx, t, lt, g, lg, lse)
+            cuda::bwd(x, lx, t, lt, (g, lg), self.g_index(), lse)
         })
     }
 }
@@ -281,18 +413,46 @@ mod cuda {
         Ok((loss, lse))
     }
 
+    /// The mean of `rows` f32 losses times `inv_n`, one f32 (`ce_mean`).
+    pub(super) fn mean(loss: &CudaStorage, rows: usize, inv_n: f32) -> Result<CudaStorage> {
+        let op = "cross_entropy_mean";
+        let dev = &loss.device;
+        let mut out = alloc(dev, DType::F32, 1)?;
+        {
+            let stream = dev.cuda_stream();
+            let (lp, _gl) = in_ptr(op, "loss", loss, &Layout::contiguous(rows), &stream)?;
+            let (op_, _go) = out_ptr(&mut out, &stream)?;
+            let func =
+                dev.get_or_load_custom_func("ce_mean", MODULE, crate::cuda::ptx::CROSS_ENTROPY)?;
+            let rows_i = rows as i32;
+            let mut lb = func.builder();
+            lb.arg(&lp).arg(&op_).arg(&rows_i).arg(&inv_n);
+            // SAFETY: loss holds `rows` f32, out one.
+            unsafe { lb.launch(cfg(1)) }.w()?;
+        }
+        Ok(out)
+    }
+
+    /// `dx`; row r's upstream gradient is `g[r * g_stride] * g_scale`.
     pub(super) fn bwd(
         x: &CudaStorage,
         lx: &Layout,
         t: &CudaStorage,
         lt: &Layout,
-        g: &CudaStorage,
-        lg: &Layout,
+        (g, lg): (&CudaStorage, &Layout),
+        (g_stride, g_scale): (usize, f32),
         lse: Option<(&CudaStorage, &Layout)>,
     ) -> Result<(CudaStorage, Shape)> {
         let op = "cross_entropy_backward";
         let dev = &x.device;
         let (rows, c) = rows_cols(op, lx)?;
+        let need = if g_stride == 0 { 1 } else { rows };
+        if lg.shape().elem_count() < need {
+            candle_core::bail!(
+                "{op}: {} upstream gradients for {rows} rows (internal error)",
+                lg.shape().elem_count()
+            )
+        }
         let mut dx = alloc(dev, x.dtype(), rows * c)?;
         {
             let stream = dev.cuda_stream();
@@ -312,7 +472,7 @@ mod cuda {
             );
             let func =
                 dev.get_or_load_custom_func(&kernel, MODULE, crate::cuda::ptx::CROSS_ENTROPY)?;
-            let (rows_i, c_i) = (rows as i32, c as i32);
+            let (rows_i, c_i, stride_i) = (rows as i32, c as i32, g_stride as i32);
             let mut lb = func.builder();
             lb.arg(&xp)
                 .arg(&tp)
@@ -320,9 +480,11 @@ mod cuda {
                 .arg(&sp)
                 .arg(&dxp)
                 .arg(&rows_i)
-                .arg(&c_i);
-            // SAFETY: x and dx hold rows * c elements of the kernel's dtype, t, g and lse (when
-            // not null) `rows` each.
+                .arg(&c_i)
+                .arg(&stride_i)
+                .arg(&g_scale);
+            // SAFETY: x and dx hold rows * c elements of the kernel's dtype, t and lse (when
+            // not null) `rows` each, g `rows` (g_stride 1) or one (g_stride 0).
             unsafe { lb.launch(cfg(rows)) }.w()?;
         }
         Ok((dx, lx.shape().clone()))

@@ -23,6 +23,7 @@
 //! | [`linear_cross_entropy_rows`] | `loss = lse(h W^T) - (h W^T)[t]` per row, the logits never a graph tensor | f32, bf16, f16 | f32 loss |
 //! | [`residual_add`] | `out = x + f32(y)`, the residual stream f32, the branch in any float dtype (elementwise) | x f32, y f32/bf16/f16 | f32 |
 //! | [`cross_entropy_rows`] | `loss = lse(x) - x[t]` per row, `dx = g (softmax(x) - onehot(t))` | f32, bf16, f16 | f32 loss, x's dx |
+//! | [`cross_entropy_mean`] | `loss = mean_r(lse(x[r]) - x[r][t[r]])`, one node with its `g / N` backward | f32, bf16, f16 | rank-0 f32 loss, x's dx |
 //! | [`pre_norm_stack`] / [`mlp_block`] / [`attention_block`] | halves `x ← x + branch(norm(x))` in a row ([`Half`]: GPT-2's attention and MLP, or any [`Layer`]s after a LayerNorm or RMSNorm) as one node under the engine's backward ([`crate::grad_sink`]), the composition elsewhere | x f32 | f32 |
 //! | [`post_norm_block`] | `norm(x + branch(x))` (BERT's sub-blocks) likewise | x f32 | f32 |
 //!
@@ -85,6 +86,7 @@ mod lora_cuda;
 mod lora_linear;
 mod padded_attention;
 mod post_norm_block;
+mod relu;
 mod residual;
 mod residual_block;
 mod rms_norm;
@@ -98,7 +100,7 @@ pub use attention::{
     grouped_causal_attention_composed,
 };
 pub use bias::bias_add;
-pub use cross_entropy::cross_entropy_rows;
+pub use cross_entropy::{cross_entropy_mean, cross_entropy_rows};
 pub use embedding::embedding;
 pub use gelu::{gelu_erf, gelu_tanh};
 pub use heads::{merge_heads, split_heads};
