@@ -23,11 +23,11 @@
 // 1024 bytes between 8-row groups along K (the leading byte offset, between 64-column groups, is
 // unused for a 64-wide tile).
 //
-// Six tiles of 8 KiB in dynamic shared memory: four staged (two stages of two) as in
-// attention.cuh, and two for the block's own rows, which mma.sync kept in registers as A
-// fragments and wgmma reads from shared memory (a_frags copies them there). Each product waits
-// for its wgmma group before returning (wgmma.wait_group 0): within a block the steps stay in
-// order, and the 3-4 blocks per SM overlap one another's softmax and products.
+// Tiles of 8 KiB in dynamic shared memory: four staged (two stages of two) as in attention.cuh,
+// and one (forward) or two (backward) for the block's own rows, which mma.sync kept in
+// registers as A fragments and wgmma reads from shared memory (a_frags copies them there). Each
+// product waits for its wgmma group before returning (wgmma.wait_group 0): within a block the
+// steps stay in order, and the 3-5 blocks per SM overlap one another's softmax and products.
 #include "attention.cuh"
 
 // A shared memory matrix descriptor (PTX ISA, "Matrix Descriptor Format"): start address,
@@ -96,10 +96,10 @@ template <> struct WgMma<__half> {
     }
 };
 
-// Bytes of dynamic shared memory the launcher gives these kernels: six 8 KiB tiles and the
-// room to start them at a 1024-byte boundary (src/ops/attention.rs: WGMMA_SMEM).
+// Dynamic shared memory: 8 KiB tiles from a 1024-byte boundary, five in the forward (tiles 0-4)
+// and six in the backward, plus 1 KiB of room for the alignment (src/ops/attention.rs:
+// WGMMA_SMEM_FWD, WGMMA_SMEM_BWD).
 #define ATT_WG_TILE_BYTES (ATT_TILE * ATT_D * 2)
-#define ATT_WG_SMEM (6 * ATT_WG_TILE_BYTES + 1024)
 
 template <typename Elem> struct AttWgmma : AttHalf<Elem> {
     using T = Elem;
@@ -161,8 +161,8 @@ template <typename Elem> struct AttWgmma : AttHalf<Elem> {
     }
 };
 
-// Blocks per SM asked of the register allocator: 4 for the forward and dQ (ptxas, sm_90a: 100
-// and 126 registers), 3 for dK/dV (162, with two accumulators more); 4 x 50 KiB of shared
-// memory fit in an SM's 228 KiB.
-ATT_ENTRIES(bf16, AttWgmma<__nv_bfloat16>, 4, 3, 4)
-ATT_ENTRIES(f16, AttWgmma<__half>, 4, 3, 4)
+// Blocks per SM asked of the register allocator: 5 for the forward (ptxas, sm_90a: 96
+// registers; its 41 KiB of shared memory, five tiles, let 5 blocks share an SM's 228 KiB), 4
+// for dQ (127), 3 for dK/dV (166, with two accumulators more).
+ATT_ENTRIES(bf16, AttWgmma<__nv_bfloat16>, 5, 3, 4)
+ATT_ENTRIES(f16, AttWgmma<__half>, 5, 3, 4)

@@ -604,16 +604,20 @@ mod cuda {
     /// Dynamic shared memory of the f32 tile kernels: four staged 64-row tiles of 68 floats
     /// (`AttF32::LD`); the 16-bit mma.sync kernels stage theirs in static shared memory.
     const F32_SMEM: u32 = 4 * TILE as u32 * 68 * 4;
-    /// Dynamic shared memory of the wgmma kernels (`ATT_WG_SMEM`): six 64-row tiles of 128
-    /// bytes and 1 KiB to align them to 1024 bytes.
-    const WGMMA_SMEM: u32 = 6 * TILE as u32 * 128 + 1024;
+    /// Dynamic shared memory of the wgmma kernels: 64-row tiles of 128 bytes, four staged and
+    /// the block's own rows (one in the forward, two in the backward), and 1 KiB to align them
+    /// to 1024 bytes. The forward's 41 KiB let 5 blocks share an SM.
+    const WGMMA_SMEM_FWD: u32 = 5 * TILE as u32 * 128 + 1024;
+    const WGMMA_SMEM_BWD: u32 = 6 * TILE as u32 * 128 + 1024;
 
-    /// One build of the kernels: its module, PTX, entry-name suffix and dynamic shared memory.
+    /// One build of the kernels: its module, PTX, entry-name suffix and the dynamic shared
+    /// memory of its forward and backward tile kernels.
     struct Kernels {
         module: &'static str,
         ptx: &'static str,
         suffix: &'static str,
-        smem: u32,
+        smem_fwd: u32,
+        smem_bwd: u32,
     }
 
     impl Kernels {
@@ -634,14 +638,16 @@ mod cuda {
                     module: "wick_ops_attention_sm90a",
                     ptx: crate::cuda::ptx::ATTENTION_SM90A,
                     suffix,
-                    smem: WGMMA_SMEM,
+                    smem_fwd: WGMMA_SMEM_FWD,
+                    smem_bwd: WGMMA_SMEM_BWD,
                 });
             }
             Ok(Self {
                 module: "wick_ops_attention",
                 ptx: crate::cuda::ptx::ATTENTION,
                 suffix,
-                smem: if dtype == DType::F32 { F32_SMEM } else { 0 },
+                smem_fwd: if dtype == DType::F32 { F32_SMEM } else { 0 },
+                smem_bwd: if dtype == DType::F32 { F32_SMEM } else { 0 },
             })
         }
 
@@ -682,7 +688,7 @@ mod cuda {
 
     /// Launch shape of the tile kernels: one block per 64-row tile and per (batch row, head),
     /// `heads` being the query heads (forward, dQ) or the key/value heads (dK/dV).
-    fn tile_cfg(d: Dims, heads: usize, k: &Kernels) -> Result<LaunchConfig> {
+    fn tile_cfg(d: Dims, heads: usize, smem: u32) -> Result<LaunchConfig> {
         let bh = d.b * d.h;
         if bh > 65535 || d.t > i32::MAX as usize / 4 || d.b * d.t * d.w() > i32::MAX as usize {
             bail!(
@@ -694,7 +700,7 @@ mod cuda {
         Ok(LaunchConfig {
             grid_dim: (d.t.div_ceil(TILE) as u32, (d.b * heads) as u32, 1),
             block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: k.smem,
+            shared_mem_bytes: smem,
         })
     }
 
@@ -747,7 +753,7 @@ mod cuda {
         let op = "causal_attention";
         let dev = s.device();
         let kernels = Kernels::pick(op, d, dev, s.dtype(), tf32)?;
-        let cfg = tile_cfg(d, d.h, &kernels)?;
+        let cfg = tile_cfg(d, d.h, kernels.smem_fwd)?;
         let copy = realign((s, l))?;
         let (s, l) = copy.as_ref().map_or((s, l), |(s, l)| (s, l));
         let mut y = alloc(dev, s.dtype(), d.b * d.t * d.c())?;
@@ -788,7 +794,10 @@ mod cuda {
         }
         let dtype = a.qkv.0.dtype();
         let kernels = Kernels::pick(op, d, a.qkv.0.device(), dtype, a.tf32)?;
-        let cfgs = [tile_cfg(d, d.hkv, &kernels)?, tile_cfg(d, d.h, &kernels)?];
+        let cfgs = [
+            tile_cfg(d, d.hkv, kernels.smem_bwd)?,
+            tile_cfg(d, d.h, kernels.smem_bwd)?,
+        ];
         let (cq, cy, cdy) = (realign(a.qkv)?, realign(a.y)?, realign(a.dy)?);
         let (qs, ql) = cq.as_ref().map_or(a.qkv, |(s, l)| (s, l));
         let (ys, yl) = cy.as_ref().map_or(a.y, |(s, l)| (s, l));
