@@ -155,8 +155,19 @@ impl GradBuffers {
     }
 
     /// Records this micro-batch's scaled loss (a scalar f32 tensor): a window in which one is
-    /// inf or NaN is skipped whatever its gradients. No device read.
+    /// inf or NaN is skipped whatever its gradients. No device read. The window's first loss is
+    /// kept as a view of `scaled_loss`'s storage until the boundary, so that storage must not
+    /// be written in place meanwhile (nothing in wick does).
+    ///
+    /// Errors: `scaled_loss` not a one-element f32 tensor.
     pub fn note_scaled_loss(&mut self, scaled_loss: &Tensor) -> Result<()> {
+        if scaled_loss.dtype() != DType::F32 || scaled_loss.elem_count() != 1 {
+            bail!(
+                "note_scaled_loss: the scaled loss must be one f32 element, found {:?} {:?}",
+                scaled_loss.dtype(),
+                scaled_loss.dims()
+            );
+        }
         // detached, so the probe does not keep the forward graph alive across the window. The
         // first loss is kept as it is (a view, no launch): it is finite iff `0 * loss` is; the
         // later ones add `0 * loss`, so a sum of finite losses cannot overflow into a false inf
@@ -482,6 +493,7 @@ mod tests {
                 .found_inf
         );
         assert_eq!(clip_factor(10.0, Some(1.0)), 1.0 / (10.0 + 1e-6));
+        assert_eq!(clip_factor(0.5, Some(1.0)), 1.0);
         Ok(())
     }
 
@@ -515,7 +527,15 @@ mod tests {
                 assert_eq!(s.found_inf, want, "{losses:?} (fused {fused})");
             }
         }
-        assert_eq!(clip_factor(0.5, Some(1.0)), 1.0);
+        // a loss that is not one f32 element is refused
+        let mut bufs = GradBuffers::default();
+        assert!(bufs
+            .note_scaled_loss(&Tensor::new(&[1f32, 2.0], &Device::Cpu)?)
+            .is_err());
+        assert!(bufs
+            .note_scaled_loss(&scalar(1.0)?.to_dtype(DType::F16)?)
+            .is_err());
+        assert!(bufs.loss_probe.is_none());
         Ok(())
     }
 }

@@ -248,7 +248,13 @@ mod cuda {
         crate::cuda::launch::rows_cols(op, l)?; // i32 ranges
         let dev = &dy.device;
         let tn = dtype_name(op, dy.dtype())?;
-        let chunk = if rows <= ONE_CHUNK_ROWS { rows } else { CHUNK };
+        // chunks of CHUNK rows, longer where more would pass the grid's y limit (65535); the
+        // split depends on the shape only
+        let chunk = if rows <= ONE_CHUNK_ROWS {
+            rows
+        } else {
+            CHUNK.max(rows.div_ceil(65535))
+        };
         let chunks = rows.div_ceil(chunk.max(1)).max(1);
         let mut db = alloc(dev, dy.dtype(), c)?;
         let mut partials = match chunks > 1 {

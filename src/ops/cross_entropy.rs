@@ -26,7 +26,8 @@ use rayon::prelude::*;
 /// Per-row cross-entropy of `logits: (N, C)` (f32, bf16 or f16) against class indices
 /// `targets: (N,)` (u32; i64 and u8 are converted), as `torch.nn.functional.cross_entropy(...,
 /// reduction="none")`: returns `(N,)` f32, differentiable with respect to the logits (the
-/// gradient has the logits' dtype). Take `.mean_all()` for the usual mean loss.
+/// gradient has the logits' dtype). For the usual mean loss use [`cross_entropy_mean`] (one
+/// node; `.mean_all()` of this gives the same value in three more).
 ///
 /// Errors (no panics): shapes other than `(N, C)` and `(N,)`, non-integer targets, devices that
 /// differ, `C == 0`. A target `>= C` is an error on the CPU; on CUDA (where checking would
