@@ -49,38 +49,18 @@ pub fn bias_add(x: &Tensor, b: &Tensor) -> Result<Tensor> {
 
 struct BiasAdd;
 
-/// The column sum of a contiguous `(rows, C)` tensor as one op (no graph): `(C,)` in its
-/// dtype, f32 accumulation rounded once. CUDA: `bias_grad` (module docs); CPU: the reference,
-/// f32 sums in row order.
+/// The column sum of a contiguous `(rows, C)` CUDA tensor as one op (no graph): `(C,)` in its
+/// dtype, f32 accumulation rounded once (`bias_grad`, module docs). CPU gradients take
+/// [`column_sum`]'s f32 sum instead.
 struct ColumnSum;
-
-/// Per-column f32 sums of `dy: (rows, c)` in row order, rounded to T: [`ColumnSum`]'s CPU
-/// reference.
-fn column_sum_cpu<T: Elem>(dy: &[T], c: usize) -> Vec<T> {
-    let mut acc = vec![0f32; c];
-    for row in dy.chunks(c) {
-        for (a, v) in acc.iter_mut().zip(row) {
-            *a += v.to32();
-        }
-    }
-    acc.into_iter().map(T::from32).collect()
-}
 
 impl CustomOp1 for ColumnSum {
     fn name(&self) -> &'static str {
         "bias_grad"
     }
 
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let op = self.name();
-        let (_, c) = l.shape().dims2()?;
-        macro_rules! run {
-            ($t:ty) => {{
-                let v = cpu_slice::<$t>(op, "dy", s, l)?;
-                <$t as candle_core::WithDType>::to_cpu_storage_owned(column_sum_cpu(v, c))
-            }};
-        }
-        Ok((with_type!(op, s.dtype(), run), Shape::from(c)))
+    fn cpu_fwd(&self, _s: &CpuStorage, _l: &Layout) -> Result<(CpuStorage, Shape)> {
+        bail!("bias_grad: the column-sum kernel runs on CUDA only; the CPU path sums in f32 (internal error)")
     }
 
     #[cfg(feature = "cuda")]
@@ -92,13 +72,6 @@ impl CustomOp1 for ColumnSum {
         let (rows, c) = l.shape().dims2()?;
         Ok((cuda::column_sum(s, l, rows, c)?, Shape::from(c)))
     }
-}
-
-/// [`ColumnSum`] of `dy: (rows, c)`, any layout: `(c,)` in dy's dtype (the CUDA kernel's
-/// numerics on every device). Errors: a dtype other than f32/bf16/f16, `dy` not 2-D.
-pub(super) fn column_sum_op(dy: &Tensor) -> Result<Tensor> {
-    check_float("bias_grad", "dy", dy.dtype())?;
-    dy.detach().contiguous()?.apply_op1_no_bwd(&ColumnSum)
 }
 
 fn fwd_cpu<T: Elem>(x: &[T], b: &[T]) -> Vec<T> {
@@ -167,7 +140,8 @@ pub(super) fn column_sum(dy: &Tensor, c: usize) -> Result<Tensor> {
     let rows = dy.elem_count() / c.max(1);
     let dy2 = dy.reshape((rows, c))?;
     if dy.device().is_cuda() && rows > 0 && c > 0 {
-        return column_sum_op(&dy2);
+        check_float("bias_grad", "dy", dy.dtype())?;
+        return dy2.detach().contiguous()?.apply_op1_no_bwd(&ColumnSum);
     }
     match dy.dtype() {
         DType::F32 => dy2.sum(0),

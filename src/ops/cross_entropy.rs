@@ -56,11 +56,7 @@ pub(super) fn cross_entropy_rows_no_bwd(
     };
     let fwd = CrossEntropy::default();
     let loss = logits.apply_op2_no_bwd(&targets, &fwd)?;
-    let bwd = CrossEntropyBwd {
-        lse: fwd.lse.get(),
-        mean_of: None,
-    };
-    Ok((loss, bwd))
+    Ok((loss, fwd.backward_op(logits.dim(0)?)))
 }
 
 /// Mean cross-entropy of `logits: (N, C)` (f32, bf16 or f16) against class indices
@@ -77,7 +73,11 @@ pub fn cross_entropy_mean(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let Some((logits, targets)) = checked(logits, targets)? else {
         bail!("cross_entropy_mean: the batch is empty (N = 0); the mean of no rows is undefined")
     };
-    logits.apply_op2(&targets, CrossEntropyMean::default())
+    let op = CrossEntropy {
+        mean: true,
+        ..CrossEntropy::default()
+    };
+    logits.apply_op2(&targets, op)
 }
 
 /// The checked operands: contiguous logits and u32 targets, or `None` for zero rows.
@@ -100,16 +100,22 @@ fn checked(logits: &Tensor, targets: &Tensor) -> Result<Option<(Tensor, Tensor)>
     Ok(Some((logits.contiguous()?, targets)))
 }
 
-/// The forward op ((x, t) → loss); on CUDA it leaves each row's `lse` (f32, `(N,)`) in `lse`.
+/// The forward op: (x, t) → the rows' losses `(N,)`, or with `mean` their mean (rank 0). On
+/// CUDA it leaves each row's `lse` (f32, `(N,)`) in `lse`.
 #[derive(Default)]
 struct CrossEntropy {
     lse: SideOutput,
+    mean: bool,
 }
 
-/// The mean-loss forward op ((x, t) → mean loss, rank 0); on CUDA it leaves each row's `lse`.
-#[derive(Default)]
-struct CrossEntropyMean {
-    lse: SideOutput,
+impl CrossEntropy {
+    /// The backward op of a forward over `rows` rows, with the `lse` it kept.
+    fn backward_op(&self, rows: usize) -> CrossEntropyBwd {
+        CrossEntropyBwd {
+            lse: self.lse.get(),
+            mean_of: self.mean.then(|| inv_rows(rows)),
+        }
+    }
 }
 
 /// The backward op ((x, t, g) → dx), with the forward's `lse` where it kept one (CUDA), else
@@ -192,7 +198,11 @@ fn bwd_cpu<T: Elem>(
 
 impl CustomOp2 for CrossEntropy {
     fn name(&self) -> &'static str {
-        "cross_entropy"
+        if self.mean {
+            "cross_entropy_mean"
+        } else {
+            "cross_entropy"
+        }
     }
 
     fn cpu_fwd(
@@ -212,7 +222,10 @@ impl CustomOp2 for CrossEntropy {
             }};
         }
         let loss = with_type!(op, x.dtype(), run);
-        Ok((CpuStorage::F32(loss), Shape::from(lx.dims()[0])))
+        Ok(match self.mean {
+            true => (CpuStorage::F32(vec![mean_cpu(&loss)]), Shape::from(())),
+            false => (CpuStorage::F32(loss), Shape::from(lx.dims()[0])),
+        })
     }
 
     #[cfg(feature = "cuda")]
@@ -226,7 +239,10 @@ impl CustomOp2 for CrossEntropy {
         let (loss, lse) = cuda::fwd(x, lx, t, lt)?;
         let rows = lx.dims()[0];
         self.lse.put(candle_core::Storage::Cuda(lse), rows);
-        Ok((loss, Shape::from(rows)))
+        Ok(match self.mean {
+            true => (cuda::mean(&loss, rows, inv_rows(rows))?, Shape::from(())),
+            false => (loss, Shape::from(rows)),
+        })
     }
 
     fn bwd(
@@ -237,65 +253,7 @@ impl CustomOp2 for CrossEntropy {
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let g = g.to_dtype(DType::F32)?.contiguous()?;
-        let op = CrossEntropyBwd {
-            lse: self.lse.get(),
-            mean_of: None,
-        };
-        let dx = x.apply_op3_no_bwd(t, &g, &op)?;
-        Ok((Some(dx), None))
-    }
-}
-
-impl CustomOp2 for CrossEntropyMean {
-    fn name(&self) -> &'static str {
-        "cross_entropy_mean"
-    }
-
-    fn cpu_fwd(
-        &self,
-        x: &CpuStorage,
-        lx: &Layout,
-        t: &CpuStorage,
-        lt: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let (rows, _) = CrossEntropy::default().cpu_fwd(x, lx, t, lt)?;
-        let loss = cpu_slice::<f32>(
-            self.name(),
-            "loss",
-            &rows,
-            &Layout::contiguous(lx.dims()[0]),
-        )?;
-        Ok((CpuStorage::F32(vec![mean_cpu(loss)]), Shape::from(())))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        x: &candle_core::CudaStorage,
-        lx: &Layout,
-        t: &candle_core::CudaStorage,
-        lt: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (loss, lse) = cuda::fwd(x, lx, t, lt)?;
-        let rows = lx.dims()[0];
-        let mean = cuda::mean(&loss, rows, inv_rows(rows))?;
-        self.lse.put(candle_core::Storage::Cuda(lse), rows);
-        Ok((mean, Shape::from(())))
-    }
-
-    fn bwd(
-        &self,
-        x: &Tensor,
-        t: &Tensor,
-        _loss: &Tensor,
-        g: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let g = g.to_dtype(DType::F32)?.contiguous()?;
-        let op = CrossEntropyBwd {
-            lse: self.lse.get(),
-            mean_of: Some(inv_rows(x.dim(0)?)),
-        };
-        let dx = x.apply_op3_no_bwd(t, &g, &op)?;
+        let dx = x.apply_op3_no_bwd(t, &g, &self.backward_op(x.dim(0)?))?;
         Ok((Some(dx), None))
     }
 }
