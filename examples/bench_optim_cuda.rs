@@ -3,7 +3,8 @@
 //! directly): candle-nn's AdamW, wick's reference path, wick's fused multi-tensor kernel, and the
 //! whole fused boundary (unscale + inf check + global norm + clip + AdamW + scaler update).
 //!
-//! `cargo run --release --features cuda --example bench_optim_cuda`
+//! `cargo run --release --features cuda --example bench_optim_cuda [-- --fused-only]`
+//! (`--fused-only`: skip the candle-nn and reference rows).
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
@@ -71,6 +72,7 @@ fn store(precision: Precision, dev: &Device) -> Result<(ParamStore, Vec<Param>)>
 fn main() -> Result<()> {
     let dev = Device::new_cuda(0)?;
     let iters = 20;
+    let fused_only = std::env::args().any(|a| a == "--fused-only");
     let cfg = AdamWConfig {
         lr: 1e-4,
         weight_decay: 0.1,
@@ -89,7 +91,7 @@ fn main() -> Result<()> {
         .collect::<candle_core::Result<_>>()?;
 
     // candle-nn's AdamW (moments in the parameter dtype, ~18 kernels per tensor)
-    {
+    if !fused_only {
         let vars: Vec<candle_core::Var> = params.iter().map(|p| p.master.clone()).collect();
         let mut store = candle_core::backprop::GradStore::default();
         for (p, g) in params.iter().zip(&grads) {
@@ -110,7 +112,7 @@ fn main() -> Result<()> {
         );
     }
     // wick reference path (candle tensor ops)
-    {
+    if !fused_only {
         let mut opt = AdamW::new(cfg.clone(), Impl::Reference)?;
         let stats = GradStats::clean(1.0);
         let ms = time_ms(&dev, iters, || {

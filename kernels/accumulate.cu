@@ -5,9 +5,9 @@
 
 template <typename G>
 __device__ void accumulate_block(const TensorListMeta<2>& meta, float weight) {
-    const int t = meta.block_tensor[blockIdx.x];
-    const int64_t start = (int64_t)meta.block_chunk[blockIdx.x] * MT_CHUNK;
-    const int64_t n = min((int64_t)MT_CHUNK, meta.numel[t] - start);
+    const MtSpan s = mt_span(meta, 1);
+    const int t = s.t;
+    const int64_t start = s.start, n = s.n;
     float* acc = mt_ptr<float>(meta.addr[0][t]) + start;
     const G* g = mt_ptr<const G>(meta.addr[1][t]) + start;
     const bool first = meta.tensor_group[t];

@@ -33,12 +33,11 @@ __device__ __forceinline__ void adamw_element(float& p, float& m, float& v, floa
 }
 
 template <typename G, typename W>
-__device__ void adamw_block(const TensorListMeta<5>& meta, const float* stats, const long long* steps,
+__device__ void adamw_block(const TensorListMeta<5>& meta, const MtSpan& s, const float* stats, const long long* steps,
                             AdamWArgs a) {
     if (stats[0] != 0.0f) return;                               // found_inf: skip the whole step
-    const int t = meta.block_tensor[blockIdx.x];
-    const int64_t start = (int64_t)meta.block_chunk[blockIdx.x] * MT_CHUNK;
-    const int64_t n = min((int64_t)MT_CHUNK, meta.numel[t] - start);
+    const int t = s.t;
+    const int64_t start = s.start, n = s.n;
     float* p = mt_ptr<float>(meta.addr[0][t]) + start;
     const G* g = mt_ptr<const G>(meta.addr[1][t]) + start;
     float* m = mt_ptr<float>(meta.addr[2][t]) + start;

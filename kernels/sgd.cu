@@ -47,11 +47,10 @@ __device__ __forceinline__ float sgd_element(float p, float& b, float g, const S
 }
 
 template <typename G, typename W>
-__device__ void sgd_block(const TensorListMeta<5>& meta, const float* stats, const long long* steps, SgdArgs a) {
+__device__ void sgd_block(const TensorListMeta<5>& meta, const MtSpan& s, const float* stats, const long long* steps, SgdArgs a) {
     if (stats[0] != 0.0f) return;                               // found_inf: skip the whole step
-    const int t = meta.block_tensor[blockIdx.x];
-    const int64_t start = (int64_t)meta.block_chunk[blockIdx.x] * MT_CHUNK;
-    const int64_t n = min((int64_t)MT_CHUNK, meta.numel[t] - start);
+    const int t = s.t;
+    const int64_t start = s.start, n = s.n;
     float* p = mt_ptr<float>(meta.addr[0][t]) + start;
     const G* g = mt_ptr<const G>(meta.addr[1][t]) + start;
     W* w = meta.addr[4][t] ? mt_ptr<W>(meta.addr[4][t]) + start : nullptr;

@@ -108,21 +108,41 @@ pub fn launch<A: DeviceRepr>(
                 index: r.index as i32,
             });
     }
+    let split = update_split();
     let module = format!("wick_{}", kernel.name);
     for ((gs, ws), list) in groups {
         let name = format!("mt_{}_{gs}_{ws}", kernel.name);
         let func = dev.get_or_load_custom_func(&name, &module, kernel.ptx)?;
         for l in crate::cuda::multi_tensor::plan(&list) {
             let mut b = func.builder();
-            b.arg(&l.meta).arg(&stats_addr).arg(&steps_addr).arg(args);
+            b.arg(&l.meta)
+                .arg(&split)
+                .arg(&stats_addr)
+                .arg(&steps_addr)
+                .arg(args);
+            let mut cfg = mt_config(&l);
+            cfg.grid_dim.0 *= split as u32;
             // SAFETY: the table holds live device addresses of `numel` elements per list, of
             // the dtypes the kernel's suffixes name; stats is f32, steps i64 with an element
-            // per parameter index.
-            unsafe { b.launch(mt_config(&l)) }.w()?;
+            // per parameter index; `split` divides the chunk into parts of whole vectors.
+            unsafe { b.launch(cfg) }.w()?;
         }
     }
     drop(keep);
     Ok(())
+}
+
+/// Blocks per chunk of the update launches (`mt_span` in kernels/multi_tensor.cuh): 4,096
+/// elements per block. On the H200 (results/h200-2026-12-03-optimizer-split/call1, GPT-2-124M
+/// shapes, two runs each) AdamW took 0.887/0.880 ms at 1, 0.863/0.862 at 4, 0.838/0.843 at 16;
+/// the bf16-mixed boundary 0.990/0.995, 0.970/0.979, 0.955/0.953. `WICK_MT_SPLIT` (a power of
+/// two up to 64) overrides it, for measuring.
+fn update_split() -> i32 {
+    std::env::var("WICK_MT_SPLIT")
+        .ok()
+        .and_then(|v| v.parse::<i32>().ok())
+        .filter(|s| (1..=64).contains(s) && s.count_ones() == 1)
+        .unwrap_or(16)
 }
 
 /// Enqueues `steps[index[i]] += 1` for every `i` unless `stats[0]` (found_inf) is set.
