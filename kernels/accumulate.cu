@@ -5,9 +5,7 @@
 
 template <typename G>
 __device__ void accumulate_block(const TensorListMeta<2>& meta, float weight) {
-    const MtSpan s = mt_span(meta, 1);
-    const int t = s.t;
-    const int64_t start = s.start, n = s.n;
+    const auto [t, start, n] = mt_span(meta, 1);
     float* acc = mt_ptr<float>(meta.addr[0][t]) + start;
     const G* g = mt_ptr<const G>(meta.addr[1][t]) + start;
     const bool first = meta.tensor_group[t];

@@ -36,8 +36,7 @@ template <typename G, typename W>
 __device__ void adamw_block(const TensorListMeta<5>& meta, const MtSpan& s, const float* stats, const long long* steps,
                             AdamWArgs a) {
     if (stats[0] != 0.0f) return;                               // found_inf: skip the whole step
-    const int t = s.t;
-    const int64_t start = s.start, n = s.n;
+    const auto [t, start, n] = s;
     float* p = mt_ptr<float>(meta.addr[0][t]) + start;
     const G* g = mt_ptr<const G>(meta.addr[1][t]) + start;
     float* m = mt_ptr<float>(meta.addr[2][t]) + start;

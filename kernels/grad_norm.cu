@@ -16,9 +16,7 @@ template <typename G>
 __device__ void sumsq_block(const TensorListMeta<1>& meta, double* partials, int block_offset,
                             const float* amp_state, float weight_sum) {
     __shared__ double smem[32];
-    const MtSpan s = mt_span(meta, 1);
-    const int t = s.t;
-    const int64_t start = s.start, n = s.n;
+    const auto [t, start, n] = mt_span(meta, 1);
     const G* g = mt_ptr<const G>(meta.addr[0][t]) + start;
     const double inv = 1.0 / ((double)amp_state[0] * (double)weight_sum);   // unscale before squaring
     double acc = 0.0;
@@ -78,9 +76,7 @@ extern "C" __global__ void finalize_grad_stats(const double* partials, int n, co
 
 template <typename G>
 __device__ void unscale_check_block(const TensorListMeta<1>& meta, float* found_inf, float inv_scale) {
-    const MtSpan s = mt_span(meta, 1);
-    const int t = s.t;
-    const int64_t start = s.start, n = s.n;
+    const auto [t, start, n] = mt_span(meta, 1);
     G* g = mt_ptr<G>(meta.addr[0][t]) + start;
     bool bad = false;
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {

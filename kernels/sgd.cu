@@ -49,8 +49,7 @@ __device__ __forceinline__ float sgd_element(float p, float& b, float g, const S
 template <typename G, typename W>
 __device__ void sgd_block(const TensorListMeta<5>& meta, const MtSpan& s, const float* stats, const long long* steps, SgdArgs a) {
     if (stats[0] != 0.0f) return;                               // found_inf: skip the whole step
-    const int t = s.t;
-    const int64_t start = s.start, n = s.n;
+    const auto [t, start, n] = s;
     float* p = mt_ptr<float>(meta.addr[0][t]) + start;
     const G* g = mt_ptr<const G>(meta.addr[1][t]) + start;
     W* w = meta.addr[4][t] ? mt_ptr<W>(meta.addr[4][t]) + start : nullptr;

@@ -55,7 +55,7 @@ pub fn accumulate(
         for l in plan(&rows) {
             let mut b = func.builder();
             b.arg(&l.meta).arg(&weight);
-            unsafe { b.launch(mt_config(&l)) }.w()?;
+            unsafe { b.launch(mt_config(&l, 1)) }.w()?;
         }
     }
     drop(keep);

@@ -69,7 +69,7 @@ pub fn grad_stats(
                 .arg(&off)
                 .arg(&amp_addr)
                 .arg(&weight_sum);
-            unsafe { b.launch(mt_config(l)) }.w()?;
+            unsafe { b.launch(mt_config(l, 1)) }.w()?;
         }
         offset += total_blocks(launches) as i32;
     }
@@ -134,7 +134,7 @@ pub fn unscale_check(grads: &[&Tensor], inv_scale: f32) -> Result<Tensor> {
         for l in plan(&rows) {
             let mut b = func.builder();
             b.arg(&l.meta).arg(&found_addr).arg(&inv_scale);
-            unsafe { b.launch(mt_config(&l)) }.w()?;
+            unsafe { b.launch(mt_config(&l, 1)) }.w()?;
         }
     }
     Ok(found_inf)

@@ -50,10 +50,11 @@ unsafe impl<const D: usize> candle_core::cuda::cudarc::driver::DeviceRepr
 {
 }
 
-/// Launch configuration of a multi-tensor launch: one block of `MT_BLOCK` threads per chunk.
-pub fn mt_config<const D: usize>(l: &super::multi_tensor::Launch<D>) -> LaunchConfig {
+/// Launch configuration of a multi-tensor launch: `split` blocks of `MT_BLOCK` threads per
+/// chunk (the kernel's `mt_span(meta, split)`; 1 for the kernels without a `split` argument).
+pub fn mt_config<const D: usize>(l: &super::multi_tensor::Launch<D>, split: u32) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: (l.blocks, 1, 1),
+        grid_dim: (l.blocks * split, 1, 1),
         block_dim: (super::multi_tensor::BLOCK, 1, 1),
         shared_mem_bytes: 0,
     }

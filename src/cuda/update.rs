@@ -120,12 +120,10 @@ pub fn launch<A: DeviceRepr>(
                 .arg(&stats_addr)
                 .arg(&steps_addr)
                 .arg(args);
-            let mut cfg = mt_config(&l);
-            cfg.grid_dim.0 *= split as u32;
             // SAFETY: the table holds live device addresses of `numel` elements per list, of
             // the dtypes the kernel's suffixes name; stats is f32, steps i64 with an element
             // per parameter index; `split` divides the chunk into parts of whole vectors.
-            unsafe { b.launch(cfg) }.w()?;
+            unsafe { b.launch(mt_config(&l, split as u32)) }.w()?;
         }
     }
     drop(keep);
@@ -136,13 +134,16 @@ pub fn launch<A: DeviceRepr>(
 /// elements per block. On the H200 (results/h200-2026-12-03-optimizer-split/call1, GPT-2-124M
 /// shapes, two runs each) AdamW took 0.887/0.880 ms at 1, 0.863/0.862 at 4, 0.838/0.843 at 16;
 /// the bf16-mixed boundary 0.990/0.995, 0.970/0.979, 0.955/0.953. `WICK_MT_SPLIT` (a power of
-/// two up to 64) overrides it, for measuring.
+/// two up to 64) overrides it, for measuring; read once per process (not on every step).
 fn update_split() -> i32 {
-    std::env::var("WICK_MT_SPLIT")
-        .ok()
-        .and_then(|v| v.parse::<i32>().ok())
-        .filter(|s| (1..=64).contains(s) && s.count_ones() == 1)
-        .unwrap_or(16)
+    static SPLIT: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
+    *SPLIT.get_or_init(|| {
+        std::env::var("WICK_MT_SPLIT")
+            .ok()
+            .and_then(|v| v.parse::<i32>().ok())
+            .filter(|s| (1..=64).contains(s) && s.count_ones() == 1)
+            .unwrap_or(16)
+    })
 }
 
 /// Enqueues `steps[index[i]] += 1` for every `i` unless `stats[0]` (found_inf) is set.
