@@ -12,42 +12,52 @@
 // amp_state = [scale, growth_tracker, hysteresis_left, applied_steps].
 #include "multi_tensor.cuh"
 
+// Sixteen bytes of elements, the widest load a thread issues (8 bf16/f16, 4 f32).
+template <typename T>
+struct alignas(16) Vec16 {
+    T v[16 / sizeof(T)];
+};
+
+// One block's share: the span of mt_span(meta, split), its partial written to
+// partials[slot_offset + blockIdx.x] (every block writes its slot, empty spans a zero, so the
+// partials need no zero-fill).
 template <typename G>
-__device__ void sumsq_block(const TensorListMeta<1>& meta, double* partials, int block_offset,
+__device__ void sumsq_block(const TensorListMeta<1>& meta, int split, double* partials, int slot_offset,
                             const float* amp_state, float weight_sum) {
     __shared__ double smem[32];
-    const auto [t, start, n] = mt_span(meta, 1);
+    const auto [t, start, n] = mt_span(meta, split);
     const G* g = mt_ptr<const G>(meta.addr[0][t]) + start;
     const double inv = 1.0 / ((double)amp_state[0] * (double)weight_sum);   // unscale before squaring
     double acc = 0.0;
     bool bad = false;
     int64_t done = 0;
-    if (mt_aligned4<G>(meta.addr[0][t])) {
-        // vector loads, four in flight per thread: this pass only reads, so its speed is the
-        // number of bytes in flight
-        const int64_t n4 = n / 4;
+    constexpr int V = 16 / sizeof(G);
+    if (n > 0 && reinterpret_cast<uint64_t>(g) % 16 == 0) {
+        // 16-byte loads, several in flight per thread: this pass only reads, so its speed is
+        // the number of bytes in flight
+        const int64_t nv = n / V;
 #pragma unroll 4
-        for (int64_t i = threadIdx.x; i < n4; i += blockDim.x) {
-            float x[4];
-            load4(g + 4 * i, x);
+        for (int64_t i = threadIdx.x; i < nv; i += blockDim.x) {
+            const Vec16<G> v = reinterpret_cast<const Vec16<G>*>(g)[i];
 #pragma unroll
-            for (int j = 0; j < 4; j++) {
-                bad |= !isfinite(x[j]);
-                double d = (double)x[j] * inv;
+            for (int j = 0; j < V; j++) {
+                const float x = to_f32(v.v[j]);
+                bad |= !isfinite(x);
+                const double d = (double)x * inv;
                 acc += d * d;                                    // squares summed in f64
             }
         }
-        done = n4 * 4;
+        done = nv * V;
     }
     for (int64_t i = done + threadIdx.x; i < n; i += blockDim.x) {
-        float v = to_f32(g[i]);
-        bad |= !isfinite(v);
-        double d = (double)v * inv;
+        const float x = to_f32(g[i]);
+        bad |= !isfinite(x);
+        const double d = (double)x * inv;
         acc += d * d;
     }
     bad = __syncthreads_or(bad);
-    double total = block_sum_d(acc, smem);
-    if (threadIdx.x == 0) partials[block_offset + blockIdx.x] = bad ? NAN : total;
+    const double total = block_sum_d(acc, smem);
+    if (threadIdx.x == 0) partials[slot_offset + blockIdx.x] = bad ? NAN : total;
 }
 
 // stats[0] = found_inf (0/1), stats[1] = global L2 norm of the unscaled gradients,
@@ -90,10 +100,10 @@ __device__ void unscale_check_block(const TensorListMeta<1>& meta, float* found_
 
 // ---------------------------------------------------------------------------------------------
 #define SUMSQ(SUFFIX, G)                                                                           \
-    extern "C" __global__ void mt_sumsq_##SUFFIX(TensorListMeta<1> meta, double* partials,        \
-                                                 int block_offset, const float* amp_state,        \
+    extern "C" __global__ void mt_sumsq_##SUFFIX(TensorListMeta<1> meta, int split, double* partials, \
+                                                 int slot_offset, const float* amp_state,         \
                                                  float weight_sum) {                              \
-        sumsq_block<G>(meta, partials, block_offset, amp_state, weight_sum);                      \
+        sumsq_block<G>(meta, split, partials, slot_offset, amp_state, weight_sum);                \
     }                                                                                              \
     extern "C" __global__ void mt_unscale_check_##SUFFIX(TensorListMeta<1> meta, float* found_inf, \
                                                          float inv_scale) {                       \

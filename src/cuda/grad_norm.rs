@@ -6,7 +6,7 @@ use crate::cuda::multi_tensor::{plan, total_blocks, Row};
 use anyhow::Result;
 use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda::WrapErr;
-use candle_core::{DType, Tensor};
+use candle_core::{CudaStorage, DType, Storage, Tensor};
 use std::collections::BTreeMap;
 
 /// `[found_inf, norm, multiplier]` (f32, on the device) for gradient buffers `grads` (any mix of
@@ -50,9 +50,11 @@ pub fn grad_stats(
         .into_iter()
         .map(|(k, rows)| (k, plan(&rows)))
         .collect();
-    let blocks: u32 = plans.iter().map(|(_, p)| total_blocks(p)).sum();
-    let partials = Tensor::zeros(blocks.max(1) as usize, DType::F64, amp_state.device())?;
-    let stats = Tensor::zeros(3, DType::F32, amp_state.device())?;
+    let split = sumsq_split();
+    let blocks = plans.iter().map(|(_, p)| total_blocks(p)).sum::<u32>() * split as u32;
+    // Not zero-filled: every sumsq block writes its partial, finalize every stat.
+    let partials = uninit(&dev, DType::F64, blocks.max(1) as usize)?;
+    let stats = uninit(&dev, DType::F32, 3)?;
     let (partials_addr, amp_addr, stats_addr) = (addr(&partials)?, addr(amp_state)?, addr(&stats)?);
     let mut offset = 0i32;
     for (suffix, launches) in &plans {
@@ -62,14 +64,17 @@ pub fn grad_stats(
             ptx::GRAD_NORM,
         )?;
         for l in launches {
-            let off = offset + l.block_offset as i32;
+            let off = (offset + l.block_offset as i32) * split;
             let mut b = func.builder();
             b.arg(&l.meta)
+                .arg(&split)
                 .arg(&partials_addr)
                 .arg(&off)
                 .arg(&amp_addr)
                 .arg(&weight_sum);
-            unsafe { b.launch(mt_config(l, 1)) }.w()?;
+            // SAFETY: the table holds live addresses of `numel` elements of the suffix's dtype;
+            // the launch's blocks write partials [off, off + blocks * split) of `partials`.
+            unsafe { b.launch(mt_config(l, split as u32)) }.w()?;
         }
         offset += total_blocks(launches) as i32;
     }
@@ -99,6 +104,34 @@ pub fn grad_stats(
     unsafe { b.launch(cfg) }.w()?;
     drop((keep, partials));
     Ok(stats)
+}
+
+/// Blocks per chunk of the sum-of-squares pass (`mt_span`): 1, i.e. 65,536 elements per
+/// block. Unlike the update, this read-only pass is fastest unsplit: on the H200
+/// (results/h200-2026-12-04-boundary/call1, GPT-2-124M shapes, two runs each) the bf16-mixed
+/// boundary took 0.927/0.928 ms at 1, 0.934 at 4, 0.955/0.956 at 8 and 1.003 at 16 (more
+/// blocks, more partials for the finalize). `WICK_SUMSQ_SPLIT` (a power of two up to 64)
+/// overrides it, for measuring.
+fn sumsq_split() -> i32 {
+    static SPLIT: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
+    super::blocks_per_chunk(&SPLIT, "WICK_SUMSQ_SPLIT", 1)
+}
+
+/// An uninitialised `(n,)` device tensor of `dtype` (f32 or f64) on `dev`.
+fn uninit(dev: &candle_core::cuda_backend::CudaDevice, dtype: DType, n: usize) -> Result<Tensor> {
+    // SAFETY: the callers' kernels write all `n` elements before anything reads them.
+    let s = unsafe {
+        match dtype {
+            DType::F64 => CudaStorage::wrap_cuda_slice(dev.alloc::<f64>(n)?, dev.clone()),
+            _ => CudaStorage::wrap_cuda_slice(dev.alloc::<f32>(n)?, dev.clone()),
+        }
+    };
+    Ok(Tensor::from_storage(
+        Storage::Cuda(s),
+        n,
+        candle_core::op::BackpropOp::none(),
+        false,
+    ))
 }
 
 /// In place, `g *= inv_scale` for every contiguous gradient in `grads`, and returns a `(1,)`
