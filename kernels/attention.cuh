@@ -127,10 +127,17 @@ template <> struct AttMma<__half> {
     static __device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
 };
 
+__device__ __forceinline__ void att_zero(float (&a)[8][4]) {
+#pragma unroll
+    for (int nb = 0; nb < 8; nb++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) a[nb][i] = 0.0f;
+}
+
 // The matrix products of the kernels for one element type ("Ops"): the staged row type, the
 // A fragments of a warp's 16 rows x 64 columns, and
-//   mm_nt: acc (16 x 64) += A (16 x 64) . S^T where S is a staged (64 x 64) tile: the product
-//          of the warp's rows with every row of S (Q K^T, V dO^T, ...);
+//   mm_nt: acc (16 x 64) = A (16 x 64) . S^T where S is a staged (64 x 64) tile: the product
+//          of the warp's rows with every row of S (Q K^T, V dO^T, ...), acc's old value unused;
 //   mm_nn: acc (16 x 64) += P (16 x 64, C fragments in f32) . S (P V, dS K, P^T dO, dS^T Q).
 // AttHalf: bf16 or f16 operands, mma.m16n8k16. AttF32<SPLIT>: f32 storage, mma.m16n8k8 on TF32
 // operands, SPLIT = 1 (TF32 inputs) or 3 (3xTF32, below).
@@ -173,6 +180,7 @@ template <typename Elem> struct AttHalf {
     }
     // B[k][n] = S[n][k]: the 8x8 blocks of S rows as they are (rows n, columns k).
     static __device__ __forceinline__ void mm_nt(float (&acc)[8][4], const AFrag& a, const Row* s) {
+        att_zero(acc);
         const int lane = threadIdx.x & 31, j = lane >> 3, r = lane & 7;
 #pragma unroll
         for (int nb = 0; nb < 8; nb += 2)
@@ -270,6 +278,7 @@ template <int SPLIT> struct AttF32 {
     }
     // B[k][n] = S[n][k]: lane (g, c) reads S[n = g][k = c, c + 4] of each 8x8 block.
     static __device__ __forceinline__ void mm_nt(float (&acc)[8][4], const AFrag& a, const Row* s) {
+        att_zero(acc);
         const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
 #pragma unroll
         for (int kb = 0; kb < 8; kb++) {
@@ -338,13 +347,6 @@ __device__ __forceinline__ float att_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
-}
-
-__device__ __forceinline__ void att_zero(float (&a)[8][4]) {
-#pragma unroll
-    for (int nb = 0; nb < 8; nb++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) a[nb][i] = 0.0f;
 }
 
 // Writes rows r0 and r0 + 8 (global rows row0 + r0, + 8; those < T) of a 16 x 64 accumulator,
@@ -478,7 +480,6 @@ __device__ void attn_fwd(const T* __restrict__ qkv, T* __restrict__ out, float* 
             att_load_tile<Ops>(att_tile<Ops>(3 - st), v, k0 + ATT_TILE, T_, s3);
         }
         float s[8][4];
-        att_zero(s);
         Ops::mm_nt(s, qa, att_tile<Ops>(st));
         if (kt == qt)   // the diagonal tile, the only one that can also reach past T
             att_softmax_step<true>(s, o, m, l, k0, q0 + r0, T_, scale2, c);
@@ -511,7 +512,6 @@ __device__ __forceinline__ void att_dkdv_step(float (&dk)[8][4], float (&dv)[8][
                                               int kr, int T_, float scale2, int c) {
     // P^T (keys x queries) = 2^(scale2 K Q^T - L)
     float p[8][4];
-    att_zero(p);
     Ops::mm_nt(p, ka, Qs);
 #pragma unroll
     for (int nb = 0; nb < 8; nb++)
@@ -524,7 +524,6 @@ __device__ __forceinline__ void att_dkdv_step(float (&dk)[8][4], float (&dv)[8][
     Ops::mm_nn(dv, p, Ds);   // dV += P^T dO
     // dP^T = V dO^T, then dS^T = P^T * (dP^T - D)
     float dp[8][4];
-    att_zero(dp);
     Ops::mm_nt(dp, va, Ds);
 #pragma unroll
     for (int nb = 0; nb < 8; nb++)
@@ -602,8 +601,6 @@ __device__ __forceinline__ void att_dq_step(float (&dq)[8][4], const typename Op
                                             const typename Ops::Row* Vs, const float (&L)[2],
                                             const float (&Dr)[2], int k0, int qr, int T_, float scale2, int c) {
     float p[8][4], dp[8][4];
-    att_zero(p);
-    att_zero(dp);
     Ops::mm_nt(p, qa, Ks);    // S
     Ops::mm_nt(dp, da, Vs);   // dP = dO V^T
 #pragma unroll

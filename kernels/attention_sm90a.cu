@@ -64,13 +64,15 @@ __device__ __forceinline__ void wg_hold(float (&d)[8][4]) {
     "%23, %24, %25, %26, %27, %28, %29, %30, %31}"
 
 // d (64 x 64 over the warpgroup) += A (64 x 16) . B (16 x 64): A and B from shared memory
-// (descriptors, K-major), or A from registers and B N-major. TY: "bf16" or "f16".
+// (descriptors, K-major), or A from registers and B N-major; with both from shared memory,
+// acc = 0 makes it d = A . B (wgmma's scale-d predicate false: d's old value is not read).
+// TY: "bf16" or "f16".
 #define WG_MMA_FNS(TY)                                                                                             \
-    __device__ __forceinline__ void wg_ss_##TY(float (&d)[8][4], uint64_t da, uint64_t db) {                       \
+    __device__ __forceinline__ void wg_ss_##TY(float (&d)[8][4], uint64_t da, uint64_t db, int acc) {              \
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                  \
                      "wgmma.mma_async.sync.aligned.m64n64k16.f32." #TY "." #TY " " WG_D ", %32, %33, p, 1, 1, 0, 0;\n}\n" \
                      : WG_ACC                                                                                      \
-                     : "l"(da), "l"(db), "r"(1));                                                                  \
+                     : "l"(da), "l"(db), "r"(acc));                                                                \
     }                                                                                                              \
     __device__ __forceinline__ void wg_rs_##TY(float (&d)[8][4], const uint32_t (&a)[4], uint64_t db) {            \
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                  \
@@ -84,13 +86,17 @@ WG_MMA_FNS(f16)
 
 template <typename T> struct WgMma;
 template <> struct WgMma<__nv_bfloat16> {
-    static __device__ __forceinline__ void ss(float (&d)[8][4], uint64_t da, uint64_t db) { wg_ss_bf16(d, da, db); }
+    static __device__ __forceinline__ void ss(float (&d)[8][4], uint64_t da, uint64_t db, int acc) {
+        wg_ss_bf16(d, da, db, acc);
+    }
     static __device__ __forceinline__ void rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t db) {
         wg_rs_bf16(d, a, db);
     }
 };
 template <> struct WgMma<__half> {
-    static __device__ __forceinline__ void ss(float (&d)[8][4], uint64_t da, uint64_t db) { wg_ss_f16(d, da, db); }
+    static __device__ __forceinline__ void ss(float (&d)[8][4], uint64_t da, uint64_t db, int acc) {
+        wg_ss_f16(d, da, db, acc);
+    }
     static __device__ __forceinline__ void rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t db) {
         wg_rs_f16(d, a, db);
     }
@@ -129,14 +135,15 @@ template <typename Elem> struct AttWgmma : AttHalf<Elem> {
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         a.addr = (uint32_t)__cvta_generic_to_shared(dst);
     }
-    // acc += A . S^T: A and S K-major; k-step kk starts 32 kk bytes into each row.
+    // acc = A . S^T: A and S K-major; k-step kk starts 32 kk bytes into each row. The first
+    // k-step does not read acc (no zero fill).
     static __device__ __forceinline__ void mm_nt(float (&acc)[8][4], const AFrag& a, const Row* s) {
         const uint64_t da = wg_desc(a.addr, 16, 1024);
         const uint64_t db = wg_desc((uint32_t)__cvta_generic_to_shared(s), 16, 1024);
         wg_hold(acc);
         wg_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; kk++) WgMma<T>::ss(acc, da + 2 * kk, db + 2 * kk);
+        for (int kk = 0; kk < 4; kk++) WgMma<T>::ss(acc, da + 2 * kk, db + 2 * kk, kk > 0);
         wg_commit_wait();
         wg_hold(acc);
     }

@@ -108,7 +108,7 @@ pub fn grad_stats(
 
 /// Blocks per chunk of the sum-of-squares pass (`mt_span`): 1, i.e. 65,536 elements per
 /// block. Unlike the update, this read-only pass is fastest unsplit: on the H200
-/// (results/h200-2026-12-04-boundary/call1, GPT-2-124M shapes, two runs each) the bf16-mixed
+/// (results/h200-2026-12-04/call1, GPT-2-124M shapes, two runs each) the bf16-mixed
 /// boundary took 0.927/0.928 ms at 1, 0.934 at 4, 0.955/0.956 at 8 and 1.003 at 16 (more
 /// blocks, more partials for the finalize). `WICK_SUMSQ_SPLIT` (a power of two up to 64)
 /// overrides it, for measuring.
