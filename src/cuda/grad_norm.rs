@@ -6,7 +6,7 @@ use crate::cuda::multi_tensor::{plan, total_blocks, Row};
 use anyhow::Result;
 use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda::WrapErr;
-use candle_core::{CudaStorage, DType, Storage, Tensor};
+use candle_core::{DType, Storage, Tensor};
 use std::collections::BTreeMap;
 
 /// `[found_inf, norm, multiplier]` (f32, on the device) for gradient buffers `grads` (any mix of
@@ -117,15 +117,10 @@ fn sumsq_split() -> i32 {
     super::blocks_per_chunk(&SPLIT, "WICK_SUMSQ_SPLIT", 1)
 }
 
-/// An uninitialised `(n,)` device tensor of `dtype` (f32 or f64) on `dev`.
+/// An uninitialised `(n,)` device tensor of `dtype` on `dev`, for outputs that a kernel
+/// writes in full before anything reads them.
 fn uninit(dev: &candle_core::cuda_backend::CudaDevice, dtype: DType, n: usize) -> Result<Tensor> {
-    // SAFETY: the callers' kernels write all `n` elements before anything reads them.
-    let s = unsafe {
-        match dtype {
-            DType::F64 => CudaStorage::wrap_cuda_slice(dev.alloc::<f64>(n)?, dev.clone()),
-            _ => CudaStorage::wrap_cuda_slice(dev.alloc::<f32>(n)?, dev.clone()),
-        }
-    };
+    let s = crate::cuda::launch::alloc(dev, dtype, n)?;
     Ok(Tensor::from_storage(
         Storage::Cuda(s),
         n,

@@ -107,6 +107,7 @@ pub(crate) fn alloc(dev: &CudaDevice, dtype: DType, n: usize) -> Result<CudaStor
             DType::F32 => CudaStorage::wrap_cuda_slice(dev.alloc::<f32>(n)?, dev.clone()),
             DType::BF16 => CudaStorage::wrap_cuda_slice(dev.alloc::<bf16>(n)?, dev.clone()),
             DType::F16 => CudaStorage::wrap_cuda_slice(dev.alloc::<f16>(n)?, dev.clone()),
+            DType::F64 => CudaStorage::wrap_cuda_slice(dev.alloc::<f64>(n)?, dev.clone()),
             d => bail!("unsupported output dtype {d:?}"),
         }
     })
