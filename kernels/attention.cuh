@@ -445,6 +445,25 @@ __device__ __forceinline__ void att_softmax_step(float (&s)[8][4], float (&o)[8]
     }
 }
 
+// The forward's epilogue: O / l for the warp's rows, and L = m + log2(l); l is this lane's
+// share of the row sum on entry.
+template <typename Ops, typename T = typename Ops::T>
+__device__ __forceinline__ void att_fwd_store(T* __restrict__ out, float* __restrict__ lse, const float (&o)[8][4],
+                                              const float (&m)[2], float (&l)[2], int b, int h, int bh, int q0,
+                                              int r0, int T_, int C, int c) {
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    }
+    att_store<Ops>(out + (long)b * T_ * C + h * ATT_D, o, q0, r0, T_, (long)C, c, 1.0f / l[0], 1.0f / l[1]);
+    if (c == 0) {
+#pragma unroll
+        for (int r = 0; r < 2; r++)
+            if (q0 + r0 + 8 * r < T_) lse[(long)bh * T_ + q0 + r0 + 8 * r] = m[r] + log2f(l[r]);
+    }
+}
+
 // Forward of one 64-row query tile: walks the key tiles up to it, the next tile's copy in
 // flight while the current one is used.
 template <typename Ops, typename T = typename Ops::T>
@@ -489,17 +508,7 @@ __device__ void attn_fwd(const T* __restrict__ qkv, T* __restrict__ out, float* 
         att_wait<Ops>();
         __syncthreads();
     }
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-    }
-    att_store<Ops>(out + (long)b * T_ * C + h * ATT_D, o, q0, r0, T_, (long)C, c, 1.0f / l[0], 1.0f / l[1]);
-    if (c == 0) {
-#pragma unroll
-        for (int r = 0; r < 2; r++)
-            if (q0 + r0 + 8 * r < T_) lse[(long)bh * T_ + q0 + r0 + 8 * r] = m[r] + log2f(l[r]);
-    }
+    att_fwd_store<Ops>(out, lse, o, m, l, b, h, bh, q0, r0, T_, C, c);
 }
 
 // dV += P^T dO and dK += dS^T Q (unscaled) for the warp's key rows kr, kr + 8 against one staged

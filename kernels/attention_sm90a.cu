@@ -173,3 +173,105 @@ template <typename Elem> struct AttWgmma : AttHalf<Elem> {
 // for dQ (127), 3 for dK/dV (166, with two accumulators more).
 ATT_ENTRIES(bf16, AttWgmma<__nv_bfloat16>, 5, 3, 4)
 ATT_ENTRIES(f16, AttWgmma<__half>, 5, 3, 4)
+
+// The forward with its tiles loaded by the bulk tensor copy engine (TMA; PTX ISA,
+// "cp.async.bulk.tensor") instead of every thread's cp.async: one thread issues a 64 x 64 tile
+// as one instruction, the hardware writes it in the 128-byte-swizzled layout that wgmma reads,
+// and completion is counted in bytes on an mbarrier ("mbarrier.arrive.expect_tx",
+// "mbarrier.try_wait.parity") that every thread waits on. The tensor map (built on the host:
+// src/ops/attention.rs, `qkv_tensor_map`) views qkv as (B, T, W) elements, W = (H + 2 Hkv) * 64,
+// boxes of 1 x 64 x 64; rows past T are outside it, and the copy engine fills them with zeros
+// as att_load_tile does. Same products, softmax and sums as attn_fwd in the same order: the
+// same results.
+struct alignas(64) AttTensorMap {
+    uint64_t opaque[16];   // CUtensorMap
+};
+
+__device__ __forceinline__ uint32_t att_smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void att_bar_init(uint64_t* bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(att_smem_addr(bar)) : "memory");
+}
+// Starts a phase of `bar` that completes when `bytes` have landed.
+__device__ __forceinline__ void att_bar_expect(uint64_t* bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(att_smem_addr(bar)), "r"(bytes)
+                 : "memory");
+}
+// Waits for the phase of `bar` with this parity (its uses alternate 0, 1, 0, ...).
+__device__ __forceinline__ void att_bar_wait(uint64_t* bar, uint32_t parity) {
+    asm volatile(
+        "{\n.reg .pred done;\nWAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n}\n" ::"r"(att_smem_addr(bar)),
+        "r"(parity)
+        : "memory");
+}
+// Tile (rows t0.., columns col..col+63 of batch row b) into dst, counted on bar.
+__device__ __forceinline__ void att_tma_tile(void* dst, const AttTensorMap& map, int col, int t0, int b, uint64_t* bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+        "[%5];\n" ::"r"(att_smem_addr(dst)),
+        "l"(reinterpret_cast<uint64_t>(&map)), "r"(col), "r"(t0), "r"(b), "r"(att_smem_addr(bar))
+        : "memory");
+}
+
+template <typename Ops, typename T = typename Ops::T>
+__device__ void attn_fwd_tma(const AttTensorMap& map, T* __restrict__ out, float* __restrict__ lse, int T_, int H,
+                             int Hkv, float scale2) {
+    __shared__ __align__(8) uint64_t bar[3];   // stage 0 (tiles 0, 1), stage 1 (tiles 2, 3), Q (tile 4)
+    const int qt = gridDim.x - 1 - blockIdx.x;   // longest (last) query tiles first
+    const int bh = blockIdx.y, b = bh / H, h = bh % H, kvh = h / (H / Hkv);
+    const int kcol = (H + kvh) * ATT_D, vcol = (H + Hkv + kvh) * ATT_D;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const int q0 = qt * ATT_TILE, r0 = warp * 16 + g;
+    constexpr uint32_t BYTES = ATT_WG_TILE_BYTES;
+    const bool issuer = threadIdx.x == 0;
+
+    if (issuer) {
+        for (int i = 0; i < 3; i++) att_bar_init(&bar[i]);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (issuer) {
+        att_bar_expect(&bar[2], BYTES);
+        att_tma_tile(Ops::tile(4), map, h * ATT_D, q0, b, &bar[2]);
+        att_bar_expect(&bar[0], 2 * BYTES);
+        att_tma_tile(Ops::tile(0), map, kcol, 0, b, &bar[0]);
+        att_tma_tile(Ops::tile(1), map, vcol, 0, b, &bar[0]);
+    }
+    const typename Ops::AFrag qa{att_smem_addr(Ops::tile(4))};
+    att_bar_wait(&bar[2], 0);
+
+    float o[8][4];
+    att_zero(o);
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    for (int kt = 0; kt <= qt; kt++) {
+        const int k0 = kt * ATT_TILE, st = kt & 1;
+        // into the stage used one step ago: every warp is past it (barrier below)
+        if (kt < qt && issuer) {
+            att_bar_expect(&bar[1 - st], 2 * BYTES);
+            att_tma_tile(Ops::tile(2 - 2 * st), map, kcol, k0 + ATT_TILE, b, &bar[1 - st]);
+            att_tma_tile(Ops::tile(3 - 2 * st), map, vcol, k0 + ATT_TILE, b, &bar[1 - st]);
+        }
+        att_bar_wait(&bar[st], (kt >> 1) & 1);
+        float s[8][4];
+        Ops::mm_nt(s, qa, Ops::tile(2 * st));
+        if (kt == qt)   // the diagonal tile, the only one that can also reach past T
+            att_softmax_step<true>(s, o, m, l, k0, q0 + r0, T_, scale2, c);
+        else
+            att_softmax_step<false>(s, o, m, l, k0, q0 + r0, T_, scale2, c);
+        Ops::mm_nn(o, s, Ops::tile(2 * st + 1));
+        __syncthreads();
+    }
+    att_fwd_store<Ops>(out, lse, o, m, l, b, h, bh, q0, r0, T_, H * ATT_D, c);
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_THREADS, 5)
+    attn_fwd_tma_bf16(const __grid_constant__ AttTensorMap map, __nv_bfloat16* out, float* lse, int T_, int H,
+                      int Hkv, float scale2) {
+    attn_fwd_tma<AttWgmma<__nv_bfloat16>>(map, out, lse, T_, H, Hkv, scale2);
+}
+extern "C" __global__ void __launch_bounds__(ATT_THREADS, 5)
+    attn_fwd_tma_f16(const __grid_constant__ AttTensorMap map, __half* out, float* lse, int T_, int H, int Hkv,
+                     float scale2) {
+    attn_fwd_tma<AttWgmma<__half>>(map, out, lse, T_, H, Hkv, scale2);
+}

@@ -26,6 +26,8 @@ pub mod multi_tensor;
 #[cfg(feature = "cuda")]
 pub mod scaler;
 #[cfg(feature = "cuda")]
+pub(crate) mod tensor_map;
+#[cfg(feature = "cuda")]
 pub mod update;
 
 /// The embedded PTX modules, one constant per `kernels/*.cu` file.

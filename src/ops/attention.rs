@@ -592,6 +592,7 @@ impl CustomOp3 for AttentionBwd {
 mod cuda {
     use super::{Dims, HEAD_DIM};
     use crate::cuda::launch::{alloc, dtype_name, in_ptr, out_ptr, In};
+    use crate::cuda::tensor_map::TensorMap;
     use candle_core::backend::BackendStorage;
     use candle_core::cuda::cudarc::driver::sys::CUfunction_attribute;
     use candle_core::cuda::cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
@@ -614,6 +615,9 @@ mod cuda {
     /// memory of its forward and backward tile kernels.
     struct Kernels {
         module: &'static str,
+        /// The forward loads its tiles with the bulk tensor copy engine (`attn_fwd_tma_*`,
+        /// sm_90a only), from a tensor map of qkv.
+        tma: bool,
         ptx: &'static str,
         suffix: &'static str,
         smem_fwd: u32,
@@ -636,6 +640,7 @@ mod cuda {
             if hopper && dtype != DType::F32 && !mma_forced() {
                 return Ok(Self {
                     module: "wick_ops_attention_sm90a",
+                    tma: !cp_async_forced(),
                     ptx: crate::cuda::ptx::ATTENTION_SM90A,
                     suffix,
                     smem_fwd: WGMMA_SMEM_FWD,
@@ -644,6 +649,7 @@ mod cuda {
             }
             Ok(Self {
                 module: "wick_ops_attention",
+                tma: false,
                 ptx: crate::cuda::ptx::ATTENTION,
                 suffix,
                 smem_fwd: if dtype == DType::F32 { F32_SMEM } else { 0 },
@@ -662,6 +668,16 @@ mod cuda {
         static FORCED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         *FORCED.get_or_init(|| {
             std::env::var("WICK_ATTENTION_KERNELS").is_ok_and(|v| v.eq_ignore_ascii_case("mma"))
+        })
+    }
+
+    /// `WICK_ATTENTION_FWD=cp`: the wgmma build's forward loading its tiles with every
+    /// thread's cp.async rather than the bulk tensor copy engine (a diagnostic switch for
+    /// comparisons), read once.
+    fn cp_async_forced() -> bool {
+        static FORCED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *FORCED.get_or_init(|| {
+            std::env::var("WICK_ATTENTION_FWD").is_ok_and(|v| v.eq_ignore_ascii_case("cp"))
         })
     }
 
@@ -763,23 +779,35 @@ mod cuda {
             let (xp, _gx) = in_ptr(op, "qkv", s, l, &stream)?;
             let (yp, _gy) = out_ptr(&mut y, &stream)?;
             let (lp, _gl) = out_ptr(&mut lse, &stream)?;
-            let func = dev.get_or_load_custom_func(
-                &kernels.entry("attn_fwd"),
-                kernels.module,
-                kernels.ptx,
-            )?;
+            let name = if kernels.tma {
+                "attn_fwd_tma"
+            } else {
+                "attn_fwd"
+            };
+            let func =
+                dev.get_or_load_custom_func(&kernels.entry(name), kernels.module, kernels.ptx)?;
             allow_smem(&func, &cfg)?;
             let (t, h, hkv, (scale2, _)) = (d.t as i32, d.h as i32, d.hkv as i32, scales(d));
+            let map = if kernels.tma {
+                // qkv as (B, T, W) read in 64 x 64 tiles (kernels/attention_sm90a.cu)
+                Some(TensorMap::swizzled_128b(
+                    xp,
+                    s.dtype(),
+                    [d.b, d.t, d.w()],
+                    [TILE as u32, HEAD_DIM as u32],
+                )?)
+            } else {
+                None
+            };
             let mut lb = func.builder();
-            lb.arg(&xp)
-                .arg(&yp)
-                .arg(&lp)
-                .arg(&t)
-                .arg(&h)
-                .arg(&hkv)
-                .arg(&scale2);
-            // SAFETY: qkv holds B*T*(H + 2 Hkv)*64 elements (16-byte aligned), y B*T*C, lse
-            // B*H*T floats; H is a multiple of Hkv (checked).
+            match &map {
+                Some(map) => lb.arg(map),
+                None => lb.arg(&xp),
+            };
+            lb.arg(&yp).arg(&lp).arg(&t).arg(&h).arg(&hkv).arg(&scale2);
+            // SAFETY: qkv holds B*T*(H + 2 Hkv)*64 elements (16-byte aligned; the tensor map
+            // describes exactly those), y B*T*C, lse B*H*T floats; H is a multiple of Hkv
+            // (checked).
             unsafe { lb.launch(cfg) }.w()?;
         }
         Ok((y, lse))
