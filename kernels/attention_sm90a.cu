@@ -275,3 +275,148 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 5)
                      float scale2) {
     attn_fwd_tma<AttWgmma<__half>>(map, out, lse, T_, H, Hkv, scale2);
 }
+
+// 64 floats (columns t0.. of row `row`) of an f32 matrix into dst (128-byte aligned), counted
+// on bar; columns past the matrix are zeros.
+__device__ __forceinline__ void att_tma_vec(float* dst, const AttTensorMap& map, int t0, int row, uint64_t* bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
+        "[%4];\n" ::"r"(att_smem_addr(dst)),
+        "l"(reinterpret_cast<uint64_t>(&map)), "r"(t0), "r"(row), "r"(att_smem_addr(bar))
+        : "memory");
+}
+__device__ __forceinline__ void att_bars_init(uint64_t (&bar)[3]) {
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < 3; i++) att_bar_init(&bar[i]);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+}
+
+// The backward's dQ kernel (attn_bwd_dq) with TMA loads: Q and dO land in tiles 4 and 5, which
+// wgmma reads in place; the (K, V) tiles of key tile j in stage j & 1 as in attn_fwd_tma. `qkv`
+// and `dout` maps as (B, T, W) and (B, T, C).
+template <typename Ops, typename T = typename Ops::T>
+__device__ void attn_bwd_dq_tma(const AttTensorMap& qkv, const AttTensorMap& dout, const float* __restrict__ lse,
+                                const float* __restrict__ dsum, T* __restrict__ dqkv, int T_, int H, int Hkv,
+                                float scale2, float scale) {
+    __shared__ __align__(8) uint64_t bar[3];   // stage 0, stage 1, the block's Q and dO
+    const int qt = gridDim.x - 1 - blockIdx.x;
+    const int bh = blockIdx.y, b = bh / H, h = bh % H, kvh = h / (H / Hkv);
+    const int kcol = (H + kvh) * ATT_D, vcol = (H + Hkv + kvh) * ATT_D;
+    const long s3 = (long)(H + 2 * Hkv) * ATT_D;   // qkv row stride
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const int q0 = qt * ATT_TILE, r0 = warp * 16 + g;
+    constexpr uint32_t BYTES = ATT_WG_TILE_BYTES;
+    const bool issuer = threadIdx.x == 0;
+    att_bars_init(bar);
+    if (issuer) {
+        att_bar_expect(&bar[2], 2 * BYTES);
+        att_tma_tile(Ops::tile(4), qkv, h * ATT_D, q0, b, &bar[2]);
+        att_tma_tile(Ops::tile(5), dout, h * ATT_D, q0, b, &bar[2]);
+        att_bar_expect(&bar[0], 2 * BYTES);
+        att_tma_tile(Ops::tile(0), qkv, kcol, 0, b, &bar[0]);
+        att_tma_tile(Ops::tile(1), qkv, vcol, 0, b, &bar[0]);
+    }
+    float L[2], Dr[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const bool in = q0 + r0 + 8 * r < T_;
+        L[r] = in ? lse[(long)bh * T_ + q0 + r0 + 8 * r] : INFINITY;
+        Dr[r] = in ? dsum[(long)bh * T_ + q0 + r0 + 8 * r] : 0.0f;
+    }
+    const typename Ops::AFrag qa{att_smem_addr(Ops::tile(4))}, da{att_smem_addr(Ops::tile(5))};
+    att_bar_wait(&bar[2], 0);
+
+    float dq[8][4];
+    att_zero(dq);
+    for (int kt = 0; kt <= qt; kt++) {
+        const int k0 = kt * ATT_TILE, st = kt & 1;
+        if (kt < qt && issuer) {
+            att_bar_expect(&bar[1 - st], 2 * BYTES);
+            att_tma_tile(Ops::tile(2 - 2 * st), qkv, kcol, k0 + ATT_TILE, b, &bar[1 - st]);
+            att_tma_tile(Ops::tile(3 - 2 * st), qkv, vcol, k0 + ATT_TILE, b, &bar[1 - st]);
+        }
+        att_bar_wait(&bar[st], (kt >> 1) & 1);
+        if (kt == qt)
+            att_dq_step<Ops, true>(dq, qa, da, Ops::tile(2 * st), Ops::tile(2 * st + 1), L, Dr, k0, q0 + r0, T_, scale2,
+                                   c);
+        else
+            att_dq_step<Ops, false>(dq, qa, da, Ops::tile(2 * st), Ops::tile(2 * st + 1), L, Dr, k0, q0 + r0, T_,
+                                    scale2, c);
+        __syncthreads();
+    }
+    att_store<Ops>(dqkv + (long)b * T_ * s3 + h * ATT_D, dq, q0, r0, T_, s3, c, scale, scale);
+}
+
+// The backward's dK/dV kernel (attn_bwd_dkdv) with TMA loads: K and V land in tiles 4 and 5;
+// step j's (Q, dO) tiles in stage j & 1 and its L and D rows from the (B*H, T) f32 maps `lse`
+// and `dsum` (zeros past T, as att_load_vec).
+template <typename Ops, typename T = typename Ops::T>
+__device__ void attn_bwd_dkdv_tma(const AttTensorMap& qkv, const AttTensorMap& dout, const AttTensorMap& lse,
+                                  const AttTensorMap& dsum, T* __restrict__ dqkv, int T_, int H, int Hkv,
+                                  float scale2, float scale) {
+    __shared__ __align__(128) float Ls[2][ATT_TILE], Dd[2][ATT_TILE];
+    __shared__ __align__(8) uint64_t bar[3];   // stage 0, stage 1, the block's K and V
+    const int kt = gridDim.x - 1 - blockIdx.x;   // first key tiles see the most queries: start them first
+    const int bk = blockIdx.y, b = bk / Hkv, kvh = bk % Hkv, G = H / Hkv;
+    const long s3 = (long)(H + 2 * Hkv) * ATT_D;   // qkv row stride
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const int k0 = kt * ATT_TILE, r0 = warp * 16 + g;
+    constexpr uint32_t BYTES = ATT_WG_TILE_BYTES, VEC = ATT_TILE * 4;
+    const bool issuer = threadIdx.x == 0;
+    // steps: (query head gi of the group, query tile kt + i), heads in order
+    const int per_head = gridDim.x - kt, steps = G * per_head;
+    auto stage = [&](int step, int st) {
+        const int h = kvh * G + step / per_head, q0 = (kt + step % per_head) * ATT_TILE;
+        att_bar_expect(&bar[st], 2 * BYTES + 2 * VEC);
+        att_tma_tile(Ops::tile(2 * st), qkv, h * ATT_D, q0, b, &bar[st]);
+        att_tma_tile(Ops::tile(2 * st + 1), dout, h * ATT_D, q0, b, &bar[st]);
+        att_tma_vec(Ls[st], lse, q0, b * H + h, &bar[st]);
+        att_tma_vec(Dd[st], dsum, q0, b * H + h, &bar[st]);
+    };
+    att_bars_init(bar);
+    if (issuer) {
+        att_bar_expect(&bar[2], 2 * BYTES);
+        att_tma_tile(Ops::tile(4), qkv, (H + kvh) * ATT_D, k0, b, &bar[2]);
+        att_tma_tile(Ops::tile(5), qkv, (H + Hkv + kvh) * ATT_D, k0, b, &bar[2]);
+        stage(0, 0);
+    }
+    const typename Ops::AFrag ka{att_smem_addr(Ops::tile(4))}, va{att_smem_addr(Ops::tile(5))};
+    att_bar_wait(&bar[2], 0);
+
+    float dk[8][4], dv[8][4];
+    att_zero(dk);
+    att_zero(dv);
+    for (int step = 0; step < steps; step++) {
+        const int st = step & 1, qt = kt + step % per_head, q0 = qt * ATT_TILE;
+        if (step + 1 < steps && issuer) stage(step + 1, st ^ 1);
+        att_bar_wait(&bar[st], (step >> 1) & 1);
+        if (qt == kt || q0 + ATT_TILE > T_)
+            att_dkdv_step<Ops, true>(dk, dv, ka, va, Ops::tile(2 * st), Ops::tile(2 * st + 1), Ls[st], Dd[st], q0,
+                                     k0 + r0, T_, scale2, c);
+        else
+            att_dkdv_step<Ops, false>(dk, dv, ka, va, Ops::tile(2 * st), Ops::tile(2 * st + 1), Ls[st], Dd[st], q0,
+                                      k0 + r0, T_, scale2, c);
+        __syncthreads();
+    }
+    T* drow0 = dqkv + (long)b * T_ * s3;
+    att_store<Ops>(drow0 + (long)(H + kvh) * ATT_D, dk, k0, r0, T_, s3, c, scale, scale);
+    att_store<Ops>(drow0 + (long)(H + Hkv + kvh) * ATT_D, dv, k0, r0, T_, s3, c, 1.0f, 1.0f);
+}
+
+#define ATT_TMA_BWD_ENTRIES(TN, OPS)                                                                              \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS, 4)                                                  \
+        attn_bwd_dq_tma_##TN(const __grid_constant__ AttTensorMap qkv, const __grid_constant__ AttTensorMap dout, \
+                             const float* lse, const float* dsum, OPS::T* dqkv, int T_, int H, int Hkv,         \
+                             float scale2, float scale) {                                                         \
+        attn_bwd_dq_tma<OPS>(qkv, dout, lse, dsum, dqkv, T_, H, Hkv, scale2, scale);                              \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS, 3) attn_bwd_dkdv_tma_##TN(                         \
+        const __grid_constant__ AttTensorMap qkv, const __grid_constant__ AttTensorMap dout,                      \
+        const __grid_constant__ AttTensorMap lse, const __grid_constant__ AttTensorMap dsum, OPS::T* dqkv, int T_, \
+        int H, int Hkv, float scale2, float scale) {                                                              \
+        attn_bwd_dkdv_tma<OPS>(qkv, dout, lse, dsum, dqkv, T_, H, Hkv, scale2, scale);                            \
+    }
+ATT_TMA_BWD_ENTRIES(bf16, AttWgmma<__nv_bfloat16>)
+ATT_TMA_BWD_ENTRIES(f16, AttWgmma<__half>)

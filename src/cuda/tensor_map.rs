@@ -35,32 +35,70 @@ impl TensorMap {
             DType::F16 => Ty::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
             d => bail!("tensor map: dtype {d:?}; expected bf16 or f16"),
         };
-        let pitch = inner * 2;
-        if addr % 16 != 0 || pitch % 16 != 0 || box_inner * 2 > 128 || box_rows > 256 {
+        if box_inner * 2 > 128 {
             bail!(
-                "tensor map: address {addr:#x} and row pitch {pitch} B must be multiples of 16, \
-                 boxes at most 128 B x 256 rows (asked {box_inner} x {box_rows})"
+                "tensor map: a box row of {box_inner} elements is wider than the 128-byte swizzle"
             )
         }
-        let dims = [inner as u64, rows as u64, outer as u64];
-        let strides = [pitch as u64, (pitch * rows) as u64];
-        let boxes = [box_inner, box_rows, 1];
-        let steps = [1u32; 3];
+        let pitch = inner * 2;
+        Self::encode(
+            addr,
+            ty,
+            &[inner as u64, rows as u64, outer as u64],
+            &[pitch as u64, (pitch * rows) as u64],
+            &[box_inner, box_rows, 1],
+            sys::CUtensorMapSwizzle_enum::CU_TENSOR_MAP_SWIZZLE_128B,
+        )
+    }
+
+    /// The map of a contiguous f32 matrix `(rows, inner)` at `addr`, read in boxes of `box_inner`
+    /// elements of one row, stored as they are (no swizzle). Columns past `inner` are zeros.
+    ///
+    /// Errors: `addr` or the row pitch (`inner * 4` bytes) not a multiple of 16; the driver's
+    /// refusal.
+    pub fn rows_f32(addr: u64, [rows, inner]: [usize; 2], box_inner: u32) -> Result<Self> {
+        Self::encode(
+            addr,
+            sys::CUtensorMapDataType_enum::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+            &[inner as u64, rows as u64],
+            &[(inner * 4) as u64],
+            &[box_inner, 1],
+            sys::CUtensorMapSwizzle_enum::CU_TENSOR_MAP_SWIZZLE_NONE,
+        )
+    }
+
+    /// `cuTensorMapEncodeTiled` with `dims.len()` dimensions (innermost first), byte strides of
+    /// the outer ones, one box, unit element strides, zeros outside the tensor.
+    fn encode(
+        addr: u64,
+        ty: sys::CUtensorMapDataType,
+        dims: &[u64],
+        strides: &[u64],
+        boxes: &[u32],
+        swizzle: sys::CUtensorMapSwizzle,
+    ) -> Result<Self> {
+        if addr % 16 != 0 || strides.iter().any(|s| s % 16 != 0) || boxes.iter().any(|&b| b > 256) {
+            bail!(
+                "tensor map: address {addr:#x} and strides {strides:?} must be multiples of 16 \
+                 bytes, boxes at most 256 elements a side ({boxes:?})"
+            )
+        }
+        let steps = [1u32; 5];
         let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
-        // SAFETY: every pointer is to an array of the length the rank (3) asks for; the map is
-        // written by the call (checked below) and only read afterwards.
+        // SAFETY: dims, boxes and steps have `rank` entries and strides `rank - 1` (the
+        // callers'); the map is written by the call (checked below) and only read afterwards.
         let r = unsafe {
             sys::cuTensorMapEncodeTiled(
                 map.as_mut_ptr(),
                 ty,
-                3,
+                dims.len() as u32,
                 addr as *mut std::ffi::c_void,
                 dims.as_ptr(),
                 strides.as_ptr(),
                 boxes.as_ptr(),
                 steps.as_ptr(),
                 sys::CUtensorMapInterleave_enum::CU_TENSOR_MAP_INTERLEAVE_NONE,
-                sys::CUtensorMapSwizzle_enum::CU_TENSOR_MAP_SWIZZLE_128B,
+                swizzle,
                 sys::CUtensorMapL2promotion_enum::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
                 sys::CUtensorMapFloatOOBfill_enum::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
             )

@@ -610,13 +610,15 @@ mod cuda {
     /// to 1024 bytes. The forward's 41 KiB let 5 blocks share an SM.
     const WGMMA_SMEM_FWD: u32 = 5 * TILE as u32 * 128 + 1024;
     const WGMMA_SMEM_BWD: u32 = 6 * TILE as u32 * 128 + 1024;
+    /// The TMA kernels' tile: 64 rows x 64 head columns.
+    const TILE_BOX: [u32; 2] = [TILE as u32, HEAD_DIM as u32];
 
     /// One build of the kernels: its module, PTX, entry-name suffix and the dynamic shared
     /// memory of its forward and backward tile kernels.
     struct Kernels {
         module: &'static str,
-        /// The forward loads its tiles with the bulk tensor copy engine (`attn_fwd_tma_*`,
-        /// sm_90a only), from a tensor map of qkv.
+        /// The kernels load their tiles with the bulk tensor copy engine (`attn_*_tma_*`,
+        /// sm_90a only), from tensor maps of their inputs.
         tma: bool,
         ptx: &'static str,
         suffix: &'static str,
@@ -671,13 +673,13 @@ mod cuda {
         })
     }
 
-    /// `WICK_ATTENTION_FWD=cp`: the wgmma build's forward loading its tiles with every
+    /// `WICK_ATTENTION_LOADS=cp`: the wgmma build's kernels loading their tiles with every
     /// thread's cp.async rather than the bulk tensor copy engine (a diagnostic switch for
     /// comparisons), read once.
     fn cp_async_forced() -> bool {
         static FORCED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         *FORCED.get_or_init(|| {
-            std::env::var("WICK_ATTENTION_FWD").is_ok_and(|v| v.eq_ignore_ascii_case("cp"))
+            std::env::var("WICK_ATTENTION_LOADS").is_ok_and(|v| v.eq_ignore_ascii_case("cp"))
         })
     }
 
@@ -794,7 +796,7 @@ mod cuda {
                     xp,
                     s.dtype(),
                     [d.b, d.t, d.w()],
-                    [TILE as u32, HEAD_DIM as u32],
+                    TILE_BOX,
                 )?)
             } else {
                 None
@@ -861,25 +863,61 @@ mod cuda {
             };
             // SAFETY: y and dy hold B*T*C elements, dsum B*H*T floats.
             unsafe { lb.launch(dot_cfg) }.w()?;
-            // dkdv: one block per (key tile, batch row, key/value head); dq: per query head
-            for (name, cfg) in ["attn_bwd_dkdv", "attn_bwd_dq"].into_iter().zip(cfgs) {
-                let func = load(name)?;
-                allow_smem(&func, &cfg)?;
+            // dkdv: one block per (key tile, batch row, key/value head); dq: per query head.
+            // The TMA kernels read L and D rows through tensor maps, whose row pitch (T floats)
+            // must be a multiple of 16 bytes.
+            if kernels.tma && d.t % 4 == 0 {
+                let qm = TensorMap::swizzled_128b(qp, dtype, [d.b, d.t, d.w()], TILE_BOX)?;
+                let om = TensorMap::swizzled_128b(gp, dtype, [d.b, d.t, d.c()], TILE_BOX)?;
+                let lm = TensorMap::rows_f32(lp, [d.b * d.h, d.t], TILE as u32)?;
+                let dm = TensorMap::rows_f32(dp, [d.b * d.h, d.t], TILE as u32)?;
+                let func = load("attn_bwd_dkdv_tma")?;
+                allow_smem(&func, &cfgs[0])?;
                 let mut lb = func.builder();
-                lb.arg(&qp)
-                    .arg(&gp)
-                    .arg(&lp)
-                    .arg(&dp)
-                    .arg(&op_)
+                lb.arg(&qm).arg(&om).arg(&lm).arg(&dm);
+                lb.arg(&op_)
                     .arg(&t)
                     .arg(&h)
                     .arg(&hkv)
                     .arg(&scale2)
                     .arg(&scale);
-                // SAFETY: qkv and dqkv hold B*T*(H + 2 Hkv)*64 elements (16-byte aligned), dy
-                // B*T*C, lse and dsum B*H*T floats; dkdv writes the k and v columns, dq the q
-                // columns; H is a multiple of Hkv (checked).
-                unsafe { lb.launch(cfg) }.w()?;
+                // SAFETY: the maps describe qkv (B, T, (H + 2 Hkv) * 64), dy (B, T, C), lse and
+                // dsum (B*H, T) exactly; dqkv holds B*T*(H + 2 Hkv)*64 elements, of which this
+                // kernel writes the k and v columns.
+                unsafe { lb.launch(cfgs[0]) }.w()?;
+                let func = load("attn_bwd_dq_tma")?;
+                allow_smem(&func, &cfgs[1])?;
+                let mut lb = func.builder();
+                lb.arg(&qm).arg(&om).arg(&lp).arg(&dp);
+                lb.arg(&op_)
+                    .arg(&t)
+                    .arg(&h)
+                    .arg(&hkv)
+                    .arg(&scale2)
+                    .arg(&scale);
+                // SAFETY: as above; lse and dsum hold B*H*T floats; this kernel writes the q
+                // columns.
+                unsafe { lb.launch(cfgs[1]) }.w()?;
+            } else {
+                for (name, cfg) in ["attn_bwd_dkdv", "attn_bwd_dq"].into_iter().zip(cfgs) {
+                    let func = load(name)?;
+                    allow_smem(&func, &cfg)?;
+                    let mut lb = func.builder();
+                    lb.arg(&qp)
+                        .arg(&gp)
+                        .arg(&lp)
+                        .arg(&dp)
+                        .arg(&op_)
+                        .arg(&t)
+                        .arg(&h)
+                        .arg(&hkv)
+                        .arg(&scale2)
+                        .arg(&scale);
+                    // SAFETY: qkv and dqkv hold B*T*(H + 2 Hkv)*64 elements (16-byte aligned), dy
+                    // B*T*C, lse and dsum B*H*T floats; dkdv writes the k and v columns, dq the q
+                    // columns; H is a multiple of Hkv (checked).
+                    unsafe { lb.launch(cfg) }.w()?;
+                }
             }
         }
         Ok(dqkv)
