@@ -1,5 +1,7 @@
 // The attention kernels of attention.cuh on Hopper's warpgroup MMA (wgmma, sm_90a; PTX ISA,
-// "Asynchronous Warpgroup Level Matrix Multiply-Accumulate Instructions"), bf16 and f16.
+// "Asynchronous Warpgroup Level Matrix Multiply-Accumulate Instructions"), bf16 and f16, and
+// their variants with tiles loaded by the bulk tensor copy engine (attn_*_tma_*, below; the
+// launcher's default on Hopper).
 //
 // The tile kernels already give each block one warpgroup (4 warps) and 64 rows, each warp 16:
 // exactly a wgmma.m64nNk16, whose f32 accumulator fragment is mma.m16n8k16's, warp w holding

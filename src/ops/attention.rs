@@ -29,7 +29,12 @@
 //! warpgroup MMA (`kernels/attention_sm90a.cu`: `wgmma.m64n64k16` reading 128-byte-swizzled
 //! shared memory, where the sm_80 build issues `mma.sync`); the tiling, the online softmax, the
 //! order of the sums over tiles and the determinism are the same. `WICK_ATTENTION_KERNELS=mma`
-//! (read once per process) selects the `mma.sync` build there too, for comparisons.
+//! (read once per process) selects the `mma.sync` build there too, for comparisons. There the
+//! tiles are loaded by the bulk tensor copy engine (TMA: one instruction per 64 x 64 tile from
+//! a tensor map, [`crate::cuda::tensor_map`], completion counted on an mbarrier), where the
+//! other builds have every thread issue `cp.async` copies; the backward keeps the `cp.async`
+//! kernels when T is not a multiple of 4 (the L and D rows' tensor maps need a 16-byte row
+//! pitch), and `WICK_ATTENTION_LOADS=cp` selects them everywhere, for comparisons.
 //!
 //! f32 runs on TF32 tensor cores in one of two modes, chosen when the forward runs:
 //! - where f32 GEMMs may use TF32 (candle's `gemm_reduced_precision_f32`, which
