@@ -181,7 +181,7 @@ ATT_ENTRIES(f16, AttWgmma<__half>, 5, 3, 4)
 // as one instruction, the hardware writes it in the 128-byte-swizzled layout that wgmma reads,
 // and completion is counted in bytes on an mbarrier ("mbarrier.arrive.expect_tx",
 // "mbarrier.try_wait.parity") that every thread waits on. The tensor map (built on the host:
-// src/ops/attention.rs, `qkv_tensor_map`) views qkv as (B, T, W) elements, W = (H + 2 Hkv) * 64,
+// src/cuda/tensor_map.rs, `TensorMap::swizzled_128b`) views qkv as (B, T, W) elements, W = (H + 2 Hkv) * 64,
 // boxes of 1 x 64 x 64; rows past T are outside it, and the copy engine fills them with zeros
 // as att_load_tile does. Same products, softmax and sums as attn_fwd in the same order: the
 // same results.
