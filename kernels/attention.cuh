@@ -624,6 +624,18 @@ __device__ __forceinline__ void att_dq_step(float (&dq)[8][4], const typename Op
     Ops::mm_nn(dq, dp, Ks);   // dQ += dS K
 }
 
+// L and D of the warp's query rows `row` and `row + 8` of head row `bh` (rows past T: L = inf,
+// so that their P is 0, and D = 0).
+__device__ __forceinline__ void att_row_stats(const float* __restrict__ lse, const float* __restrict__ dsum, int bh,
+                                              int row, int T_, float (&L)[2], float (&Dr)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const bool in = row + 8 * r < T_;
+        L[r] = in ? lse[(long)bh * T_ + row + 8 * r] : INFINITY;
+        Dr[r] = in ? dsum[(long)bh * T_ + row + 8 * r] : 0.0f;
+    }
+}
+
 // dQ of one 64-row query tile: loops over the key tiles up to it, the next (K, V) tile's copy in
 // flight while the current one is used.
 template <typename Ops, typename T = typename Ops::T>
@@ -641,12 +653,7 @@ __device__ void attn_bwd_dq(const T* __restrict__ qkv, const T* __restrict__ dou
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int q0 = qt * ATT_TILE, r0 = warp * 16 + g;
     float L[2], Dr[2];
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const bool in = q0 + r0 + 8 * r < T_;
-        L[r] = in ? lse[(long)bh * T_ + q0 + r0 + 8 * r] : INFINITY;
-        Dr[r] = in ? dsum[(long)bh * T_ + q0 + r0 + 8 * r] : 0.0f;
-    }
+    att_row_stats(lse, dsum, bh, q0 + r0, T_, L, Dr);
     // Q and dO through stage 1, key tile 0 into stage 0
     att_load_tile<Ops>(att_tile<Ops>(2), row0 + h * ATT_D, q0, T_, s3);
     att_load_tile<Ops>(att_tile<Ops>(3), dout + (long)b * T_ * C + h * ATT_D, q0, T_, (long)C);

@@ -216,6 +216,25 @@ __device__ __forceinline__ void att_tma_tile(void* dst, const AttTensorMap& map,
         : "memory");
 }
 
+// The block's three mbarriers (two stages and its own rows), initialised by thread 0 and
+// published to the block.
+__device__ __forceinline__ void att_bars_init(uint64_t (&bar)[3]) {
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < 3; i++) att_bar_init(&bar[i]);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+}
+// Key tile from row t0 (K at column kcol, V at vcol of batch row b) into stage st: K in tile
+// 2 st, V in tile 2 st + 1, counted on bar[st]. Thread 0 only.
+template <typename Ops>
+__device__ __forceinline__ void att_tma_kv(const AttTensorMap& map, int kcol, int vcol, int t0, int b, int st,
+                                           uint64_t (&bar)[3]) {
+    att_bar_expect(&bar[st], 2 * ATT_WG_TILE_BYTES);
+    att_tma_tile(Ops::tile(2 * st), map, kcol, t0, b, &bar[st]);
+    att_tma_tile(Ops::tile(2 * st + 1), map, vcol, t0, b, &bar[st]);
+}
+
 template <typename Ops, typename T = typename Ops::T>
 __device__ void attn_fwd_tma(const AttTensorMap& map, T* __restrict__ out, float* __restrict__ lse, int T_, int H,
                              int Hkv, float scale2) {
@@ -228,17 +247,11 @@ __device__ void attn_fwd_tma(const AttTensorMap& map, T* __restrict__ out, float
     constexpr uint32_t BYTES = ATT_WG_TILE_BYTES;
     const bool issuer = threadIdx.x == 0;
 
-    if (issuer) {
-        for (int i = 0; i < 3; i++) att_bar_init(&bar[i]);
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();
+    att_bars_init(bar);
     if (issuer) {
         att_bar_expect(&bar[2], BYTES);
         att_tma_tile(Ops::tile(4), map, h * ATT_D, q0, b, &bar[2]);
-        att_bar_expect(&bar[0], 2 * BYTES);
-        att_tma_tile(Ops::tile(0), map, kcol, 0, b, &bar[0]);
-        att_tma_tile(Ops::tile(1), map, vcol, 0, b, &bar[0]);
+        att_tma_kv<Ops>(map, kcol, vcol, 0, b, 0, bar);
     }
     const typename Ops::AFrag qa{att_smem_addr(Ops::tile(4))};
     att_bar_wait(&bar[2], 0);
@@ -249,11 +262,7 @@ __device__ void attn_fwd_tma(const AttTensorMap& map, T* __restrict__ out, float
     for (int kt = 0; kt <= qt; kt++) {
         const int k0 = kt * ATT_TILE, st = kt & 1;
         // into the stage used one step ago: every warp is past it (barrier below)
-        if (kt < qt && issuer) {
-            att_bar_expect(&bar[1 - st], 2 * BYTES);
-            att_tma_tile(Ops::tile(2 - 2 * st), map, kcol, k0 + ATT_TILE, b, &bar[1 - st]);
-            att_tma_tile(Ops::tile(3 - 2 * st), map, vcol, k0 + ATT_TILE, b, &bar[1 - st]);
-        }
+        if (kt < qt && issuer) att_tma_kv<Ops>(map, kcol, vcol, k0 + ATT_TILE, b, 1 - st, bar);
         att_bar_wait(&bar[st], (kt >> 1) & 1);
         float s[8][4];
         Ops::mm_nt(s, qa, Ops::tile(2 * st));
@@ -287,13 +296,6 @@ __device__ __forceinline__ void att_tma_vec(float* dst, const AttTensorMap& map,
         "l"(reinterpret_cast<uint64_t>(&map)), "r"(t0), "r"(row), "r"(att_smem_addr(bar))
         : "memory");
 }
-__device__ __forceinline__ void att_bars_init(uint64_t (&bar)[3]) {
-    if (threadIdx.x == 0) {
-        for (int i = 0; i < 3; i++) att_bar_init(&bar[i]);
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();
-}
 
 // The backward's dQ kernel (attn_bwd_dq) with TMA loads: Q and dO land in tiles 4 and 5, which
 // wgmma reads in place; the (K, V) tiles of key tile j in stage j & 1 as in attn_fwd_tma. `qkv`
@@ -316,17 +318,10 @@ __device__ void attn_bwd_dq_tma(const AttTensorMap& qkv, const AttTensorMap& dou
         att_bar_expect(&bar[2], 2 * BYTES);
         att_tma_tile(Ops::tile(4), qkv, h * ATT_D, q0, b, &bar[2]);
         att_tma_tile(Ops::tile(5), dout, h * ATT_D, q0, b, &bar[2]);
-        att_bar_expect(&bar[0], 2 * BYTES);
-        att_tma_tile(Ops::tile(0), qkv, kcol, 0, b, &bar[0]);
-        att_tma_tile(Ops::tile(1), qkv, vcol, 0, b, &bar[0]);
+        att_tma_kv<Ops>(qkv, kcol, vcol, 0, b, 0, bar);
     }
     float L[2], Dr[2];
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const bool in = q0 + r0 + 8 * r < T_;
-        L[r] = in ? lse[(long)bh * T_ + q0 + r0 + 8 * r] : INFINITY;
-        Dr[r] = in ? dsum[(long)bh * T_ + q0 + r0 + 8 * r] : 0.0f;
-    }
+    att_row_stats(lse, dsum, bh, q0 + r0, T_, L, Dr);
     const typename Ops::AFrag qa{att_smem_addr(Ops::tile(4))}, da{att_smem_addr(Ops::tile(5))};
     att_bar_wait(&bar[2], 0);
 
@@ -334,11 +329,7 @@ __device__ void attn_bwd_dq_tma(const AttTensorMap& qkv, const AttTensorMap& dou
     att_zero(dq);
     for (int kt = 0; kt <= qt; kt++) {
         const int k0 = kt * ATT_TILE, st = kt & 1;
-        if (kt < qt && issuer) {
-            att_bar_expect(&bar[1 - st], 2 * BYTES);
-            att_tma_tile(Ops::tile(2 - 2 * st), qkv, kcol, k0 + ATT_TILE, b, &bar[1 - st]);
-            att_tma_tile(Ops::tile(3 - 2 * st), qkv, vcol, k0 + ATT_TILE, b, &bar[1 - st]);
-        }
+        if (kt < qt && issuer) att_tma_kv<Ops>(qkv, kcol, vcol, k0 + ATT_TILE, b, 1 - st, bar);
         att_bar_wait(&bar[st], (kt >> 1) & 1);
         if (kt == qt)
             att_dq_step<Ops, true>(dq, qa, da, Ops::tile(2 * st), Ops::tile(2 * st + 1), L, Dr, k0, q0 + r0, T_, scale2,

@@ -18,14 +18,14 @@ struct alignas(16) Vec16 {
     T v[16 / sizeof(T)];
 };
 
-// One block's share: the span of mt_span(meta, split), its partial written to
-// partials[slot_offset + blockIdx.x] (every block writes its slot, empty spans a zero, so the
-// partials need no zero-fill).
+// One block's chunk (one block per chunk: this read-only pass measured fastest unsplit, see
+// src/cuda/grad_norm.rs), its partial written to partials[block_offset + blockIdx.x]: every
+// block writes its slot, so the partials need no zero-fill.
 template <typename G>
-__device__ void sumsq_block(const TensorListMeta<1>& meta, int split, double* partials, int slot_offset,
+__device__ void sumsq_block(const TensorListMeta<1>& meta, double* partials, int block_offset,
                             const float* amp_state, float weight_sum) {
     __shared__ double smem[32];
-    const auto [t, start, n] = mt_span(meta, split);
+    const auto [t, start, n] = mt_span(meta, 1);
     const G* g = mt_ptr<const G>(meta.addr[0][t]) + start;
     const double inv = 1.0 / ((double)amp_state[0] * (double)weight_sum);   // unscale before squaring
     double acc = 0.0;
@@ -57,7 +57,7 @@ __device__ void sumsq_block(const TensorListMeta<1>& meta, int split, double* pa
     }
     bad = __syncthreads_or(bad);
     const double total = block_sum_d(acc, smem);
-    if (threadIdx.x == 0) partials[slot_offset + blockIdx.x] = bad ? NAN : total;
+    if (threadIdx.x == 0) partials[block_offset + blockIdx.x] = bad ? NAN : total;
 }
 
 // stats[0] = found_inf (0/1), stats[1] = global L2 norm of the unscaled gradients,
@@ -100,10 +100,10 @@ __device__ void unscale_check_block(const TensorListMeta<1>& meta, float* found_
 
 // ---------------------------------------------------------------------------------------------
 #define SUMSQ(SUFFIX, G)                                                                           \
-    extern "C" __global__ void mt_sumsq_##SUFFIX(TensorListMeta<1> meta, int split, double* partials, \
-                                                 int slot_offset, const float* amp_state,         \
+    extern "C" __global__ void mt_sumsq_##SUFFIX(TensorListMeta<1> meta, double* partials,        \
+                                                 int block_offset, const float* amp_state,        \
                                                  float weight_sum) {                              \
-        sumsq_block<G>(meta, split, partials, slot_offset, amp_state, weight_sum);                \
+        sumsq_block<G>(meta, partials, block_offset, amp_state, weight_sum);                      \
     }                                                                                              \
     extern "C" __global__ void mt_unscale_check_##SUFFIX(TensorListMeta<1> meta, float* found_inf, \
                                                          float inv_scale) {                       \

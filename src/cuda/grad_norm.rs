@@ -50,9 +50,11 @@ pub fn grad_stats(
         .into_iter()
         .map(|(k, rows)| (k, plan(&rows)))
         .collect();
-    let split = sumsq_split();
-    let blocks = plans.iter().map(|(_, p)| total_blocks(p)).sum::<u32>() * split as u32;
-    // Not zero-filled: every sumsq block writes its partial, finalize every stat.
+    let blocks: u32 = plans.iter().map(|(_, p)| total_blocks(p)).sum();
+    // Not zero-filled: every sumsq block writes its partial, finalize every stat. One block per
+    // 65,536-element chunk: split into 4, 8 or 16 blocks as the update is (`mt_span`), this
+    // read-only pass was slower on the H200 (results/h200-2026-12-04/call1: bf16-mixed boundary
+    // 0.927/0.928 ms unsplit, 0.934 at 4, 0.955/0.956 at 8, 1.003 at 16: more partials).
     let partials = uninit(&dev, DType::F64, blocks.max(1) as usize)?;
     let stats = uninit(&dev, DType::F32, 3)?;
     let (partials_addr, amp_addr, stats_addr) = (addr(&partials)?, addr(amp_state)?, addr(&stats)?);
@@ -64,17 +66,16 @@ pub fn grad_stats(
             ptx::GRAD_NORM,
         )?;
         for l in launches {
-            let off = (offset + l.block_offset as i32) * split;
+            let off = offset + l.block_offset as i32;
             let mut b = func.builder();
             b.arg(&l.meta)
-                .arg(&split)
                 .arg(&partials_addr)
                 .arg(&off)
                 .arg(&amp_addr)
                 .arg(&weight_sum);
             // SAFETY: the table holds live addresses of `numel` elements of the suffix's dtype;
-            // the launch's blocks write partials [off, off + blocks * split) of `partials`.
-            unsafe { b.launch(mt_config(l, split as u32)) }.w()?;
+            // the launch's blocks write partials [off, off + blocks) of `partials`.
+            unsafe { b.launch(mt_config(l, 1)) }.w()?;
         }
         offset += total_blocks(launches) as i32;
     }
@@ -104,17 +105,6 @@ pub fn grad_stats(
     unsafe { b.launch(cfg) }.w()?;
     drop((keep, partials));
     Ok(stats)
-}
-
-/// Blocks per chunk of the sum-of-squares pass (`mt_span`): 1, i.e. 65,536 elements per
-/// block. Unlike the update, this read-only pass is fastest unsplit: on the H200
-/// (results/h200-2026-12-04/call1, GPT-2-124M shapes, two runs each) the bf16-mixed
-/// boundary took 0.927/0.928 ms at 1, 0.934 at 4, 0.955/0.956 at 8 and 1.003 at 16 (more
-/// blocks, more partials for the finalize). `WICK_SUMSQ_SPLIT` (a power of two up to 64)
-/// overrides it, for measuring.
-fn sumsq_split() -> i32 {
-    static SPLIT: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
-    super::blocks_per_chunk(&SPLIT, "WICK_SUMSQ_SPLIT", 1)
 }
 
 /// An uninitialised `(n,)` device tensor of `dtype` on `dev`, for outputs that a kernel

@@ -5,7 +5,6 @@ use anyhow::{bail, Result};
 use candle_core::cuda::cudarc::driver::{DevicePtr, LaunchConfig};
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{DType, Device, Storage, Tensor};
-use std::sync::OnceLock;
 
 /// The CUDA device of `t`, or an error naming what was found.
 pub fn cuda_device(t: &Tensor) -> Result<CudaDevice> {
@@ -59,19 +58,6 @@ pub fn mt_config<const D: usize>(l: &super::multi_tensor::Launch<D>, split: u32)
         block_dim: (super::multi_tensor::BLOCK, 1, 1),
         shared_mem_bytes: 0,
     }
-}
-
-/// Blocks per chunk for a multi-tensor launch: `default`, or the value of the environment
-/// variable `var` when it is a power of two from 1 to 64 (for measuring; other values are
-/// ignored). Read once per process into `cell`, not on every step.
-pub(crate) fn blocks_per_chunk(cell: &'static OnceLock<i32>, var: &str, default: i32) -> i32 {
-    *cell.get_or_init(|| {
-        std::env::var(var)
-            .ok()
-            .and_then(|v| v.parse::<i32>().ok())
-            .filter(|s| (1..=64).contains(s) && s.count_ones() == 1)
-            .unwrap_or(default)
-    })
 }
 
 /// The master, gradient and working copy of one parameter as the fused update kernels take

@@ -137,7 +137,13 @@ pub fn launch<A: DeviceRepr>(
 /// two up to 64) overrides it, for measuring; read once per process (not on every step).
 fn update_split() -> i32 {
     static SPLIT: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
-    super::blocks_per_chunk(&SPLIT, "WICK_MT_SPLIT", 16)
+    *SPLIT.get_or_init(|| {
+        std::env::var("WICK_MT_SPLIT")
+            .ok()
+            .and_then(|v| v.parse::<i32>().ok())
+            .filter(|s| (1..=64).contains(s) && s.count_ones() == 1)
+            .unwrap_or(16)
+    })
 }
 
 /// Enqueues `steps[index[i]] += 1` for every `i` unless `stats[0]` (found_inf) is set.

@@ -600,7 +600,9 @@ mod cuda {
     use crate::cuda::tensor_map::TensorMap;
     use candle_core::backend::BackendStorage;
     use candle_core::cuda::cudarc::driver::sys::CUfunction_attribute;
-    use candle_core::cuda::cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+    use candle_core::cuda::cudarc::driver::{
+        CudaFunction, LaunchArgs, LaunchConfig, PushKernelArg,
+    };
     use candle_core::cuda::WrapErr;
     use candle_core::{bail, CudaStorage, DType, Layout, Result};
 
@@ -740,6 +742,17 @@ mod cuda {
         Ok(())
     }
 
+    /// The arguments after the inputs of the backward's dK/dV and dQ kernels, the same in every
+    /// build: `(dqkv, T, H, Hkv, scale2, scale)`.
+    fn push_tail<'a>(lb: &mut LaunchArgs<'a>, a: &'a (u64, i32, i32, i32, f32, f32)) {
+        lb.arg(&a.0)
+            .arg(&a.1)
+            .arg(&a.2)
+            .arg(&a.3)
+            .arg(&a.4)
+            .arg(&a.5);
+    }
+
     /// The kernels' name suffix: the dtype's, or `tf32` for f32 on plain TF32 operands.
     fn check(op: &str, d: Dims, dtype: DType, tf32: bool) -> Result<&'static str> {
         if d.hkv == 0 || d.h % d.hkv != 0 {
@@ -868,6 +881,7 @@ mod cuda {
             };
             // SAFETY: y and dy hold B*T*C elements, dsum B*H*T floats.
             unsafe { lb.launch(dot_cfg) }.w()?;
+            let tail_args = (op_, t, h, hkv, scale2, scale);
             // dkdv: one block per (key tile, batch row, key/value head); dq: per query head.
             // The TMA kernels read L and D rows through tensor maps, whose row pitch (T floats)
             // must be a multiple of 16 bytes.
@@ -880,12 +894,7 @@ mod cuda {
                 allow_smem(&func, &cfgs[0])?;
                 let mut lb = func.builder();
                 lb.arg(&qm).arg(&om).arg(&lm).arg(&dm);
-                lb.arg(&op_)
-                    .arg(&t)
-                    .arg(&h)
-                    .arg(&hkv)
-                    .arg(&scale2)
-                    .arg(&scale);
+                push_tail(&mut lb, &tail_args);
                 // SAFETY: the maps describe qkv (B, T, (H + 2 Hkv) * 64), dy (B, T, C), lse and
                 // dsum (B*H, T) exactly; dqkv holds B*T*(H + 2 Hkv)*64 elements, of which this
                 // kernel writes the k and v columns.
@@ -894,12 +903,7 @@ mod cuda {
                 allow_smem(&func, &cfgs[1])?;
                 let mut lb = func.builder();
                 lb.arg(&qm).arg(&om).arg(&lp).arg(&dp);
-                lb.arg(&op_)
-                    .arg(&t)
-                    .arg(&h)
-                    .arg(&hkv)
-                    .arg(&scale2)
-                    .arg(&scale);
+                push_tail(&mut lb, &tail_args);
                 // SAFETY: as above; lse and dsum hold B*H*T floats; this kernel writes the q
                 // columns.
                 unsafe { lb.launch(cfgs[1]) }.w()?;
@@ -908,16 +912,8 @@ mod cuda {
                     let func = load(name)?;
                     allow_smem(&func, &cfg)?;
                     let mut lb = func.builder();
-                    lb.arg(&qp)
-                        .arg(&gp)
-                        .arg(&lp)
-                        .arg(&dp)
-                        .arg(&op_)
-                        .arg(&t)
-                        .arg(&h)
-                        .arg(&hkv)
-                        .arg(&scale2)
-                        .arg(&scale);
+                    lb.arg(&qp).arg(&gp).arg(&lp).arg(&dp);
+                    push_tail(&mut lb, &tail_args);
                     // SAFETY: qkv and dqkv hold B*T*(H + 2 Hkv)*64 elements (16-byte aligned), dy
                     // B*T*C, lse and dsum B*H*T floats; dkdv writes the k and v columns, dq the q
                     // columns; H is a multiple of Hkv (checked).
