@@ -214,6 +214,8 @@ pub struct Engine {
     boundaries: u64,
     /// The gradient-coverage check runs on every backward until one passes it.
     check_coverage_next: bool,
+    /// The last passed coverage check (frozen parameters that got no gradient).
+    coverage: Option<Coverage>,
     /// This engine's identity, and a count of the times its state was replaced
     /// ([`Engine::load_state`], [`Engine::with_collective`]): what a captured CUDA graph
     /// checks before a replay.
@@ -263,6 +265,7 @@ impl Engine {
             sync: GradSync::Solo,
             boundaries: 0,
             check_coverage_next: true,
+            coverage: None,
             id: NEXT_ENGINE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             generation: 0,
         })
@@ -351,7 +354,10 @@ impl Engine {
     /// `backward` on such a graph itself (a gradient penalty, say) must build it outside
     /// `forward_for_sink` or use [`crate::grad_sink::backward`].
     ///
-    /// Errors: the loss is not a one-element float tensor; `weight` not finite and > 0; a
+    /// Errors: the loss is not a one-element f32 or f64 tensor (a bf16/f16 loss is refused with
+    /// the fix named: losses are computed in f32, as under torch.autocast); `weight` not finite
+    /// and > 0; the closure's own error (a dtype mismatch under a mixed precision gets the fix
+    /// named: cast inputs with [`StepCtx::precision`]'s `to_compute`); a
     /// trainable parameter got no gradient (see [`crate::coverage`]; checked until a backward
     /// passes). An error leaves the parameters and optimizer state untouched.
     pub fn step_weighted<F, E>(&mut self, weight: f64, forward: F) -> Result<StepReport>
@@ -408,9 +414,10 @@ impl Engine {
             micro_step: self.grads.micro_steps(),
         };
         // the backward below is grad_sink's: block ops may build their one-node form
+        let precision = self.store.precision();
         let loss = crate::grad_sink::forward_for_sink(|| forward(&ctx))
-            .map_err(|e| e.into().context("the forward closure failed"))?;
-        let loss = scalar_loss(loss)?;
+            .map_err(|e| forward_error(e.into(), precision))?;
+        let loss = scalar_loss(loss, precision)?;
         let m1 = Mark::now(&device)?;
 
         // scale the loss, backward; with data parallelism, a window's last backward starts its
@@ -516,6 +523,7 @@ impl Engine {
         if !coverage.missing_frozen.is_empty() {
             tracing::warn!("gradient coverage: {coverage}");
         }
+        self.coverage = Some(coverage);
         Ok(())
     }
 
@@ -609,6 +617,14 @@ impl Engine {
         Ok(())
     }
 
+    /// The last passed gradient-coverage check (after the first backward; `None` before it):
+    /// [`Coverage::missing_frozen`] lists the frozen parameters that got no gradient, which
+    /// the engine also logs as a warning. A trainable parameter without a gradient is an
+    /// error of [`Engine::step`] instead.
+    pub fn coverage(&self) -> Option<&Coverage> {
+        self.coverage.as_ref()
+    }
+
     /// Runs the gradient-coverage check again on the next backward (and until one passes).
     pub fn check_gradient_coverage_next_step(&mut self) {
         self.check_coverage_next = true;
@@ -665,7 +681,7 @@ impl Engine {
 }
 
 /// Accepts a one-element loss of any float dtype and returns it as a rank-0 f32 tensor.
-fn scalar_loss(loss: Tensor) -> Result<Tensor> {
+fn scalar_loss(loss: Tensor, precision: Precision) -> Result<Tensor> {
     if loss.elem_count() != 1 {
         bail!(
             "the forward closure returned a loss of shape {:?}; Engine::step needs a scalar loss \
@@ -673,11 +689,16 @@ fn scalar_loss(loss: Tensor) -> Result<Tensor> {
             loss.dims()
         );
     }
-    if !loss.dtype().is_float() {
-        bail!(
-            "the loss has dtype {:?}; a float loss is needed",
+    match loss.dtype() {
+        DType::F32 | DType::F64 => {}
+        DType::BF16 | DType::F16 => bail!(
+            "the forward closure returned a {:?} loss (under {precision}): a loss computed in \
+             half precision loses digits (torch.autocast computes losses in f32); compute it in \
+             f32: wick::loss::cross_entropy does, or cast the logits first, e.g. \
+             `candle_nn::loss::cross_entropy(&logits.to_dtype(DType::F32)?, &targets)`",
             loss.dtype()
-        );
+        ),
+        other => bail!("the loss has dtype {other:?}; a float loss is needed"),
     }
     // a rank-0 loss is used as is: a reshape is a graph node, whose backward costs a zeroed
     // buffer and an add
@@ -691,4 +712,21 @@ fn scalar_loss(loss: Tensor) -> Result<Tensor> {
     } else {
         loss.to_dtype(DType::F32)?
     })
+}
+
+/// The forward closure's error, with the fix named for the usual autocast mistake: an f32
+/// input (or activation) meeting a parameter's half-precision working copy in a matmul.
+fn forward_error(e: anyhow::Error, precision: Precision) -> anyhow::Error {
+    let mixed = precision.is_mixed() && format!("{e:#}").contains("dtype mismatch");
+    let e = e.context("the forward closure failed");
+    if !mixed {
+        return e;
+    }
+    e.context(format!(
+        "the forward closure failed on a dtype mismatch under {precision}: the parameters' \
+         working copies are {:?} (fp32 masters stay with the optimizer); cast the model's inputs \
+         with `ctx.precision().to_compute(&x)?` (or `store.precision().to_compute(&x)?`), or use \
+         wick::nn layers, which cast for you",
+        precision.compute_dtype()
+    ))
 }

@@ -51,6 +51,7 @@ pub mod amp;
 pub mod bench;
 pub mod checkpoint;
 pub mod classify;
+pub mod cli;
 pub mod coverage;
 pub mod cuda;
 pub mod data;
@@ -76,6 +77,11 @@ pub mod serve;
 pub mod timing;
 pub mod trainer;
 
+/// The candle wick is built against (0.11.1): use `wick::candle_core` and `wick::candle_nn`
+/// instead of depending on candle yourself, so that the two always match.
+pub use candle_core;
+/// candle-nn, the version wick is built against (see [`candle_core`]).
+pub use candle_nn;
 pub use engine::{Engine, EngineConfig, StepCtx, StepReport};
 pub use params::{ParamOptions, ParamStore};
 pub use precision::Precision;

@@ -147,17 +147,22 @@ impl ParamStore {
     }
 
     /// Marks parameters matching the glob `pattern` (as in [`Self::set_weight_decay`]) frozen
-    /// on purpose: the optimizer leaves them alone and gradient coverage only warns about them.
+    /// on purpose: the optimizer leaves them alone and gradient coverage only warns about them
+    /// ([`crate::Engine::coverage`]). Applies to existing and future parameters. Returns how
+    /// many existing parameters it froze: 0 means the pattern matched none yet (a typo, or
+    /// parameters created later).
     ///
     /// Errors (nothing changed): an invalid glob.
-    pub fn freeze(&self, pattern: &str) -> anyhow::Result<()> {
+    pub fn freeze(&self, pattern: &str) -> anyhow::Result<usize> {
         let pat = self::pattern(pattern)?;
         let mut inner = self.write();
+        let mut n = 0;
         for p in inner.params.iter_mut().filter(|p| pat.matches(&p.name)) {
             p.options.frozen = true;
+            n += 1;
         }
         inner.frozen.push(pat);
-        Ok(())
+        Ok(n)
     }
 
     /// Puts parameters matching the glob `pattern` in a learning-rate group: their learning

@@ -244,7 +244,8 @@ fn resume_bitwise(v: Variant) -> Result<()> {
     let extra = checkpoint::load(
         checkpoint::latest(&dir)?.expect("a checkpoint"),
         &mut engine,
-    )?;
+    )?
+    .extra;
     assert_eq!(extra["note"], "resume test");
     let next = extra["next_step"].as_u64().expect("next_step");
     assert_eq!(snapshot(&engine)?, at_save, "loaded state == saved state");
@@ -642,7 +643,8 @@ fn kill_9_during_save_always_leaves_a_loadable_checkpoint() -> Result<()> {
         };
         let (_, mut engine) = ckpt_crash::build(7)?;
         let extra = checkpoint::load(&path, &mut engine)
-            .map_err(|e| e.context(format!("round {round}: latest checkpoint does not load")))?;
+            .map_err(|e| e.context(format!("round {round}: latest checkpoint does not load")))?
+            .extra;
         let step = engine.boundaries();
         assert_eq!(extra["next_step"].as_u64(), Some(step));
         assert!(
@@ -872,9 +874,10 @@ fn resume_with_loader_restores_the_data_position_or_changes_nothing() -> anyhow:
 
     let (mut fresh, _) = build(2)?;
     let mut fresh_loader = DataLoader::new(data()?, LoaderConfig::new(4).with_shuffle(9))?;
-    let (_, extra) = ck
+    let extra = ck
         .resume_with_loader(&mut fresh, &mut fresh_loader)?
-        .expect("a checkpoint");
+        .expect("a checkpoint")
+        .extra;
     assert_eq!(extra["note"], "x");
     assert_eq!(fresh.boundaries(), 3);
     assert_eq!(fresh_loader.next_batch()?.unwrap().indices, next);

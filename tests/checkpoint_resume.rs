@@ -6,7 +6,7 @@ use candle_core::{DType, Device, Module, Tensor};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use wick::checkpoint::{self, Checkpointer};
+use wick::checkpoint::{self, Checkpointer, ResumeNotice};
 use wick::data::{DataLoader, LoaderConfig, TensorDataset};
 use wick::{loss, nn, Engine, EngineConfig, ParamStore, Precision};
 
@@ -103,8 +103,8 @@ fn resuming_without_a_checkpoint_is_an_error_that_says_how_to_start_fresh() -> a
     Ok(())
 }
 
-/// Steps 1..3 saved; step 3 loses its model file. The resume warns, naming step 3 and the
-/// step-2 checkpoint it falls back to; when the run reaches step 3 again its save keeps the
+/// Steps 1..3 saved; step 3 loses its model file. The resume returns a notice naming step 3
+/// and what it lacks, and warns, naming step 3 and the step-2 checkpoint it falls back to; when the run reaches step 3 again its save keeps the
 /// damaged folder (renamed), byte for byte, instead of overwriting it.
 #[test]
 fn an_incomplete_newest_checkpoint_is_skipped_loudly_and_never_overwritten() -> anyhow::Result<()> {
@@ -123,8 +123,18 @@ fn an_incomplete_newest_checkpoint_is_skipped_loudly_and_never_overwritten() -> 
     let again = Checkpointer::new(&dir, 0);
     let (r, log) =
         with_log(|| again.resume_existing_with_loader(&mut resumed.engine, &mut resumed.loader));
-    let (path, _) = r?;
-    assert_eq!(path, dir.join("step-000002"));
+    let r = r?;
+    assert_eq!(r.path, dir.join("step-000002"));
+    assert_eq!(
+        r.notices,
+        vec![ResumeNotice::SkippedIncomplete {
+            path: step3.clone(),
+            missing: vec![checkpoint::MODEL_FILE.to_string()],
+        }],
+        "the caller is told, not only the log"
+    );
+    let refused = r.refuse_notices().expect_err("not an exact continuation");
+    assert!(refused.to_string().contains("step-000003"), "{refused}");
     assert!(
         log.contains(&step3.display().to_string())
             && log.contains(&dir.join("step-000002").display().to_string())
@@ -170,7 +180,7 @@ fn an_incomplete_newest_checkpoint_is_skipped_loudly_and_never_overwritten() -> 
 }
 
 #[test]
-fn resuming_a_bf16_checkpoint_in_fp32_warns() -> anyhow::Result<()> {
+fn resuming_a_bf16_checkpoint_in_fp32_returns_a_notice_and_warns() -> anyhow::Result<()> {
     let dir = tmp("precision");
     let ckpt = Checkpointer::new(&dir, 1);
     let mut run = setup(Precision::Bf16Mixed)?;
@@ -179,11 +189,22 @@ fn resuming_a_bf16_checkpoint_in_fp32_warns() -> anyhow::Result<()> {
     let mut other = setup(Precision::Fp32)?;
     let (r, log) =
         with_log(|| ckpt.resume_existing_with_loader(&mut other.engine, &mut other.loader));
-    r?;
+    assert_eq!(
+        r?.notices,
+        vec![ResumeNotice::PrecisionChanged {
+            saved: "bf16-mixed".into(),
+            running: "32".into(),
+        }]
+    );
     assert!(
-        log.contains("saved in bf16-mixed, loading into 32"),
+        log.contains("saved in bf16-mixed and loaded into 32"),
         "{log:?}"
     );
+    // an exact continuation has no notice
+    let mut same = setup(Precision::Bf16Mixed)?;
+    let exact = ckpt.resume_existing_with_loader(&mut same.engine, &mut same.loader)?;
+    assert!(exact.notices.is_empty(), "{exact}");
+    exact.refuse_notices()?;
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }

@@ -248,8 +248,14 @@ fn frozen_parameters_are_a_warning_not_an_error() -> anyhow::Result<()> {
     let vb = store.var_builder();
     let l1 = candle_nn::linear(6, 16, vb.pp("first"))?;
     let l2 = candle_nn::linear(16, 3, vb.pp("head"))?;
-    store.freeze("first.*")?;
+    assert_eq!(store.freeze("first.*")?, 2, "first.weight and first.bias");
+    assert_eq!(
+        store.freeze("frist.*")?,
+        0,
+        "a typo matches nothing, and says so"
+    );
     let mut engine = Engine::new(store.clone(), EngineConfig::adamw(1e-2))?;
+    assert!(engine.coverage().is_none(), "no backward yet");
     let first_before = store
         .get("first.weight")
         .unwrap()
@@ -257,6 +263,13 @@ fn frozen_parameters_are_a_warning_not_an_error() -> anyhow::Result<()> {
         .flatten_all()?
         .to_vec1::<f32>()?;
     engine.step(|_| loss::cross_entropy(&l2.forward(&l1.forward(&x)?.detach())?, &y))?;
+    let mut frozen = engine.coverage().expect("checked").missing_frozen.clone();
+    frozen.sort();
+    assert_eq!(
+        frozen,
+        ["first.bias", "first.weight"],
+        "returned, not only logged"
+    );
     assert_eq!(
         store
             .get("first.weight")
@@ -426,5 +439,49 @@ fn capture_step_on_the_cpu_is_a_clear_error_that_changes_nothing() -> anyhow::Re
             "{n}"
         );
     }
+    Ok(())
+}
+
+/// What a candle-nn user writes first in bf16-mixed: an f32 input into a `candle_nn::linear`
+/// built on the store's VarBuilder (a dtype error: the error names the fix), and
+/// `candle_nn::loss::cross_entropy` on bf16 logits (a bf16 loss: refused, naming the fix).
+/// Neither changes a parameter; the fixed closure then trains.
+#[test]
+fn candle_nn_autocast_mistakes_are_refused_with_the_fix_named() -> anyhow::Result<()> {
+    let (x, y) = batch(8, 6);
+    let store = ParamStore::new(Precision::Bf16Mixed, Device::Cpu, 0);
+    let lin = candle_nn::linear(6, 3, store.var_builder().pp("head"))?;
+    let mut engine = Engine::new(store.clone(), EngineConfig::adamw(1e-2))?;
+    let before = snapshot(&store);
+
+    let err = engine
+        .step(|_| candle_nn::loss::cross_entropy(&lin.forward(&x)?, &y))
+        .expect_err("an f32 input meets a bf16 weight");
+    let msg = format!("{err:#}");
+    assert!(msg.contains("dtype mismatch"), "{msg}");
+    assert!(msg.contains("to_compute(&x)"), "the fix is named: {msg}");
+    assert!(msg.contains("bf16-mixed"), "{msg}");
+
+    let err = engine
+        .step(|ctx| {
+            let logits = lin.forward(&ctx.precision().to_compute(&x)?)?;
+            candle_nn::loss::cross_entropy(&logits, &y)
+        })
+        .expect_err("a bf16 loss");
+    let msg = format!("{err:#}");
+    assert!(msg.contains("BF16 loss"), "{msg}");
+    assert!(
+        msg.contains("to_dtype(DType::F32)"),
+        "the fix is named: {msg}"
+    );
+    assert_eq!(snapshot(&store), before, "a refused step changes nothing");
+    assert_eq!(engine.boundaries(), 0);
+
+    let report = engine.step(|ctx| {
+        let logits = lin.forward(&ctx.precision().to_compute(&x)?)?;
+        candle_nn::loss::cross_entropy(&logits.to_dtype(DType::F32)?, &y)
+    })?;
+    assert!(report.boundary && report.loss()?.is_finite());
+    assert_ne!(snapshot(&store), before, "the fixed closure trains");
     Ok(())
 }

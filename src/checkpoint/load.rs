@@ -70,7 +70,9 @@ pub fn read_state(path: impl AsRef<Path>) -> Result<TrainerState> {
 
 /// Loads the checkpoint directory `path` (a `step-N` directory) into `engine`: masters (and
 /// working copies re-derived from them), optimizer state, counters and scaler state. Returns
-/// the `extra` JSON given to [`Checkpointer::save`].
+/// the `extra` JSON given to [`Checkpointer::save`] in [`Resumed::extra`], and in
+/// [`Resumed::notices`] a [`ResumeNotice::PrecisionChanged`] when the checkpoint was saved in
+/// another precision than the engine's (allowed: masters are f32).
 ///
 /// Everything is validated before the engine is changed: format version, size and SHA-256 of
 /// both tensor files, safetensors structure, that `model.safetensors` holds exactly the
@@ -82,7 +84,7 @@ pub fn read_state(path: impl AsRef<Path>) -> Result<TrainerState> {
 /// Data parallel ([`Engine::with_collective`]): a collective call; every rank calls it with
 /// the same checkpoint. The ranks agree after validating and after applying: all succeed, or
 /// all return an error (the engine state rolled back).
-pub fn load(path: impl AsRef<Path>, engine: &mut Engine) -> Result<serde_json::Value> {
+pub fn load(path: impl AsRef<Path>, engine: &mut Engine) -> Result<Resumed> {
     let started = Instant::now();
     let path = path.as_ref();
     // read and validate everything first; under data parallelism every rank then agrees before
@@ -95,6 +97,7 @@ pub fn load(path: impl AsRef<Path>, engine: &mut Engine) -> Result<serde_json::V
         optim,
         model_file,
         optim_file,
+        notices,
     } = checked?;
 
     // apply: the engine first (atomic: it checks the optimizer map before changing anything),
@@ -137,7 +140,11 @@ pub fn load(path: impl AsRef<Path>, engine: &mut Engine) -> Result<serde_json::V
         path.display(),
         started.elapsed().as_secs_f64()
     );
-    Ok(state.extra)
+    Ok(Resumed {
+        path: path.to_path_buf(),
+        extra: state.extra,
+        notices,
+    })
 }
 
 /// Loads the engine state, then the masters.
@@ -167,6 +174,7 @@ pub(super) struct Validated {
     optim: HashMap<String, Tensor>,
     model_file: PathBuf,
     optim_file: PathBuf,
+    notices: Vec<ResumeNotice>,
 }
 
 /// Reads and checks the checkpoint at `path` against `engine` (see [`load`]); changes nothing.
@@ -181,13 +189,14 @@ pub(super) fn validate(path: &Path, engine: &Engine) -> Result<Validated> {
         state.optimizer
     );
     let precision = engine.store().precision().to_string();
+    let mut notices = Vec::new();
     if state.precision != precision {
-        tracing::warn!(
-            "checkpoint {}: saved in {}, loading into {precision} (masters are f32: allowed, \
-             but the losses will not match the original run)",
-            path.display(),
-            state.precision
-        );
+        let notice = ResumeNotice::PrecisionChanged {
+            saved: state.precision.clone(),
+            running: precision,
+        };
+        tracing::warn!("checkpoint {}: {notice}", path.display());
+        notices.push(notice);
     }
     let (model, optim) = rayon::join(
         || read_checked(path, MODEL_FILE, &state),
@@ -288,6 +297,7 @@ pub(super) fn validate(path: &Path, engine: &Engine) -> Result<Validated> {
         optim,
         model_file,
         optim_file,
+        notices,
     })
 }
 

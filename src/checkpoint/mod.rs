@@ -52,9 +52,12 @@
 //! let ckpt = Checkpointer::new("runs/mnist", 3);
 //! checkpoint::install_interrupt_handler()?;
 //! let mut start = 0u64;
-//! if let Some((path, extra)) = ckpt.resume(&mut engine)? {
-//!     start = extra["next_step"].as_u64().unwrap_or(0);
-//!     println!("resumed from {}", path.display());
+//! if let Some(resumed) = ckpt.resume(&mut engine)? {
+//!     start = resumed.extra["next_step"].as_u64().unwrap_or(0);
+//!     println!("resumed from {}", resumed.path.display());
+//!     for notice in &resumed.notices {
+//!         println!("note: {notice}"); // an older checkpoint, another precision
+//!     }
 //! }
 //! for step in start..1000 {
 //!     // engine.step(...)?;
@@ -84,6 +87,7 @@ use std::time::Instant;
 mod files;
 mod interrupt;
 mod load;
+mod resumed;
 
 use files::*;
 pub use interrupt::{
@@ -92,6 +96,8 @@ pub use interrupt::{
 };
 use load::agree_across_ranks;
 pub use load::{load, read_state};
+use resumed::newest_complete;
+pub use resumed::{ResumeNotice, Resumed};
 
 /// The checkpoint format version this build writes and reads.
 pub const FORMAT_VERSION: u32 = 1;
@@ -318,29 +324,29 @@ impl Checkpointer {
         latest(&self.dir)
     }
 
-    /// Loads the newest checkpoint into `engine` when there is one ([`latest`] then [`load`]);
-    /// returns its path and `extra`. `Ok(None)`: no checkpoint yet (fresh start). Errors as
-    /// [`load`]; the newest checkpoint failing to load is an error, never a silent fallback to
-    /// an older one.
-    pub fn resume(&self, engine: &mut Engine) -> Result<Option<(PathBuf, serde_json::Value)>> {
-        match self.agreed_latest(engine)? {
-            None => Ok(None),
-            Some(path) => {
-                let extra = load(&path, engine)?;
-                Ok(Some((path, extra)))
-            }
-        }
+    /// Loads the newest complete checkpoint into `engine` when there is one ([`latest`] then
+    /// [`load`]); returns what was loaded. `Ok(None)`: no checkpoint yet (fresh start). Newer
+    /// incomplete folders that were skipped, and a precision change, are in
+    /// [`Resumed::notices`] (see [`Resumed::refuse_notices`]). Errors as [`load`]; the newest
+    /// complete checkpoint failing to load is an error, never a silent fallback to an older one.
+    pub fn resume(&self, engine: &mut Engine) -> Result<Option<Resumed>> {
+        let (newest, skipped) = self.agreed_latest(engine)?;
+        let Some(path) = newest else {
+            return Ok(None);
+        };
+        Ok(Some(load(&path, engine)?.after_skipping(skipped)))
     }
 
     /// [`Self::latest`], checked across ranks under data parallelism: every rank must see the
     /// same newest step (or none), else every rank gets an error (ranks resuming from
     /// different steps, or some starting fresh, would diverge or wait on each other).
-    fn agreed_latest(&self, engine: &Engine) -> Result<Option<PathBuf>> {
-        let found = self.latest();
+    fn agreed_latest(&self, engine: &Engine) -> Result<(Option<PathBuf>, Vec<ResumeNotice>)> {
+        let found = newest_complete(&self.dir);
         agree_across_ranks(engine, found.is_ok(), "finding the latest checkpoint")?;
-        let found = found?;
+        let (found, skipped) = found?;
+        warn_skipped(&skipped, found.as_deref());
         let Some(c) = engine.collective().filter(|c| c.world_size() > 1) else {
-            return Ok(found);
+            return Ok((found, skipped));
         };
         // step + 1 (0: none); exact in f32 below 2^24 steps
         let step = found
@@ -372,7 +378,7 @@ impl Checkpointer {
             show(min),
             show(max)
         );
-        Ok(found)
+        Ok((found, skipped))
     }
 
     /// [`Self::save`] for a run fed by a [`DataLoader`]: records the loader's position under the
@@ -396,8 +402,8 @@ impl Checkpointer {
     }
 
     /// Resumes `engine` and `loader` from the newest checkpoint written by
-    /// [`Self::save_with_loader`]; returns its path and `extra`. `Ok(None)`: no checkpoint yet.
-    /// On error neither the engine nor the loader changes.
+    /// [`Self::save_with_loader`]; returns what was loaded, with notices as [`Self::resume`].
+    /// `Ok(None)`: no checkpoint yet. On error neither the engine nor the loader changes.
     ///
     /// Errors: the checkpoint has no loader position, the position does not fit this loader
     /// (different batch size, dataset length, ...), or anything [`load`] reports.
@@ -405,8 +411,9 @@ impl Checkpointer {
         &self,
         engine: &mut Engine,
         loader: &mut DataLoader<D, C>,
-    ) -> Result<Option<(PathBuf, serde_json::Value)>> {
-        let Some(path) = self.agreed_latest(engine)? else {
+    ) -> Result<Option<Resumed>> {
+        let (newest, skipped) = self.agreed_latest(engine)?;
+        let Some(path) = newest else {
             return Ok(None);
         };
         let position = read_state(&path).and_then(|state| {
@@ -431,7 +438,7 @@ impl Checkpointer {
         }
         restored?;
         match load(&path, engine) {
-            Ok(extra) => Ok(Some((path, extra))),
+            Ok(resumed) => Ok(Some(resumed.after_skipping(skipped))),
             Err(e) => {
                 loader.load_state(&before)?;
                 Err(e)
@@ -448,7 +455,7 @@ impl Checkpointer {
         &self,
         engine: &mut Engine,
         loader: &mut DataLoader<D, C>,
-    ) -> Result<(PathBuf, serde_json::Value)> {
+    ) -> Result<Resumed> {
         self.resume_with_loader(engine, loader)?.ok_or_else(|| {
             anyhow!(
                 "nothing to resume: no checkpoint in {} (no complete step-* folder); start a \
@@ -518,31 +525,22 @@ impl Checkpointer {
 ///
 /// Errors: `dir` exists but cannot be read.
 pub fn latest(dir: impl AsRef<Path>) -> Result<Option<PathBuf>> {
-    let dir = dir.as_ref();
-    if !dir.exists() {
-        return Ok(None);
+    let (newest, skipped) = newest_complete(dir.as_ref())?;
+    warn_skipped(&skipped, newest.as_deref());
+    Ok(newest)
+}
+
+/// Logs each [`ResumeNotice::SkippedIncomplete`] with what a later save does to the folder.
+fn warn_skipped(skipped: &[ResumeNotice], newest: Option<&Path>) {
+    for notice in skipped {
+        tracing::warn!(
+            "{notice}; {}; a save at its step will set it aside (renamed), not overwrite it",
+            match newest {
+                Some(p) => format!("the newest complete checkpoint is {}", p.display()),
+                None => "there is no complete checkpoint".to_string(),
+            }
+        );
     }
-    let dirs = step_dirs(dir)?;
-    let newest = dirs
-        .iter()
-        .rfind(|(_, _, missing)| missing.is_empty())
-        .map(|(s, p, _)| (*s, p.clone()));
-    let newest_step = newest.as_ref().map(|(s, _)| *s);
-    for (step, path, missing) in dirs.iter().filter(|(_, _, m)| !m.is_empty()) {
-        if newest_step.is_none_or(|n| *step > n) {
-            tracing::warn!(
-                "checkpoint {} is incomplete (missing {}): skipped; {}; a save at step {step} \
-                 will set it aside (renamed), not overwrite it",
-                path.display(),
-                missing.join(", "),
-                match &newest {
-                    Some((_, p)) => format!("the newest complete checkpoint is {}", p.display()),
-                    None => "there is no complete checkpoint".to_string(),
-                }
-            );
-        }
-    }
-    Ok(newest.map(|(_, p)| p))
 }
 
 /// Every `step-N` directory under `dir`, sorted by step, with the names of the checkpoint
