@@ -218,6 +218,7 @@ fn main() -> Result<()> {
         let l = LoraConfig {
             r: rank,
             alpha: a.alpha.unwrap_or(2.0 * rank as f64),
+            use_rslora: false,
             dropout: a.lora_dropout,
             target_modules: a.targets.split(',').map(|s| s.trim().to_string()).collect(),
         };

@@ -5,6 +5,8 @@
 //! ```text
 //! y = x W^T + (alpha / r) · B (A dropout(x))      A: (r, in), B: (out, r)
 //! ```
+//! (with `use_rslora`, rank-stabilised LoRA, Kalajdzievski 2023, arXiv:2312.03732, the scale
+//! is `alpha / sqrt(r)`, as PEFT's `LoraLayer.update_layer` sets it).
 //! `A` starts as PyTorch's `kaiming_uniform_(a = sqrt(5))` (`U(-1/sqrt(in), 1/sqrt(in))`), `B` at
 //! zero, so a fresh adapter leaves the base model's outputs unchanged. The base weight `W` is
 //! frozen and held outside the [`ParamStore`] (a constant in the compute dtype: no fp32 master,
@@ -29,6 +31,8 @@ pub struct LoraConfig {
     pub r: usize,
     /// Scale numerator: the update is multiplied by `alpha / r` (PEFT's `lora_alpha`).
     pub alpha: f64,
+    /// Rank-stabilised LoRA (PEFT's `use_rslora`): the scale is `alpha / sqrt(r)` instead.
+    pub use_rslora: bool,
     /// Dropout probability on the adapter's input during training (`0 <= p < 1`).
     pub dropout: f64,
     /// Module names (PEFT's `target_modules`): a module is adapted when its full name equals
@@ -44,6 +48,7 @@ impl LoraConfig {
         Self {
             r,
             alpha,
+            use_rslora: false,
             dropout: 0.0,
             target_modules: [
                 "q_proj",
@@ -59,15 +64,21 @@ impl LoraConfig {
         }
     }
 
-    /// `alpha / r`, the multiplier of `B A x`.
+    /// The multiplier of `B A x`: `alpha / r`, or `alpha / sqrt(r)` with `use_rslora` (PEFT's
+    /// `LoraLayer.update_layer`).
     pub fn scaling(&self) -> f64 {
-        self.alpha / self.r as f64
+        if self.use_rslora {
+            self.alpha / (self.r as f64).sqrt()
+        } else {
+            self.alpha / self.r as f64
+        }
     }
 
     /// Checks the values.
     ///
-    /// Errors: `r == 0`, `alpha` not finite, dropout outside `[0, 1)`, no target module, or an
-    /// invalid glob.
+    /// Errors: `r == 0`, `alpha` not finite, dropout outside `[0, 1)`, no target module, an
+    /// invalid glob, or a target that names the output head or the token table (`lm_head`,
+    /// `embed_tokens`: wick adapts the block linears only, and would leave them unadapted).
     pub fn validate(&self) -> Result<()> {
         if self.r == 0 {
             bail!("LoraConfig: r is 0; the rank must be >= 1");
@@ -85,19 +96,120 @@ impl LoraConfig {
             glob::Pattern::new(t)
                 .with_context(|| format!("LoraConfig: target module {t:?} is not a valid glob"))?;
         }
+        for module in UNADAPTABLE {
+            if let Some(t) = self
+                .target_modules
+                .iter()
+                .find(|t| self.targets_by(t, module))
+            {
+                bail!(
+                    "LoraConfig: target module {t:?} names {module}, which wick cannot adapt (it \
+                     adapts the block linears q/k/v/o_proj and gate/up/down_proj only); remove \
+                     it from target_modules, or train that module with a full fine-tune"
+                );
+            }
+        }
         Ok(())
     }
 
     /// Whether the module called `module` (full name, no `.weight`) gets an adapter.
     pub fn targets(&self, module: &str) -> bool {
-        self.target_modules.iter().any(|t| {
-            if is_glob(t) {
-                glob::Pattern::new(t).is_ok_and(|p| p.matches(module))
-            } else {
-                module == t || module.ends_with(&format!(".{t}"))
-            }
-        })
+        self.target_modules
+            .iter()
+            .any(|t| self.targets_by(t, module))
     }
+
+    fn targets_by(&self, t: &str, module: &str) -> bool {
+        if is_glob(t) {
+            glob::Pattern::new(t).is_ok_and(|p| p.matches(module))
+        } else {
+            module == t || module.ends_with(&format!(".{t}"))
+        }
+    }
+}
+
+/// Modules outside the blocks that PEFT can adapt and wick cannot: a target naming one is
+/// refused ([`LoraConfig::validate`]).
+const UNADAPTABLE: [&str; 2] = ["lm_head", "model.embed_tokens"];
+
+/// `adapter_config.json` keys that do not change the adapted model (bookkeeping, or settings
+/// that only matter when PEFT initialises a new adapter).
+const HARMLESS_ADAPTER_KEYS: &[&str] = &[
+    "task_type",
+    "base_model_name_or_path",
+    "revision",
+    "inference_mode",
+    "auto_mapping",
+    "peft_version",
+    "megatron_config",
+    "megatron_core",
+    "loftq_config",
+    "eva_config",
+    "corda_config",
+    "runtime_config",
+    "qalora_group_size",
+    "ensure_weight_tying",
+];
+
+/// Checks one key of an `adapter_config.json` beside the ones [`load_adapters`] reads:
+/// harmless, or holding the value that leaves the math as wick computes it; else an error
+/// naming the key and its value.
+fn check_adapter_key(key: &str, v: &serde_json::Value) -> Result<()> {
+    use serde_json::Value;
+    let empty = || match v {
+        Value::Null => true,
+        Value::Array(a) => a.is_empty(),
+        Value::Object(o) => o.is_empty(),
+        Value::String(s) => s.is_empty(),
+        _ => false,
+    };
+    let off = || matches!(v, Value::Null | Value::Bool(false));
+    let (ok, what) = match key {
+        k if HARMLESS_ADAPTER_KEYS.contains(&k) => (true, ""),
+        "peft_type" => (v.as_str() == Some("LORA"), "wick reads LoRA adapters"),
+        "bias" => (
+            matches!(v.as_str(), None | Some("none")),
+            "trained biases are not implemented",
+        ),
+        "fan_in_fan_out" => (
+            off(),
+            "transposed (Conv1D) base weights are not implemented",
+        ),
+        "modules_to_save" => (
+            empty(),
+            "fully trained extra modules are not loaded; merge them into the base model",
+        ),
+        "use_dora" => (off(), "DoRA (weight-decomposed LoRA) is not implemented"),
+        "lora_bias" => (off(), "a bias on lora_B is not implemented"),
+        "use_qalora" => (off(), "QA-LoRA is not implemented"),
+        "rank_pattern" | "alpha_pattern" => {
+            (empty(), "per-module ranks and alphas are not implemented")
+        }
+        "layers_to_transform" | "layers_pattern" | "exclude_modules" | "target_parameters" => (
+            empty(),
+            "only target_modules selects the adapted modules in wick",
+        ),
+        "layer_replication" => (empty(), "replicated layers are not implemented"),
+        "trainable_token_indices" => (empty(), "trainable token rows are not implemented"),
+        "alora_invocation_tokens" => (empty(), "activated LoRA is not implemented"),
+        "arrow_config" => (empty(), "Arrow routing is not implemented"),
+        // only the initialisation of a new adapter; PiSSA, OLoRA, LoftQ, EVA and CorDA also
+        // change the base weights, which a loaded adapter would then not match
+        "init_lora_weights" => (
+            matches!(v, Value::Bool(_) | Value::Null) || v.as_str() == Some("gaussian"),
+            "this initialisation changes the base weights too; convert the adapter to a plain \
+             LoRA first (PEFT's path_initial_model_for_weight_conversion)",
+        ),
+        _ => (
+            false,
+            "wick does not know this key, so it cannot tell whether it changes the adapted \
+             model; delete it if it does not",
+        ),
+    };
+    if !ok {
+        bail!("key {key:?} = {v}: {what}");
+    }
+    Ok(())
 }
 
 fn is_glob(t: &str) -> bool {
@@ -237,6 +349,7 @@ pub fn save_adapter_tensors(
         "base_model_name_or_path": base_model,
         "r": config.r,
         "lora_alpha": config.alpha,
+        "use_rslora": config.use_rslora,
         "lora_dropout": config.dropout,
         "target_modules": config.target_modules,
         "bias": "none",
@@ -254,7 +367,14 @@ pub fn save_adapter_tensors(
 /// Reads an adapter folder written by [`save_adapter_tensors`] (or by PEFT's `save_pretrained`):
 /// its config and its tensors by wick's names (the `base_model.model.` prefix removed).
 ///
-/// Errors: unreadable or malformed files; a config without `r` or `lora_alpha`.
+/// `use_rslora` is honoured (the scale `alpha / sqrt(r)`); `target_modules` may be a list or
+/// PEFT's `"all-linear"` (the seven block linears). Every other key is checked: a key that
+/// would change the adapted model and that wick does not implement (`use_dora`, `lora_bias`,
+/// `modules_to_save`, `rank_pattern`, `layers_to_transform`, `bias` other than `"none"`, ...)
+/// or does not know is refused, naming it, rather than ignored.
+///
+/// Errors: unreadable or malformed files; a config without `r` or `lora_alpha`; a key as
+/// above; `target_modules` a regular expression, or naming `lm_head` / `embed_tokens`.
 pub fn load_adapters(dir: &Path) -> Result<(LoraConfig, Vec<(String, Tensor)>)> {
     let cfg_path = dir.join("adapter_config.json");
     let text = std::fs::read_to_string(&cfg_path)
@@ -265,23 +385,58 @@ pub fn load_adapters(dir: &Path) -> Result<(LoraConfig, Vec<(String, Tensor)>)> 
         v.get(k)
             .with_context(|| format!("{}: field {k:?} is missing", cfg_path.display()))
     };
+    let read = [
+        "r",
+        "lora_alpha",
+        "lora_dropout",
+        "target_modules",
+        "use_rslora",
+    ];
+    let obj = v
+        .as_object()
+        .with_context(|| format!("{}: not a JSON object", cfg_path.display()))?;
+    for (key, value) in obj.iter().filter(|(k, _)| !read.contains(&k.as_str())) {
+        check_adapter_key(key, value)
+            .with_context(|| format!("the adapter config {}", cfg_path.display()))?;
+    }
+    let target_modules = match v.get("target_modules") {
+        Some(serde_json::Value::Array(a)) => a
+            .iter()
+            .map(|s| {
+                s.as_str().map(String::from).with_context(|| {
+                    format!(
+                        "{}: target_modules entry {s} is not a string",
+                        cfg_path.display()
+                    )
+                })
+            })
+            .collect::<Result<Vec<_>>>()?,
+        Some(serde_json::Value::String(s)) if s == "all-linear" => {
+            LoraConfig::all_linear(1, 1.0).target_modules
+        }
+        Some(serde_json::Value::String(s)) => bail!(
+            "{}: target_modules is the regular expression {s:?}; wick reads a list of module \
+             names (or \"all-linear\"): list the adapted modules instead",
+            cfg_path.display()
+        ),
+        _ => Vec::new(),
+    };
     let config = LoraConfig {
         r: field("r")?.as_u64().context("r must be an integer")? as usize,
         alpha: field("lora_alpha")?
             .as_f64()
             .context("lora_alpha must be a number")?,
+        use_rslora: match v.get("use_rslora") {
+            None | Some(serde_json::Value::Null) => false,
+            Some(b) => b.as_bool().with_context(|| {
+                format!("{}: use_rslora {b} is not a boolean", cfg_path.display())
+            })?,
+        },
         dropout: v
             .get("lora_dropout")
             .and_then(|d| d.as_f64())
             .unwrap_or(0.0),
-        target_modules: match v.get("target_modules") {
-            Some(serde_json::Value::Array(a)) => a
-                .iter()
-                .filter_map(|s| s.as_str().map(String::from))
-                .collect(),
-            Some(serde_json::Value::String(s)) => vec![s.clone()],
-            _ => Vec::new(),
-        },
+        target_modules,
     };
     config
         .validate()

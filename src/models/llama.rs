@@ -548,8 +548,7 @@ impl Llama {
                 return Ok((cos.clone(), sin.clone()));
             }
         }
-        let d = self.config.head_dim();
-        let (cos, sin) = ops::rotary_tables(t, d, self.config.rope_theta, 0, &self.device)?;
+        let (cos, sin) = self.config.rotary_tables(t, 0, &self.device)?;
         *cached = Some((t, cos.clone(), sin.clone()));
         Ok((cos, sin))
     }
@@ -659,7 +658,7 @@ impl Llama {
             cfg.num_key_value_heads,
             cfg.head_dim(),
         );
-        let (cos, sin) = ops::rotary_tables(t, d, cfg.rope_theta, start, &self.device)?;
+        let (cos, sin) = cfg.rotary_tables(t, start, &self.device)?;
         let mask = causal_mask(t, start, h / hkv, &self.device)?;
         let mut x = self.embed_ids(&ids.detach())?.detach();
         for (l, kv) in self.blocks.iter().zip(cache.layers.iter_mut()) {

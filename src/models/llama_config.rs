@@ -1,5 +1,11 @@
 //! The configuration of a Llama-family decoder, by transformers' `LlamaConfig` field names
 //! (what an HF `config.json` holds), and the names of its tensors.
+//!
+//! Nothing in a `config.json` that changes the computation is ignored: RoPE scaling of type
+//! `linear` and `llama3` is implemented ([`RopeScaling`]); every other key is either on a list
+//! of keys known not to change the math ([`HARMLESS_KEYS`]), checked to hold the value the
+//! decoder implements (`hidden_act: "silu"`, `attention_bias: false`, `sliding_window` null or
+//! at least `max_position_embeddings`, ...), or refused with an error naming it.
 
 use anyhow::{bail, Context, Result};
 use std::path::Path;
@@ -26,6 +32,13 @@ pub struct LlamaConfig {
     /// RoPE base θ (10000 for Llama 2, 100000 for SmolLM2).
     #[serde(default = "default_rope_theta")]
     pub rope_theta: f64,
+    /// RoPE frequency scaling (transformers' `rope_scaling`; `None`: the default RoPE).
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "deserialize_rope_scaling"
+    )]
+    pub rope_scaling: Option<RopeScaling>,
     /// The longest sequence the model was trained for, in tokens.
     pub max_position_embeddings: usize,
     /// The head reuses the token embedding (`lm_head.weight` absent).
@@ -46,6 +59,211 @@ fn default_rope_theta() -> f64 {
     10000.0
 }
 
+/// RoPE frequency scaling, as transformers' `modeling_rope_utils` computes it (the inverse
+/// frequencies `inv_freq[i] = rope_theta^(-2i / D)` rescaled; the attention factor stays 1).
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    /// `rope_type: "linear"` (position interpolation): every inverse frequency divided by
+    /// `factor`, i.e. positions divided by it (`_compute_linear_scaling_rope_parameters`).
+    Linear {
+        /// The divisor (`>= 1` in practice; must be `> 0`).
+        factor: f64,
+    },
+    /// `rope_type: "llama3"` (Llama 3.1 / 3.2 / 3.3), transformers'
+    /// `_compute_llama3_parameters` and candle-transformers 0.11.1's `llama::Cache::new`:
+    /// with `wavelen = 2π / inv_freq`, `low = original / low_freq_factor` and
+    /// `high = original / high_freq_factor`, a frequency is kept when `wavelen < high`,
+    /// divided by `factor` when `wavelen > low`, and in between interpolated:
+    /// `(1 - s) inv_freq / factor + s inv_freq` with
+    /// `s = (original / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)`.
+    /// llama.cpp stores the same scaling in a GGUF as the `rope_freqs.weight` tensor of
+    /// per-frequency divisors (`convert_hf_to_gguf.py`, `LlamaModel.generate_extra_tensors`).
+    Llama3 {
+        /// Divisor of the low frequencies (8 for Llama 3.1, 32 for Llama 3.2).
+        factor: f64,
+        /// Wavelengths above `original / low_freq_factor` are divided by `factor` (1).
+        low_freq_factor: f64,
+        /// Wavelengths below `original / high_freq_factor` are kept (4).
+        high_freq_factor: f64,
+        /// The context length the model was pretrained with (8192).
+        original_max_position_embeddings: usize,
+    },
+}
+
+impl RopeScaling {
+    /// Reads a `rope_scaling` (or transformers 5's `rope_parameters`) object: `None` for
+    /// `rope_type` `"default"`, an error naming the type for any type wick does not implement
+    /// (`yarn`, `dynamic`, `longrope`, `su`, ...), and for a missing, mistyped or unknown
+    /// field. `rope_theta` inside the object is skipped (the caller reads it).
+    pub fn from_json(v: &serde_json::Value) -> Result<Option<Self>> {
+        let map = v
+            .as_object()
+            .with_context(|| format!("rope_scaling {v} is not an object"))?;
+        let kind = map
+            .get("rope_type")
+            .or_else(|| map.get("type"))
+            .and_then(|t| t.as_str())
+            .with_context(|| format!("rope_scaling {v} has no \"rope_type\" string"))?;
+        let num = |k: &str| -> Result<f64> {
+            let x = map
+                .get(k)
+                .and_then(|x| x.as_f64())
+                .with_context(|| format!("rope_scaling {v}: {k:?} is missing or not a number"))?;
+            if !(x.is_finite() && x > 0.0) {
+                bail!("rope_scaling {v}: {k:?} is {x}; it must be a finite number > 0");
+            }
+            Ok(x)
+        };
+        let (scaling, fields): (Option<Self>, &[&str]) = match kind {
+            "default" => (None, &[]),
+            "linear" => (
+                Some(Self::Linear {
+                    factor: num("factor")?,
+                }),
+                &["factor"],
+            ),
+            "llama3" => {
+                let (low, high) = (num("low_freq_factor")?, num("high_freq_factor")?);
+                if high <= low {
+                    bail!(
+                        "rope_scaling {v}: high_freq_factor {high} must exceed low_freq_factor {low}"
+                    );
+                }
+                let original = num("original_max_position_embeddings")?;
+                if original.fract() != 0.0 {
+                    bail!("rope_scaling {v}: original_max_position_embeddings must be an integer");
+                }
+                let fields: &[&str] = &[
+                    "factor",
+                    "low_freq_factor",
+                    "high_freq_factor",
+                    "original_max_position_embeddings",
+                ];
+                (
+                    Some(Self::Llama3 {
+                        factor: num("factor")?,
+                        low_freq_factor: low,
+                        high_freq_factor: high,
+                        original_max_position_embeddings: original as usize,
+                    }),
+                    fields,
+                )
+            }
+            other => bail!(
+                "rope_scaling type {other:?} ({v}) is not implemented: wick implements \"linear\" \
+                 and \"llama3\" RoPE scaling and refuses the others (yarn, dynamic, longrope, su, \
+                 ...) rather than computing another model's positions"
+            ),
+        };
+        let known =
+            |k: &str| ["rope_type", "type", "rope_theta"].contains(&k) || fields.contains(&k);
+        if let Some(k) = map.keys().find(|k| !known(k)) {
+            bail!(
+                "rope_scaling {v}: field {k:?} is not part of {kind:?} scaling as wick implements \
+                 it; remove it if it does not change the frequencies"
+            );
+        }
+        Ok(scaling)
+    }
+
+    /// The `config.json` form (transformers' field names).
+    pub fn to_json(&self) -> serde_json::Value {
+        match self {
+            Self::Linear { factor } => {
+                serde_json::json!({ "rope_type": "linear", "factor": factor })
+            }
+            Self::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => serde_json::json!({
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": low_freq_factor,
+                "high_freq_factor": high_freq_factor,
+                "original_max_position_embeddings": original_max_position_embeddings,
+            }),
+        }
+    }
+
+    /// Rescales the default inverse frequencies `inv_freq` (see the variants).
+    pub fn apply(&self, inv_freq: &[f64]) -> Vec<f64> {
+        match *self {
+            Self::Linear { factor } => inv_freq.iter().map(|f| f / factor).collect(),
+            Self::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => {
+                let original = original_max_position_embeddings as f64;
+                let (low_wavelen, high_wavelen) =
+                    (original / low_freq_factor, original / high_freq_factor);
+                inv_freq
+                    .iter()
+                    .map(|&f| {
+                        let wavelen = 2.0 * std::f64::consts::PI / f;
+                        if wavelen < high_wavelen {
+                            f
+                        } else if wavelen > low_wavelen {
+                            f / factor
+                        } else {
+                            let s = (original / wavelen - low_freq_factor)
+                                / (high_freq_factor - low_freq_factor);
+                            (1.0 - s) * f / factor + s * f
+                        }
+                    })
+                    .collect()
+            }
+        }
+    }
+}
+
+impl serde::Serialize for RopeScaling {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        self.to_json().serialize(s)
+    }
+}
+
+fn deserialize_rope_scaling<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<Option<RopeScaling>, D::Error> {
+    use serde::Deserialize;
+    match Option::<serde_json::Value>::deserialize(d)? {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(v) => {
+            RopeScaling::from_json(&v).map_err(|e| serde::de::Error::custom(format!("{e:#}")))
+        }
+    }
+}
+
+/// `config.json` keys that do not change the decoder's computation (bookkeeping, generation
+/// and serialisation settings, initialisation): accepted and kept in [`LlamaConfig::other`].
+/// SmolLM2's, Llama 3.x's and Mistral's `config.json` hold only these, the fields of
+/// [`LlamaConfig`] and the keys [`LlamaConfig::validate`] checks by value.
+pub const HARMLESS_KEYS: &[&str] = &[
+    "_name_or_path",
+    "architectures",
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+    "use_cache",
+    "initializer_range",
+    "pad_token_id",
+    // transformers ignores it since 4.36 except to split the matmuls into equal slices
+    "pretraining_tp",
+    // SmolLM2: nanotron's marker
+    "is_llama_config",
+    "transformers.js_config",
+    "tokenizer_class",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict",
+    "unsloth_fixed",
+    "unsloth_version",
+];
+
 impl LlamaConfig {
     /// Reads an HF `config.json`.
     ///
@@ -54,11 +272,39 @@ impl LlamaConfig {
     pub fn from_json_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("reading the Llama config {}", path.display()))?;
-        let c: Self = serde_json::from_str(&text)
+        let mut c: Self = serde_json::from_str(&text)
             .with_context(|| format!("parsing the Llama config {}", path.display()))?;
+        c.take_rope_parameters()
+            .with_context(|| format!("the Llama config {}", path.display()))?;
         c.validate()
             .with_context(|| format!("the Llama config {}", path.display()))?;
         Ok(c)
+    }
+
+    /// transformers 5 writes `rope_theta` and `rope_scaling` as one `rope_parameters` object:
+    /// read it into [`Self::rope_theta`] and [`Self::rope_scaling`] (an error when it
+    /// contradicts them).
+    fn take_rope_parameters(&mut self) -> Result<()> {
+        let Some(v) = self.other.remove("rope_parameters") else {
+            return Ok(());
+        };
+        if v.is_null() {
+            return Ok(());
+        }
+        let scaling = RopeScaling::from_json(&v).context("rope_parameters")?;
+        if self.rope_scaling.is_some() && self.rope_scaling != scaling {
+            bail!(
+                "rope_parameters {v} contradicts rope_scaling {:?}",
+                self.rope_scaling
+            );
+        }
+        self.rope_scaling = scaling;
+        if let Some(theta) = v.get("rope_theta") {
+            self.rope_theta = theta
+                .as_f64()
+                .with_context(|| format!("rope_parameters {v}: rope_theta is not a number"))?;
+        }
+        Ok(())
     }
 
     /// A 2-block, 64-wide config (4 query heads, 2 KV heads of width 16, FFN 96, vocabulary
@@ -73,6 +319,7 @@ impl LlamaConfig {
             num_key_value_heads: 2,
             rms_norm_eps: 1e-5,
             rope_theta: 10000.0,
+            rope_scaling: None,
             max_position_embeddings: 64,
             tie_word_embeddings: true,
             bos_token_id: None,
@@ -136,7 +383,104 @@ impl LlamaConfig {
                 self.rope_theta
             );
         }
+        for (key, value) in &self.other {
+            self.check_key(key, value)?;
+        }
         Ok(())
+    }
+
+    /// Accepts a key of [`Self::other`] that is harmless or holds the value the decoder
+    /// implements; refuses any other, naming it.
+    fn check_key(&self, key: &str, value: &serde_json::Value) -> Result<()> {
+        use serde_json::Value;
+        if HARMLESS_KEYS.contains(&key) {
+            return Ok(());
+        }
+        let is_false = || matches!(value, Value::Null | Value::Bool(false));
+        let is_zero = || value.is_null() || value.as_f64() == Some(0.0);
+        let ok = match key {
+            "model_type" => matches!(value.as_str(), Some("llama" | "mistral")),
+            "hidden_act" => value.as_str() == Some("silu"),
+            "attention_bias" | "mlp_bias" | "use_sliding_window" | "rope_interleaved" => is_false(),
+            "attention_dropout" | "hidden_dropout" => is_zero(),
+            "head_dim" => value.is_null() || value.as_u64() == Some(self.head_dim() as u64),
+            "sliding_window" => {
+                if let Some(w) = value.as_u64() {
+                    if (w as usize) < self.max_position_embeddings {
+                        bail!(
+                            "LlamaConfig: sliding_window {w} is below max_position_embeddings {}: \
+                             wick has no sliding-window attention yet (Mistral 7B v0.1), so it \
+                             would attend over the whole sequence; use a model without a window \
+                             (Mistral 7B v0.2+ has sliding_window null)",
+                            self.max_position_embeddings
+                        );
+                    }
+                }
+                true
+            }
+            _ => bail!(
+                "LlamaConfig: unknown key {key:?} = {value}: wick does not know whether it \
+                 changes the computation, so it refuses the config rather than ignore it; if \
+                 it does not (bookkeeping or generation settings), delete it from config.json"
+            ),
+        };
+        if !ok {
+            bail!(
+                "LlamaConfig: {key:?} = {value} changes the computation and wick's Llama does \
+                 not implement it (it implements model_type \"llama\"/\"mistral\", hidden_act \
+                 \"silu\", no attention or MLP bias, no dropout, head_dim = hidden_size / \
+                 num_attention_heads = {}, no sliding window); this model needs another decoder",
+                self.head_dim()
+            );
+        }
+        Ok(())
+    }
+
+    /// The RoPE inverse frequencies of the `D / 2` rotated pairs: `rope_theta^(-2i / D)`,
+    /// rescaled by [`Self::rope_scaling`] when set.
+    pub fn rope_inv_freq(&self) -> Vec<f64> {
+        let d = self.head_dim();
+        let inv: Vec<f64> = (0..d / 2)
+            .map(|i| self.rope_theta.powf(-((2 * i) as f64) / d as f64))
+            .collect();
+        match &self.rope_scaling {
+            Some(s) => s.apply(&inv),
+            None => inv,
+        }
+    }
+
+    /// The rotary tables `(cos, sin)`, each `(seq_len, D / 2)` f32, of positions
+    /// `start..start + seq_len` with [`Self::rope_inv_freq`] (angles in f64, rounded once):
+    /// what [`crate::ops::rotary_qkv`] takes. Without scaling they equal
+    /// [`crate::ops::rotary_tables`]'s.
+    ///
+    /// Errors: `start + seq_len` overflowing.
+    pub fn rotary_tables(
+        &self,
+        seq_len: usize,
+        start: usize,
+        device: &candle_core::Device,
+    ) -> Result<(candle_core::Tensor, candle_core::Tensor)> {
+        if start.checked_add(seq_len).is_none() {
+            bail!("LlamaConfig::rotary_tables: positions {start} + {seq_len} overflow");
+        }
+        let inv = self.rope_inv_freq();
+        let half = inv.len();
+        let (mut cos, mut sin) = (
+            Vec::with_capacity(seq_len * half),
+            Vec::with_capacity(seq_len * half),
+        );
+        for t in start..start + seq_len {
+            for f in &inv {
+                let (s, c) = (t as f64 * f).sin_cos();
+                cos.push(c as f32);
+                sin.push(s as f32);
+            }
+        }
+        Ok((
+            candle_core::Tensor::from_vec(cos, (seq_len, half), device)?,
+            candle_core::Tensor::from_vec(sin, (seq_len, half), device)?,
+        ))
     }
 
     /// Every tensor the decoder has, by HF name, with its shape: the token table, per block

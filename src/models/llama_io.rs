@@ -10,7 +10,7 @@
 //! RoPE kernel uses ([`unpermute_rotary_rows`]).
 
 use super::llama::LlamaWeights;
-use super::llama_config::{LlamaConfig, EMBED, FINAL_NORM, HEAD};
+use super::llama_config::{LlamaConfig, RopeScaling, EMBED, FINAL_NORM, HEAD};
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device, Tensor};
@@ -54,9 +54,16 @@ impl Gguf {
     }
 
     /// The model's [`LlamaConfig`] from the `llama.*` metadata (`general.architecture` must be
-    /// `llama`); the head is tied when the file has no `output.weight`.
+    /// `llama`); the head is tied when the file has no `output.weight`. RoPE scaling is read
+    /// as llama.cpp applies it: a linear factor from `llama.rope.scaling.factor` (or the older
+    /// `llama.rope.scale_linear`), and Llama 3's scaling from the `rope_freqs.weight` tensor
+    /// ([`RopeScaling::Llama3`]). Every other `llama.*` key that changes the computation is
+    /// refused ([`GGUF_LLAMA_KEYS`] lists those read).
     ///
-    /// Errors: another architecture, a missing or mistyped key (named).
+    /// Errors: another architecture, a missing or mistyped key (named), a `llama.*` key wick
+    /// does not implement (named, with its value), a RoPE scaling type other than `none` /
+    /// `linear`, a sliding window shorter than the context, `rope_freqs.weight` factors that
+    /// are not Llama 3's scaling.
     pub fn config(&self) -> Result<LlamaConfig> {
         let arch = self.meta("general.architecture")?.to_string()?;
         if arch != "llama" {
@@ -65,13 +72,27 @@ impl Gguf {
                 self.path.display()
             );
         }
+        let mut keys: Vec<&String> = self.content.metadata.keys().collect();
+        keys.sort();
+        if let Some(k) = keys
+            .into_iter()
+            .find(|k| k.starts_with("llama.") && !GGUF_LLAMA_KEYS.contains(&k.as_str()))
+        {
+            bail!(
+                "{}: metadata key {k:?} = {:?} is not implemented by wick's Llama (it may change \
+                 the computation: soft-capping, experts, ALiBi, YaRN, ...), so the file is \
+                 refused rather than loaded without it",
+                self.path.display(),
+                self.content.metadata[k]
+            );
+        }
         let heads = self.meta_usize("llama.attention.head_count")?;
         let vocab = match self.content.metadata.get("llama.vocab_size") {
             Some(v) => v.to_u32()? as usize,
             None => self.meta("tokenizer.ggml.tokens")?.to_vec()?.len(),
         };
         let opt_u32 = |k: &str| self.content.metadata.get(k).and_then(|v| v.to_u32().ok());
-        let config = LlamaConfig {
+        let mut config = LlamaConfig {
             vocab_size: vocab,
             hidden_size: self.meta_usize("llama.embedding_length")?,
             intermediate_size: self.meta_usize("llama.feed_forward_length")?,
@@ -88,6 +109,7 @@ impl Gguf {
                 Some(v) => v.to_f32()? as f64,
                 None => 10000.0,
             },
+            rope_scaling: None,
             max_position_embeddings: self.meta_usize("llama.context_length")?,
             tie_word_embeddings: !self.content.tensor_infos.contains_key("output.weight"),
             bos_token_id: opt_u32("tokenizer.ggml.bos_token_id"),
@@ -97,7 +119,127 @@ impl Gguf {
         config
             .validate()
             .with_context(|| format!("the config in {}", self.path.display()))?;
+        config.rope_scaling = self
+            .rope_scaling(&config)
+            .with_context(|| format!("the RoPE of {}", self.path.display()))?;
         Ok(config)
+    }
+
+    /// The checks of the `llama.*` keys beyond the sizes, and the RoPE scaling.
+    fn rope_scaling(&self, config: &LlamaConfig) -> Result<Option<RopeScaling>> {
+        let d = config.head_dim();
+        let get = |k: &str| self.content.metadata.get(k);
+        for k in [
+            "llama.rope.dimension_count",
+            "llama.attention.key_length",
+            "llama.attention.value_length",
+        ] {
+            if let Some(v) = get(k) {
+                let n = v.to_u32().with_context(|| k.to_string())? as usize;
+                if n != d {
+                    bail!(
+                        "{k} = {n} differs from the head width embedding_length / head_count = \
+                         {d}; wick's Llama rotates and attends over whole heads of that width"
+                    );
+                }
+            }
+        }
+        if let Some(v) = get("llama.attention.sliding_window") {
+            let w = v.to_u32().context("llama.attention.sliding_window")? as usize;
+            if w < config.max_position_embeddings {
+                bail!(
+                    "llama.attention.sliding_window = {w} is below the context length {}: wick \
+                     has no sliding-window attention yet",
+                    config.max_position_embeddings
+                );
+            }
+        }
+        for k in ["llama.expert_count", "llama.expert_used_count"] {
+            if let Some(n) = get(k) {
+                if n.to_u32().with_context(|| k.to_string())? != 0 {
+                    bail!("{k} = {n:?}: mixture-of-experts models are not implemented");
+                }
+            }
+        }
+        if let Some(v) = get("llama.rope.scaling.type") {
+            let t = v.to_string().context("llama.rope.scaling.type")?;
+            if t != "none" && t != "linear" {
+                bail!(
+                    "llama.rope.scaling.type = {t:?} is not implemented: wick implements \
+                     \"linear\" and Llama 3's rope_freqs.weight factors"
+                );
+            }
+        }
+        // llama.cpp: freq_scale = 1 / factor whatever the type (llama-model.cpp, `ropescale`)
+        let mut factor = None;
+        for k in ["llama.rope.scale_linear", "llama.rope.scaling.factor"] {
+            if let Some(v) = get(k) {
+                factor = Some(v.to_f32().with_context(|| k.to_string())? as f64);
+            }
+        }
+        let linear = match factor {
+            Some(f) if f != 0.0 && f != 1.0 => {
+                if !(f.is_finite() && f > 0.0) {
+                    bail!("the linear RoPE scaling factor {f} must be a finite number > 0");
+                }
+                Some(RopeScaling::Linear { factor: f })
+            }
+            _ => None,
+        };
+        if !self.content.tensor_infos.contains_key(ROPE_FREQS) {
+            return Ok(linear);
+        }
+        if linear.is_some() {
+            bail!("both a linear RoPE factor and {ROPE_FREQS}: the combination is not implemented");
+        }
+        let mut reader = &self.file;
+        let ff: Vec<f32> = self
+            .content
+            .tensor(&mut reader, ROPE_FREQS, &Device::Cpu)
+            .with_context(|| format!("reading {ROPE_FREQS}"))?
+            .dequantize(&Device::Cpu)?
+            .flatten_all()?
+            .to_vec1()?;
+        if ff.len() != d / 2 {
+            bail!(
+                "{ROPE_FREQS} has {} factors; the head width {d} needs {}",
+                ff.len(),
+                d / 2
+            );
+        }
+        // convert_hf_to_gguf.py (LlamaModel.generate_extra_tensors) writes 1 / (the llama3
+        // scale) per frequency, with low_freq_factor 1, high_freq_factor 4 and original context
+        // 8192 unless the config says otherwise: recognise those parameters
+        let original = match get("llama.rope.scaling.original_context_length") {
+            Some(v) => v.to_u32()? as usize,
+            None => 8192,
+        };
+        let llama3 = RopeScaling::Llama3 {
+            factor: *ff.last().unwrap_or(&1.0) as f64,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: original,
+        };
+        let plain = LlamaConfig {
+            rope_scaling: None,
+            ..config.clone()
+        }
+        .rope_inv_freq();
+        let scaled = llama3.apply(&plain);
+        let matches = ff
+            .iter()
+            .zip(plain.iter().zip(&scaled))
+            .all(|(&f, (p, s))| {
+                let want = p / s;
+                (f as f64 - want).abs() <= 1e-5 * want
+            });
+        if !matches {
+            bail!(
+                "{ROPE_FREQS} {ff:?} is not Llama 3's RoPE scaling ({llama3:?}, as llama.cpp's \
+                 converter writes it); other per-frequency factors are not implemented"
+            );
+        }
+        Ok(Some(llama3))
     }
 
     /// Every tensor, dequantized to f32 on the CPU (`(out, in)` for linears), by HF name, with
@@ -111,6 +253,9 @@ impl Gguf {
         names.sort();
         let mut tensors = HashMap::new();
         for name in names {
+            if name == ROPE_FREQS {
+                continue; // read by config(): Llama 3's RoPE scaling
+            }
             let hf = hf_name(&name).with_context(|| {
                 format!(
                     "{}: tensor {name:?} is not part of a Llama model",
@@ -137,6 +282,34 @@ impl Gguf {
         Ok(w)
     }
 }
+
+/// llama.cpp's tensor of per-frequency RoPE divisors (Llama 3.1's scaling).
+pub const ROPE_FREQS: &str = "rope_freqs.weight";
+
+/// The `llama.*` GGUF metadata keys [`Gguf::config`] reads or checks; a file with any other
+/// `llama.*` key is refused (it may change the computation).
+pub const GGUF_LLAMA_KEYS: &[&str] = &[
+    "llama.vocab_size",
+    "llama.context_length",
+    "llama.embedding_length",
+    "llama.feed_forward_length",
+    "llama.block_count",
+    "llama.attention.head_count",
+    "llama.attention.head_count_kv",
+    "llama.attention.layer_norm_rms_epsilon",
+    "llama.attention.key_length",
+    "llama.attention.value_length",
+    "llama.attention.sliding_window",
+    "llama.rope.freq_base",
+    "llama.rope.dimension_count",
+    "llama.rope.scaling.type",
+    "llama.rope.scaling.factor",
+    "llama.rope.scale_linear",
+    "llama.rope.scaling.original_context_length",
+    "llama.rope.scaling.finetuned",
+    "llama.expert_count",
+    "llama.expert_used_count",
+];
 
 /// Reads a GGUF file's config and weights ([`Gguf::weights`]).
 pub fn read_gguf(path: &Path) -> Result<LlamaWeights> {

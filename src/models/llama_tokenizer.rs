@@ -3,8 +3,11 @@
 //!
 //! GGUF keeps the vocabulary (`tokenizer.ggml.tokens`, in GPT-2's byte-to-unicode alphabet),
 //! the merges (`tokenizer.ggml.merges`, `"a b"` strings in rank order), the token types
-//! (`tokenizer.ggml.token_type`: 3 marks control tokens such as `<|im_start|>`) and the name of
-//! the pre-tokenizer (`tokenizer.ggml.pre`).
+//! (`tokenizer.ggml.token_type`: 3 marks control tokens such as `<|im_start|>`, 4 user-defined
+//! tokens such as Qwen3's `<think>`; both are matched whole before pre-tokenization, and only
+//! control tokens are special), the name of the pre-tokenizer (`tokenizer.ggml.pre`), and
+//! whether encoding adds a BOS or EOS token (`tokenizer.ggml.add_bos_token` /
+//! `add_eos_token`: Llama 3 and Gemma 3 add BOS).
 //!
 //! Two pre-tokenizations exist for SmolLM2's `"smollm"`, and they disagree on whitespace runs
 //! before digits (2 of the 1.56M tokens of the Shakespeare text):
@@ -22,6 +25,7 @@ use tokenizers::models::bpe::BPE;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::processors::template::TemplateProcessing;
 use tokenizers::{AddedToken, PreTokenizerWrapper, Tokenizer};
 
 /// A chat message for [`LlamaTokenizer::apply_chat_template`].
@@ -54,6 +58,10 @@ pub struct LlamaTokenizer {
     pub bos_token: Option<String>,
     /// End-of-sequence token text.
     pub eos_token: Option<String>,
+    /// [`LlamaTokenizer::encode`] starts with the BOS token (`tokenizer.ggml.add_bos_token`).
+    pub add_bos_token: bool,
+    /// [`LlamaTokenizer::encode`] ends with the EOS token (`tokenizer.ggml.add_eos_token`).
+    pub add_eos_token: bool,
 }
 
 impl LlamaTokenizer {
@@ -134,6 +142,30 @@ impl LlamaTokenizer {
         tokenizer
             .add_special_tokens(special)
             .map_err(|e| anyhow!("adding the control tokens: {e}"))?;
+        // user-defined tokens (llama.cpp's LLAMA_TOKEN_TYPE_USER_DEFINED): one id each,
+        // matched in the raw text before pre-tokenization, not special (kept when decoding
+        // skips special tokens), as transformers' added tokens with special=False
+        let user: Vec<AddedToken> = tokens
+            .iter()
+            .zip(&types)
+            .filter(|(_, &t)| t == 4)
+            .map(|(s, _)| AddedToken::from(s.clone(), false).normalized(false))
+            .collect();
+        tokenizer
+            .add_tokens(user)
+            .map_err(|e| anyhow!("adding the user-defined tokens: {e}"))?;
+        let flag = |key: &str| -> Result<bool> {
+            match gguf.content.metadata.get(key) {
+                Some(v) => v
+                    .to_bool()
+                    .with_context(|| format!("{key} must be a boolean")),
+                None => Ok(false),
+            }
+        };
+        let (add_bos_token, add_eos_token) = (
+            flag("tokenizer.ggml.add_bos_token")?,
+            flag("tokenizer.ggml.add_eos_token")?,
+        );
         let token_text = |key: &str| {
             gguf.content
                 .metadata
@@ -150,17 +182,80 @@ impl LlamaTokenizer {
                 .and_then(|v| v.to_string().ok().cloned()),
             bos_token: token_text("tokenizer.ggml.bos_token_id"),
             eos_token: token_text("tokenizer.ggml.eos_token_id"),
-        })
+            add_bos_token,
+            add_eos_token,
+        }
+        .with_post_processor()?)
     }
 
-    /// Token ids of `text` (control-token strings such as `<|im_start|>` become their ids; no
-    /// BOS is added, as the GGUF's `add_bos_token = false` says).
+    /// Installs the post-processor that adds the BOS / EOS token as the flags say (a
+    /// `TemplateProcessing`, which tokenizer.json then carries for transformers).
+    fn with_post_processor(mut self) -> Result<Self> {
+        let mut single = Vec::new();
+        let mut special = Vec::new();
+        for (on, text, key) in [
+            (self.add_bos_token, &self.bos_token, "bos"),
+            (self.add_eos_token, &self.eos_token, "eos"),
+        ] {
+            if !on {
+                continue;
+            }
+            let text = text.clone().with_context(|| {
+                format!("tokenizer.ggml.add_{key}_token is true but tokenizer.ggml.{key}_token_id names no token")
+            })?;
+            let id = self
+                .tokenizer
+                .token_to_id(&text)
+                .with_context(|| format!("the {key} token {text:?} is not in the vocabulary"))?;
+            single.push(text.clone());
+            special.push((text, id));
+        }
+        if special.is_empty() {
+            return Ok(self);
+        }
+        let mut pieces = single.clone();
+        pieces.insert(usize::from(self.add_bos_token), "$A".to_string());
+        let mut pair = pieces.clone();
+        let mut b = single;
+        b.insert(usize::from(self.add_bos_token), "$B:1".to_string());
+        pair.extend(b.iter().map(|p| {
+            if p == "$B:1" {
+                p.clone()
+            } else {
+                format!("{p}:1")
+            }
+        }));
+        let template = TemplateProcessing::builder()
+            .try_single(pieces)
+            .map_err(|e| anyhow!("the BOS/EOS template: {e}"))?
+            .try_pair(pair)
+            .map_err(|e| anyhow!("the BOS/EOS pair template: {e}"))?
+            .special_tokens(special)
+            .build()
+            .map_err(|e| anyhow!("the BOS/EOS template: {e}"))?;
+        self.tokenizer.with_post_processor(Some(template));
+        Ok(self)
+    }
+
+    /// Token ids of `text`, with the BOS / EOS token when the file's `add_bos_token` /
+    /// `add_eos_token` say so (transformers' `tokenizer(text)`, llama.cpp's
+    /// `llama_tokenize(..., add_special = true)`); control and user-defined token strings
+    /// such as `<|im_start|>` or `<think>` become their ids.
     ///
     /// Errors: a tokenizer failure.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        self.encode_with(text, true)
+    }
+
+    /// [`Self::encode`], adding the BOS / EOS token only when `add_special_tokens` (as
+    /// transformers' argument: `false` for a text that already holds them, e.g. a rendered
+    /// chat template that starts with `bos_token`, or a continuation).
+    ///
+    /// Errors: a tokenizer failure.
+    pub fn encode_with(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
         let enc = self
             .tokenizer
-            .encode(text, false)
+            .encode(text, add_special_tokens)
             .map_err(|e| anyhow!("tokenizing: {e}"))?;
         Ok(enc.get_ids().to_vec())
     }

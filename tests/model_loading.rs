@@ -1,0 +1,757 @@
+//! Model files that would load wrong without a word (issue 37): RoPE scaling in config.json and
+//! GGUF (Llama 3's `llama3` type, `linear`, llama.cpp's `rope_freqs.weight`), keys that change
+//! the math and are not implemented (refused, named), GGUF user-defined tokens and
+//! `add_bos_token`, and PEFT adapter configs (`use_rslora`, `lm_head` in `target_modules`,
+//! `modules_to_save`, DoRA, ...). Reference values are computed here from the published
+//! formulas (transformers' `_compute_llama3_parameters`, llama.cpp's `convert_hf_to_gguf.py`,
+//! PEFT's `LoraLayer.update_layer`) or taken from candle-transformers 0.11.1's `llama`.
+
+mod common;
+use anyhow::Result;
+use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+use candle_core::{DType, Device, Tensor};
+use common::max_abs;
+use std::collections::HashMap;
+use std::f64::consts::PI;
+use std::path::{Path, PathBuf};
+use wick::lora::{self, LoraConfig};
+use wick::models::llama_config::RopeScaling;
+use wick::models::llama_io::{self, Gguf};
+use wick::models::llama_tokenizer::LlamaTokenizer;
+use wick::models::{FineTune, KvCache, Llama, LlamaConfig, LlamaWeights};
+use wick::{ParamStore, Precision};
+
+fn tempdir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("wick-loading-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// The tiny config (head width 16, RoPE base 10000) with 256 positions.
+fn tiny_config() -> LlamaConfig {
+    LlamaConfig {
+        max_position_embeddings: 256,
+        ..LlamaConfig::tiny(96)
+    }
+}
+
+/// Random tiny weights, q and k scaled up so that attention is sharp and positions matter.
+fn tiny_weights() -> LlamaWeights {
+    let mut w = LlamaWeights::random(tiny_config(), 5).unwrap();
+    for (name, t) in w.tensors.iter_mut() {
+        if name.ends_with("q_proj.weight") || name.ends_with("k_proj.weight") {
+            *t = (&*t * 4.0).unwrap();
+        }
+    }
+    w
+}
+
+/// An HF folder of the tiny weights whose config.json gets `edit` applied.
+fn hf_folder(
+    tag: &str,
+    edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>),
+) -> PathBuf {
+    let dir = tempdir(tag);
+    llama_io::save_pretrained(&tiny_weights(), &dir).unwrap();
+    let path = dir.join("config.json");
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(json.as_object_mut().unwrap());
+    std::fs::write(&path, serde_json::to_string_pretty(&json).unwrap()).unwrap();
+    dir
+}
+
+fn ids(t: usize) -> Tensor {
+    let v: Vec<u32> = (0..t as u32).map(|i| (i * 37 + 11) % 96).collect();
+    Tensor::from_vec(v, (1, t), &Device::Cpu).unwrap()
+}
+
+/// wick's logits `(1, T, V)` of `ids` for `weights` (f32, CPU).
+fn logits(weights: &LlamaWeights, ids: &Tensor) -> Tensor {
+    let store = ParamStore::new(Precision::Fp32, Device::Cpu, 0);
+    let m = Llama::new(&store, weights, &FineTune::Full).unwrap();
+    m.forward_cached(ids, &mut KvCache::default()).unwrap()
+}
+
+/// transformers' `_compute_llama3_parameters` (and candle-transformers' `llama::Cache::new`),
+/// written out here: the llama3-scaled inverse frequency of the default `f`.
+fn llama3_scaled(f: f64, factor: f64, low: f64, high: f64, original: f64) -> f64 {
+    let wavelen = 2.0 * PI / f;
+    if wavelen < original / high {
+        f
+    } else if wavelen > original / low {
+        f / factor
+    } else {
+        let s = (original / wavelen - low) / (high - low);
+        (1.0 - s) * f / factor + s * f
+    }
+}
+
+fn default_inv_freq(theta: f64, d: usize) -> Vec<f64> {
+    (0..d / 2)
+        .map(|i| 1.0 / theta.powf((2 * i) as f64 / d as f64))
+        .collect()
+}
+
+fn llama3_json(original: usize) -> serde_json::Value {
+    serde_json::json!({
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": original,
+    })
+}
+
+#[test]
+fn llama3_rope_scaling_in_config_json_matches_candle_transformers() -> Result<()> {
+    // original context 64: with head width 16 and base 10000 the wavelengths 6.3, 19.9, 62.8,
+    // 199, ... fall in all three regimes (kept < 16 <= smoothed <= 64 < divided)
+    let dir = hf_folder("llama3", |c| {
+        c.insert("rope_scaling".into(), llama3_json(64));
+    });
+    let w = llama_io::read_safetensors(&dir)?;
+    assert_eq!(
+        w.config.rope_scaling,
+        Some(RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 64,
+        })
+    );
+    let want: Vec<f64> = default_inv_freq(10000.0, 16)
+        .into_iter()
+        .map(|f| llama3_scaled(f, 8.0, 1.0, 4.0, 64.0))
+        .collect();
+    let got = w.config.rope_inv_freq();
+    for (i, (g, e)) in got.iter().zip(&want).enumerate() {
+        assert!((g - e).abs() <= 1e-12 * e, "inv_freq[{i}]: {g} vs {e}");
+    }
+    assert!(
+        want[0] == default_inv_freq(10000.0, 16)[0]
+            && want[7] < default_inv_freq(10000.0, 16)[7] / 7.9
+    );
+
+    let t = 48;
+    let ours = logits(&w, &ids(t)).narrow(1, t - 1, 1)?.squeeze(1)?;
+    let ct_cfg: candle_transformers::models::llama::LlamaConfig =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json"))?)?;
+    let ct_cfg = ct_cfg.into_config(false);
+    let vb = unsafe {
+        candle_nn::VarBuilder::from_mmaped_safetensors(
+            &[dir.join("model.safetensors")],
+            DType::F32,
+            &Device::Cpu,
+        )?
+    };
+    let ct = candle_transformers::models::llama::Llama::load(vb, &ct_cfg)?;
+    let mut cache =
+        candle_transformers::models::llama::Cache::new(false, DType::F32, &ct_cfg, &Device::Cpu)?;
+    let theirs = ct.forward(&ids(t), 0, &mut cache)?; // (1, V), last position
+    let d = max_abs(&ours, &theirs);
+    assert!(d < 1e-4, "wick and candle-transformers differ by {d}");
+    // the scaling matters here: the unscaled model is far from both
+    let plain = logits(&tiny_weights(), &ids(t))
+        .narrow(1, t - 1, 1)?
+        .squeeze(1)?;
+    let gap = max_abs(&plain, &theirs);
+    assert!(gap > 100.0 * d.max(1e-5), "unscaled logits only {gap} away (wick vs candle {d})");
+    Ok(())
+}
+
+#[test]
+fn linear_rope_scaling_divides_positions() -> Result<()> {
+    // the legacy `type` key, as older configs write it
+    let dir = hf_folder("linear", |c| {
+        c.insert(
+            "rope_scaling".into(),
+            serde_json::json!({"type": "linear", "factor": 4.0}),
+        );
+    });
+    let w = llama_io::read_safetensors(&dir)?;
+    assert_eq!(
+        w.config.rope_scaling,
+        Some(RopeScaling::Linear { factor: 4.0 })
+    );
+    // position 4p with the factor is position p without it
+    let (cos, sin) = w.config.rotary_tables(13, 0, &Device::Cpu)?;
+    let (cos1, sin1) = tiny_config().rotary_tables(4, 0, &Device::Cpu)?;
+    for p in 0..4 {
+        assert!(max_abs(&cos.get(4 * p)?, &cos1.get(p)?) < 1e-6);
+        assert!(max_abs(&sin.get(4 * p)?, &sin1.get(p)?) < 1e-6);
+    }
+    // and the model uses it: logits differ from the unscaled model's
+    let gap = max_abs(&logits(&w, &ids(32)), &logits(&tiny_weights(), &ids(32)));
+    assert!(
+        gap > 1e-2,
+        "linear scaling changed the logits by only {gap}"
+    );
+    // without scaling, the config's tables are ops::rotary_tables'
+    let (c0, s0) = tiny_config().rotary_tables(9, 3, &Device::Cpu)?;
+    let (c1, s1) = wick::ops::rotary_tables(9, 16, 10000.0, 3, &Device::Cpu)?;
+    assert_eq!(max_abs(&c0, &c1) + max_abs(&s0, &s1), 0.0);
+    Ok(())
+}
+
+/// `config.json` edits that change the computation and are not implemented: each refused,
+/// the error naming the key and the file.
+#[test]
+fn config_json_keys_that_change_the_math_are_refused() {
+    let cases: Vec<(&str, serde_json::Value, &str)> = vec![
+        (
+            "rope_scaling",
+            serde_json::json!({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+            "yarn",
+        ),
+        (
+            "rope_scaling",
+            serde_json::json!({"type": "dynamic", "factor": 2.0}),
+            "dynamic",
+        ),
+        (
+            "rope_scaling",
+            serde_json::json!({"rope_type": "longrope", "long_factor": [1.0], "short_factor": [1.0]}),
+            "longrope",
+        ),
+        ("rope_scaling", serde_json::json!({"type": "su"}), "\"su\""),
+        (
+            "rope_scaling",
+            serde_json::json!({"rope_type": "llama3", "factor": 8.0}),
+            "low_freq_factor",
+        ),
+        ("sliding_window", serde_json::json!(32), "sliding_window"),
+        ("attention_bias", serde_json::json!(true), "attention_bias"),
+        ("mlp_bias", serde_json::json!(true), "mlp_bias"),
+        ("hidden_act", serde_json::json!("gelu"), "hidden_act"),
+        ("model_type", serde_json::json!("qwen2"), "model_type"),
+        ("head_dim", serde_json::json!(32), "head_dim"),
+        (
+            "attn_logit_softcapping",
+            serde_json::json!(50.0),
+            "attn_logit_softcapping",
+        ),
+        (
+            "query_pre_attn_scalar",
+            serde_json::json!(256),
+            "query_pre_attn_scalar",
+        ),
+    ];
+    for (i, (key, value, needle)) in cases.into_iter().enumerate() {
+        let dir = hf_folder(&format!("refuse{i}"), |c| {
+            c.insert(key.into(), value.clone());
+        });
+        let path = dir.join("config.json");
+        let err = format!("{:#}", LlamaConfig::from_json_file(&path).unwrap_err());
+        assert!(
+            err.contains(needle),
+            "{key} = {value}: {needle:?} not in {err}"
+        );
+        assert!(err.contains(key), "{key} = {value}: key not named in {err}");
+        assert!(
+            err.contains(&path.display().to_string()),
+            "file not named: {err}"
+        );
+        assert!(llama_io::read_safetensors(&dir).is_err());
+    }
+}
+
+/// The real key sets of SmolLM2-135M-Instruct's, Llama-3.2-1B's and Mistral-7B-v0.3's
+/// config.json (sizes replaced by the tiny model's) load.
+#[test]
+fn real_config_json_key_sets_are_accepted() {
+    let smollm2 = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+        "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", "initializer_range": 0.041666666666666664,
+        "is_llama_config": true, "mlp_bias": false, "model_type": "llama", "pad_token_id": 2,
+        "pretraining_tp": 1, "rope_interleaved": false, "rope_scaling": null, "rope_theta": 100000,
+        "torch_dtype": "bfloat16", "transformers.js_config": {"kv_cache_dtype": {"q4f16": "float16", "fp16": "float16"}},
+        "transformers_version": "4.42.3", "use_cache": true
+    });
+    let llama32 = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+        "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 16, "hidden_act": "silu",
+        "initializer_range": 0.02, "mlp_bias": false, "model_type": "llama", "pretraining_tp": 1,
+        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "rope_theta": 500000.0, "torch_dtype": "bfloat16", "transformers_version": "4.45.0.dev0",
+        "use_cache": true
+    });
+    let mistral = serde_json::json!({
+        "architectures": ["MistralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
+        "eos_token_id": 2, "hidden_act": "silu", "initializer_range": 0.02, "model_type": "mistral",
+        "rope_theta": 1000000.0, "sliding_window": null, "torch_dtype": "bfloat16",
+        "transformers_version": "4.42.0.dev0", "use_cache": true
+    });
+    for (name, keys) in [
+        ("smollm2", smollm2),
+        ("llama32", llama32),
+        ("mistral", mistral),
+    ] {
+        let dir = hf_folder(name, |c| {
+            for (k, v) in keys.as_object().unwrap() {
+                c.insert(k.clone(), v.clone());
+            }
+        });
+        let c = LlamaConfig::from_json_file(&dir.join("config.json"))
+            .unwrap_or_else(|e| panic!("{name}: {e:#}"));
+        assert_eq!(c.rope_scaling.is_some(), name == "llama32", "{name}");
+    }
+    // transformers 5 writes rope_theta and the scaling as one rope_parameters object
+    let dir = hf_folder("ropeparams", |c| {
+        c.remove("rope_theta");
+        let mut p = llama3_json(64);
+        p["rope_theta"] = 20000.0.into();
+        c.insert("rope_parameters".into(), p);
+    });
+    let c = LlamaConfig::from_json_file(&dir.join("config.json")).unwrap();
+    assert_eq!(c.rope_theta, 20000.0);
+    assert!(matches!(
+        c.rope_scaling,
+        Some(RopeScaling::Llama3 {
+            original_max_position_embeddings: 64,
+            ..
+        })
+    ));
+    // a sliding window as long as the context changes nothing
+    let dir = hf_folder("window", |c| {
+        c.insert("sliding_window".into(), 256.into());
+    });
+    assert!(LlamaConfig::from_json_file(&dir.join("config.json")).is_ok());
+}
+
+/// Writes a GGUF file of the tiny weights as llama.cpp's converter lays it out (GGUF names,
+/// q/k rows permuted, f32), with `extra` metadata and tensors.
+fn write_gguf(
+    path: &Path,
+    weights: &LlamaWeights,
+    extra_meta: Vec<(&str, gguf_file::Value)>,
+    extra_tensors: Vec<(&str, Tensor)>,
+) {
+    use gguf_file::Value as V;
+    let c = &weights.config;
+    let mut meta: Vec<(&str, V)> = vec![
+        ("general.architecture", V::String("llama".into())),
+        ("llama.block_count", V::U32(c.num_hidden_layers as u32)),
+        (
+            "llama.context_length",
+            V::U32(c.max_position_embeddings as u32),
+        ),
+        ("llama.embedding_length", V::U32(c.hidden_size as u32)),
+        (
+            "llama.feed_forward_length",
+            V::U32(c.intermediate_size as u32),
+        ),
+        (
+            "llama.attention.head_count",
+            V::U32(c.num_attention_heads as u32),
+        ),
+        (
+            "llama.attention.head_count_kv",
+            V::U32(c.num_key_value_heads as u32),
+        ),
+        (
+            "llama.attention.layer_norm_rms_epsilon",
+            V::F32(c.rms_norm_eps as f32),
+        ),
+        ("llama.rope.freq_base", V::F32(c.rope_theta as f32)),
+        ("llama.rope.dimension_count", V::U32(c.head_dim() as u32)),
+        ("llama.vocab_size", V::U32(c.vocab_size as u32)),
+    ];
+    meta.retain(|(k, _)| !extra_meta.iter().any(|(e, _)| e == k));
+    meta.extend(extra_meta);
+    let mut tensors: Vec<(String, QTensor)> = Vec::new();
+    let gguf_names: HashMap<String, String> =
+        ["token_embd.weight", "output_norm.weight", "output.weight"]
+            .into_iter()
+            .map(String::from)
+            .chain((0..c.num_hidden_layers).flat_map(|i| {
+                [
+                    "attn_norm",
+                    "ffn_norm",
+                    "attn_q",
+                    "attn_k",
+                    "attn_v",
+                    "attn_output",
+                    "ffn_gate",
+                    "ffn_up",
+                    "ffn_down",
+                ]
+                .map(|p| format!("blk.{i}.{p}.weight"))
+            }))
+            .filter_map(|g| llama_io::hf_name(&g).map(|h| (h, g)))
+            .collect();
+    for (hf, t) in &weights.tensors {
+        let mut t = t.clone();
+        if hf.ends_with("q_proj.weight") {
+            t = llama_io::permute_rotary_rows(&t, c.num_attention_heads).unwrap();
+        } else if hf.ends_with("k_proj.weight") {
+            t = llama_io::permute_rotary_rows(&t, c.num_key_value_heads).unwrap();
+        }
+        tensors.push((
+            gguf_names[hf].clone(),
+            QTensor::quantize(&t, GgmlDType::F32).unwrap(),
+        ));
+    }
+    for (name, t) in extra_tensors {
+        tensors.push((name.into(), QTensor::quantize(&t, GgmlDType::F32).unwrap()));
+    }
+    let meta_refs: Vec<(&str, &V)> = meta.iter().map(|(k, v)| (*k, v)).collect();
+    let tensor_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let mut f = std::fs::File::create(path).unwrap();
+    gguf_file::write(&mut f, &meta_refs, &tensor_refs).unwrap();
+}
+
+/// llama.cpp's `convert_hf_to_gguf.py` (`LlamaModel.generate_extra_tensors`): the
+/// `rope_freqs.weight` divisors of Llama 3's scaling (original context 8192).
+fn convert_rope_factors(theta: f64, d: usize, factor: f64) -> Vec<f32> {
+    let (low, high, old) = (1.0, 4.0, 8192.0);
+    default_inv_freq(theta, d)
+        .into_iter()
+        .map(|freq| {
+            let wavelen = 2.0 * PI / freq;
+            if wavelen < old / high {
+                1.0
+            } else if wavelen > old / low {
+                factor as f32
+            } else {
+                let smooth = (old / wavelen - low) / (high - low);
+                (1.0 / ((1.0 - smooth) / factor + smooth)) as f32
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn gguf_rope_freqs_tensor_is_applied_as_llama3_scaling() -> Result<()> {
+    // base 1e6, head width 16: wavelengths 6.3 ... 2π·5623 span the kept, smoothed
+    // (2048..8192) and divided regimes of the 8192-token original context
+    let mut w = tiny_weights();
+    w.config.rope_theta = 1e6;
+    let dir = tempdir("gguf-rope");
+    let ff = convert_rope_factors(1e6, 16, 32.0);
+    assert!(ff[0] == 1.0 && ff[7] == 32.0 && ff.iter().any(|&f| f > 1.0 && f < 32.0));
+    let path = dir.join("llama3.gguf");
+    let rope = Tensor::new(ff.as_slice(), &Device::Cpu)?;
+    write_gguf(&path, &w, vec![], vec![("rope_freqs.weight", rope)]);
+    let back = llama_io::read_gguf(&path)?;
+    assert_eq!(
+        back.config.rope_scaling,
+        Some(RopeScaling::Llama3 {
+            factor: 32.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        })
+    );
+    // llama.cpp divides each frequency by its factor (ggml's rope: `theta / freq_factors[i]`)
+    for ((g, f), d) in back
+        .config
+        .rope_inv_freq()
+        .iter()
+        .zip(&ff)
+        .zip(default_inv_freq(1e6, 16))
+    {
+        assert!(
+            (g - d / *f as f64).abs() <= 1e-6 * g,
+            "{g} vs {}",
+            d / *f as f64
+        );
+    }
+    // and it saves as an HF folder whose config.json says llama3
+    let out = dir.join("hf");
+    llama_io::save_pretrained(&back, &out)?;
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json"))?)?;
+    assert_eq!(cfg["rope_scaling"]["rope_type"], "llama3");
+    assert_eq!(cfg["rope_scaling"]["factor"], 32.0);
+    let d = max_abs(
+        &logits(&back, &ids(20)),
+        &logits(&llama_io::read_safetensors(&out)?, &ids(20)),
+    );
+    assert!(d < 1e-5, "GGUF and saved folder differ by {d}");
+
+    // factors that are not Llama 3's scaling: refused, naming the tensor
+    let bad = dir.join("bad.gguf");
+    write_gguf(
+        &bad,
+        &w,
+        vec![],
+        vec![("rope_freqs.weight", Tensor::new(&[2f32; 8], &Device::Cpu)?)],
+    );
+    let err = format!("{:#}", llama_io::read_gguf(&bad).unwrap_err());
+    assert!(
+        err.contains("rope_freqs.weight") && err.contains("bad.gguf"),
+        "{err}"
+    );
+    // a plain file still reads, and its logits are the weights'
+    let plain = dir.join("plain.gguf");
+    write_gguf(&plain, &w, vec![], vec![]);
+    let p = llama_io::read_gguf(&plain)?;
+    assert_eq!(p.config.rope_scaling, None);
+    assert!(max_abs(&logits(&p, &ids(20)), &logits(&w, &ids(20))) < 1e-5);
+    Ok(())
+}
+
+#[test]
+fn gguf_metadata_that_changes_the_math_is_implemented_or_refused() -> Result<()> {
+    use gguf_file::Value as V;
+    let w = tiny_weights();
+    let dir = tempdir("gguf-keys");
+    // linear scaling as llama.cpp writes it
+    let path = dir.join("linear.gguf");
+    write_gguf(
+        &path,
+        &w,
+        vec![
+            ("llama.rope.scaling.type", V::String("linear".into())),
+            ("llama.rope.scaling.factor", V::F32(4.0)),
+        ],
+        vec![],
+    );
+    assert_eq!(
+        llama_io::read_gguf(&path)?.config.rope_scaling,
+        Some(RopeScaling::Linear { factor: 4.0 })
+    );
+    let cases: Vec<(&str, V)> = vec![
+        ("llama.rope.scaling.type", V::String("yarn".into())),
+        ("llama.attention.sliding_window", V::U32(32)),
+        ("llama.attn_logit_softcapping", V::F32(50.0)),
+        ("llama.final_logit_softcapping", V::F32(30.0)),
+        ("llama.expert_count", V::U32(8)),
+        ("llama.rope.dimension_count", V::U32(8)),
+        ("llama.attention.key_length", V::U32(32)),
+    ];
+    for (i, (key, value)) in cases.into_iter().enumerate() {
+        let path = dir.join(format!("refused{i}.gguf"));
+        let mut extra = vec![(key, value)];
+        if key == "llama.expert_count" {
+            extra.push(("llama.expert_used_count", V::U32(2)));
+        }
+        write_gguf(&path, &w, extra, vec![]);
+        let err = format!("{:#}", llama_io::read_gguf(&path).unwrap_err());
+        assert!(err.contains(key), "{key}: not named in {err}");
+        assert!(
+            err.contains(&path.display().to_string()),
+            "{key}: file not named in {err}"
+        );
+    }
+    Ok(())
+}
+
+fn smollm2_gguf() -> PathBuf {
+    let p =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("data/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(
+        p.exists(),
+        "{} is missing: run scripts/fetch_smollm2.sh first",
+        p.display()
+    );
+    p
+}
+
+/// SmolLM2's tokenizer metadata with a user-defined token `<think>` (type 4, as Qwen3's GGUF
+/// has it) appended and `add_bos_token` true (as Llama 3's and Gemma 3's files say), written
+/// as a tensor-less GGUF.
+#[test]
+fn gguf_user_defined_tokens_are_atomic_and_add_bos_token_is_honoured() -> Result<()> {
+    use gguf_file::Value as V;
+    let base_gguf = Gguf::open(&smollm2_gguf())?;
+    let base = LlamaTokenizer::from_gguf(&base_gguf)?;
+    assert!(!base.add_bos_token);
+    let mut meta: Vec<(String, V)> = base_gguf
+        .content
+        .metadata
+        .iter()
+        .filter(|(k, _)| k.starts_with("tokenizer.") || k.starts_with("general."))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    let think_id = 49152u32;
+    for (k, v) in meta.iter_mut() {
+        match k.as_str() {
+            "tokenizer.ggml.tokens" => {
+                let mut t = v.to_vec()?.clone();
+                assert_eq!(t.len(), think_id as usize);
+                t.push(V::String("<think>".into()));
+                *v = V::Array(t);
+            }
+            "tokenizer.ggml.token_type" => {
+                let mut t = v.to_vec()?.clone();
+                t.push(V::I32(4));
+                *v = V::Array(t);
+            }
+            "tokenizer.ggml.add_bos_token" => *v = V::Bool(true),
+            _ => {}
+        }
+    }
+    let dir = tempdir("tokenizer");
+    let path = dir.join("tok.gguf");
+    let refs: Vec<(&str, &V)> = meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    gguf_file::write(&mut std::fs::File::create(&path)?, &refs, &[])?;
+    let tok = LlamaTokenizer::from_gguf(&Gguf::open(&path)?)?;
+    assert!(tok.add_bos_token && !tok.add_eos_token);
+    let bos = 1u32; // tokenizer.ggml.bos_token_id
+    assert_eq!(tok.bos_token.as_deref(), Some("<|im_start|>"));
+
+    // byte-level BPE alone splits the tag into pieces
+    assert!(base.encode("<think>")?.len() > 1);
+    let text = "Hello<think>so, 2+2 is 4</think>";
+    let mut want = vec![bos];
+    want.extend(base.encode("Hello")?);
+    want.push(think_id);
+    want.extend(base.encode("so, 2+2 is 4</think>")?);
+    assert_eq!(tok.encode(text)?, want);
+    assert_eq!(tok.encode_with(text, false)?, want[1..].to_vec());
+    // user-defined, not control: kept when decoding skips special tokens
+    assert_eq!(
+        tok.tokenizer.decode(&[bos, think_id], true).unwrap(),
+        "<think>"
+    );
+    assert_eq!(tok.decode(&[think_id])?, "<think>");
+    Ok(())
+}
+
+/// An adapter folder: `adapter_config.json` from `config` and a one-tensor
+/// `adapter_model.safetensors`.
+fn adapter_dir(tag: &str, config: &serde_json::Value) -> PathBuf {
+    let dir = tempdir(tag);
+    std::fs::write(dir.join("adapter_config.json"), config.to_string()).unwrap();
+    let t = Tensor::zeros((2, 64), DType::F32, &Device::Cpu).unwrap();
+    candle_core::safetensors::save(
+        &HashMap::from([(
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight".to_string(),
+            t,
+        )]),
+        dir.join("adapter_model.safetensors"),
+    )
+    .unwrap();
+    dir
+}
+
+/// PEFT 0.13's `adapter_config.json` of `LoraConfig(r=16, lora_alpha=32, ...)`, every field.
+fn peft_config() -> serde_json::Value {
+    serde_json::json!({
+        "alpha_pattern": {}, "auto_mapping": null, "base_model_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "bias": "none", "fan_in_fan_out": false, "inference_mode": true, "init_lora_weights": true,
+        "layer_replication": null, "layers_pattern": null, "layers_to_transform": null,
+        "loftq_config": {}, "lora_alpha": 32, "lora_dropout": 0.05, "megatron_config": null,
+        "megatron_core": "megatron.core", "modules_to_save": null, "peft_type": "LORA", "r": 16,
+        "rank_pattern": {}, "revision": null, "target_modules": ["q_proj", "v_proj"],
+        "task_type": "CAUSAL_LM", "use_dora": false, "use_rslora": false
+    })
+}
+
+#[test]
+fn peft_use_rslora_scales_by_alpha_over_sqrt_r() -> Result<()> {
+    let (cfg, _) = lora::load_adapters(&adapter_dir("plain", &peft_config()))?;
+    assert_eq!(cfg.scaling(), 32.0 / 16.0);
+    let mut c = peft_config();
+    c["use_rslora"] = true.into();
+    let (cfg, _) = lora::load_adapters(&adapter_dir("rslora", &c))?;
+    // PEFT: scaling = lora_alpha / math.sqrt(r)
+    assert_eq!(cfg.scaling(), 32.0 / 4.0);
+
+    // saved back with use_rslora, and read the same
+    let out = tempdir("rslora-save");
+    let t = Tensor::zeros((16, 64), DType::F32, &Device::Cpu)?;
+    lora::save_adapter_tensors(
+        vec![("model.layers.0.self_attn.q_proj.lora_A.weight".into(), t)],
+        &cfg,
+        "base",
+        &out,
+    )?;
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("adapter_config.json"))?)?;
+    assert_eq!(json["use_rslora"], true);
+    assert_eq!(lora::load_adapters(&out)?.0.scaling(), 8.0);
+
+    // the model applies it: merging adds alpha / sqrt(r) · B A
+    let w = tiny_weights();
+    let l = LoraConfig {
+        use_rslora: true,
+        ..LoraConfig::all_linear(4, 8.0)
+    };
+    let store = ParamStore::new(Precision::Fp32, Device::Cpu, 3);
+    let m = Llama::new(&store, &w, &FineTune::Lora(l))?;
+    for p in store.params().iter().filter(|p| p.name.contains("lora_B")) {
+        let n = p.master.shape().elem_count() as u32;
+        let v = (Tensor::arange(0u32, n, &Device::Cpu)?
+            .to_dtype(DType::F32)?
+            .sin()?
+            * 0.05)?;
+        p.master.set(&v.reshape(p.master.shape())?)?;
+    }
+    let masters: HashMap<String, Tensor> = m.adapter_masters(&store)?.into_iter().collect();
+    let merged = m.merged_weights(&store)?;
+    let q = "model.layers.1.self_attn.q_proj";
+    let delta = (&merged.tensors[&format!("{q}.weight")] - &w.tensors[&format!("{q}.weight")])?;
+    let ba =
+        masters[&format!("{q}.lora_B.weight")].matmul(&masters[&format!("{q}.lora_A.weight")])?;
+    let want = (ba * (8.0 / 2.0))?;
+    assert!(max_abs(&want, &want.zeros_like()?) > 1e-3);
+    let d = max_abs(&delta, &want);
+    assert!(
+        d < 1e-5,
+        "merged delta differs from alpha/sqrt(r) B A by {d}"
+    );
+    Ok(())
+}
+
+#[test]
+fn peft_keys_that_change_the_adapter_are_refused() {
+    let cases: Vec<(&str, serde_json::Value)> = vec![
+        (
+            "target_modules",
+            serde_json::json!(["q_proj", "v_proj", "lm_head"]),
+        ),
+        (
+            "target_modules",
+            serde_json::json!(["q_proj", "embed_tokens"]),
+        ),
+        ("target_modules", serde_json::json!(".*\\.(q_proj|v_proj)")),
+        ("modules_to_save", serde_json::json!(["lm_head"])),
+        ("use_dora", serde_json::json!(true)),
+        ("lora_bias", serde_json::json!(true)),
+        ("rank_pattern", serde_json::json!({"q_proj": 8})),
+        ("alpha_pattern", serde_json::json!({"v_proj": 64})),
+        ("layers_to_transform", serde_json::json!([0, 1])),
+        ("bias", serde_json::json!("all")),
+        ("fan_in_fan_out", serde_json::json!(true)),
+        ("init_lora_weights", serde_json::json!("pissa")),
+        ("exclude_modules", serde_json::json!(["o_proj"])),
+        ("layer_replication", serde_json::json!([[0, 2]])),
+        ("some_future_key", serde_json::json!(1)),
+    ];
+    for (i, (key, value)) in cases.into_iter().enumerate() {
+        let mut c = peft_config();
+        c[key] = value.clone();
+        let dir = adapter_dir(&format!("refuse{i}"), &c);
+        let err = format!("{:#}", lora::load_adapters(&dir).unwrap_err());
+        let needle = match value.as_array().and_then(|a| a.last()) {
+            Some(serde_json::Value::String(m)) if key == "target_modules" => m.clone(),
+            _ => key.to_string(),
+        };
+        assert!(
+            err.contains(&needle),
+            "{key} = {value}: {needle:?} not in {err}"
+        );
+        assert!(
+            err.contains("adapter_config.json"),
+            "{key}: file not named in {err}"
+        );
+    }
+    // the same check for a config built in code (the examples' --targets)
+    let mut c = LoraConfig::all_linear(8, 16.0);
+    c.target_modules.push("lm_head".into());
+    let err = format!("{:#}", c.validate().unwrap_err());
+    assert!(err.contains("lm_head"), "{err}");
+    // PEFT's "all-linear" is the block linears
+    let mut c = peft_config();
+    c["target_modules"] = "all-linear".into();
+    let (cfg, _) = lora::load_adapters(&adapter_dir("all-linear", &c)).unwrap();
+    assert_eq!(
+        cfg.target_modules,
+        LoraConfig::all_linear(1, 1.0).target_modules
+    );
+}
