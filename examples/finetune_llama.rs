@@ -3,30 +3,47 @@
 //!
 //! ```text
 //! scripts/fetch_smollm2.sh && scripts/fetch_shakespeare.sh
+//! # the real model on 2 CPU cores, about two minutes
+//! cargo run --release --example finetune_llama -- --lora 16 --steps 10 --context 64 --batch 2
 //! cargo run --release --features cuda --example finetune_llama -- --device cuda --full
-//! cargo run --release --features cuda --example finetune_llama -- --device cuda --lora 16
+//! cargo run --release --features cuda --example finetune_llama -- --device cuda --lora 16 --save --save-merged
 //! ```
-//! The text (data/shakespeare/input.txt) is tokenized with the GGUF's own tokenizer and split
-//! 90/10 by position; batches are random windows of `--context` tokens. Prints the validation
-//! loss and a greedy continuation of a fixed prompt before and after, ms/step, tokens/s and
-//! peak memory (CUDA), and a `RESULT {json}` line. `--save DIR` writes the LoRA adapters
-//! (PEFT's layout) or, with `--full`, the weights as an HF folder; `--save-merged DIR` writes
-//! the LoRA-merged model as an HF folder. `--tiny` swaps the model for a random 2-block
-//! config (CPU smoke runs); `--random-weights` keeps the GGUF's config with random weights
-//! (timing runs from a GGUF that carries only the tokenizer and config).
+//! The text (data/shakespeare/input.txt) is cut at the line break nearest 90% of its bytes:
+//! training windows come from the part before, validation windows from the part after. Only
+//! as many tokens of each part as the run can use are tokenized (every window distinct), with
+//! the GGUF's own tokenizer; batches are random windows of `--context` tokens. Prints the
+//! validation loss and a greedy continuation of a fixed prompt before and after, ms/step,
+//! tokens/s and peak memory (CUDA), and a `RESULT {json}` line; a progress bar on a terminal.
+//!
+//! `--save [DIR]` writes the LoRA adapters (PEFT's layout) or, with `--full`, the weights as an
+//! HF folder; `--save-merged [DIR]` writes the LoRA-merged model as an HF folder; both default
+//! under `runs/` (ignored by git), and HF folders carry `tokenizer.json` and
+//! `tokenizer_config.json` (with the chat template) for transformers. `--save-every N` writes a
+//! checkpoint every N steps into `--checkpoint-dir`; `--resume` continues the newest one; Ctrl-C
+//! saves a checkpoint there and exits with status 130.
+//!
+//! `--tiny` swaps the model for a random 2-block config (CPU smoke runs: its losses and text are
+//! noise); `--random-weights` keeps the GGUF's config with random weights (timing runs from a
+//! GGUF that carries only the tokenizer and config).
 
 use anyhow::{bail, ensure, Context, Result};
 use candle_core::{Device, Tensor};
 use clap::Parser;
+use indicatif::{ProgressBar, ProgressStyle};
 use rand::{rngs::StdRng, Rng, SeedableRng};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
+use wick::checkpoint::{self, Checkpointer};
+use wick::cli::{dropout, non_negative_f64, non_negative_usize, positive_f64, positive_usize};
 use wick::lora::{self, LoraConfig};
 use wick::models::llama_io::{self, Gguf};
-use wick::models::llama_tokenizer::LlamaTokenizer;
+use wick::models::llama_tokenizer::{safe_cut, LlamaTokenizer};
 use wick::models::{FineTune, KvCache, Llama, LlamaConfig, LlamaWeights};
 use wick::optim::LrSchedule;
 use wick::{Engine, EngineConfig, ParamStore, Precision};
+
+/// Positions of the `--tiny` model (its rotary tables): `--context` above this is refused.
+const TINY_POSITIONS: usize = 512;
 
 #[derive(Parser, Debug)]
 #[command(about = "Fine-tune SmolLM2-135M (GGUF) on Shakespeare: full or LoRA")]
@@ -41,13 +58,13 @@ struct Args {
     #[arg(long, conflicts_with = "lora")]
     full: bool,
     /// LoRA rank (the default mode, rank 16).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = positive_usize)]
     lora: Option<usize>,
     /// LoRA alpha (default: 2 x rank).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = positive_f64)]
     alpha: Option<f64>,
-    /// LoRA dropout.
-    #[arg(long, default_value_t = 0.0)]
+    /// LoRA dropout, in [0, 1).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true, value_parser = dropout)]
     lora_dropout: f64,
     /// LoRA target modules, comma-separated (PEFT's names).
     #[arg(
@@ -64,45 +81,65 @@ struct Args {
     /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     device: String,
-    /// Timed training steps.
-    #[arg(long, default_value_t = 100)]
+    /// Timed training steps (after --warmup-steps).
+    #[arg(long, default_value_t = 100, allow_negative_numbers = true, value_parser = positive_usize)]
     steps: usize,
     /// Untimed training steps before them (kernel JIT, allocator warm-up).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, allow_negative_numbers = true, value_parser = non_negative_usize)]
     warmup_steps: usize,
     /// Sequences per step.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, allow_negative_numbers = true, value_parser = positive_usize)]
     batch: usize,
-    /// Tokens per sequence.
-    #[arg(long, default_value_t = 1024)]
+    /// Tokens per sequence (at least 2, at most the model's positions: 8192 for SmolLM2, 512
+    /// for --tiny).
+    #[arg(long, default_value_t = 1024, allow_negative_numbers = true, value_parser = positive_usize)]
     context: usize,
-    /// Validation batches (random windows of the last 10%, fixed seed).
-    #[arg(long, default_value_t = 16)]
+    /// Validation batches (random windows of the validation part, fixed seed).
+    #[arg(long, default_value_t = 16, allow_negative_numbers = true, value_parser = positive_usize)]
     val_batches: usize,
     /// Learning rate (default 5e-5 full, 1e-3 LoRA).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = positive_f64)]
     lr: Option<f64>,
     /// AdamW weight decay (default 0.1 full, 0 LoRA), on every trainable tensor as in the
     /// PyTorch reference's single parameter group.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = non_negative_f64)]
     weight_decay: Option<f64>,
-    /// Global gradient-norm clip.
-    #[arg(long, default_value_t = 1.0)]
+    /// Global gradient-norm clip (0: no clipping).
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true, value_parser = non_negative_f64)]
     clip: f64,
-    /// Tokens of the greedy continuation.
-    #[arg(long, default_value_t = 40)]
+    /// Tokens of the greedy continuation (0: none).
+    #[arg(long, default_value_t = 40, allow_negative_numbers = true, value_parser = non_negative_usize)]
     max_new_tokens: usize,
-    /// Save the adapters (LoRA) or the weights (full) here.
+    /// Print a log line every N steps (and at the last step).
+    #[arg(long, default_value_t = 25, allow_negative_numbers = true, value_parser = positive_usize)]
+    log_every: usize,
+    /// Save the adapters (LoRA, PEFT's layout) or the weights (full, an HF folder with the
+    /// tokenizer) at the end; without DIR into runs/finetune_llama/adapter or .../model.
+    #[arg(long, num_args = 0..=1, value_name = "DIR")]
+    save: Option<Option<PathBuf>>,
+    /// Save the LoRA-merged model (an HF folder with the tokenizer) at the end; without DIR
+    /// into runs/finetune_llama/merged.
+    #[arg(long, num_args = 0..=1, value_name = "DIR")]
+    save_merged: Option<Option<PathBuf>>,
+    /// Training checkpoints (--save-every, Ctrl-C, --resume) go here.
+    #[arg(long, default_value = "runs/finetune_llama/checkpoints")]
+    checkpoint_dir: PathBuf,
+    /// Save a checkpoint every N steps and at the end (0: only on Ctrl-C).
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true, value_parser = non_negative_usize)]
+    save_every: usize,
+    /// Keep the newest N checkpoints in --checkpoint-dir (0: all).
+    #[arg(long, default_value_t = 2, allow_negative_numbers = true, value_parser = non_negative_usize)]
+    keep_last: usize,
+    /// Continue from the newest checkpoint in --checkpoint-dir (an error when there is none).
+    /// Pass the original run's flags; --steps may grow.
     #[arg(long)]
-    save: Option<PathBuf>,
-    /// Save the LoRA-merged model here (an HF folder).
-    #[arg(long)]
-    save_merged: Option<PathBuf>,
+    resume: bool,
     /// Write the trained model's logits summary on the prompt (scripts/smollm2_fixture.py
     /// check-adapter / check-merged read it).
     #[arg(long)]
     export_logits: Option<PathBuf>,
-    /// A random 2-block model (vocabulary of the GGUF's tokenizer) instead of the GGUF's.
+    /// A random 2-block model (the GGUF's tokenizer and vocabulary, random weights) instead of
+    /// SmolLM2: a CPU smoke run whose losses and generated text are noise.
     #[arg(long)]
     tiny: bool,
     /// The GGUF's config with random weights (N(0, 0.02)), for timing runs that need no
@@ -113,7 +150,8 @@ struct Args {
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Train and validate on these windows instead of drawing them: the JSON of
-    /// scripts/torch_llama_windows.py (the draws of ../shared/reference/torch_llama.py).
+    /// scripts/torch_llama_windows.py (the draws of ../shared/reference/torch_llama.py). The
+    /// whole text is tokenized and split at 90% of its tokens, as torch_llama.py does.
     #[arg(long)]
     windows: Option<PathBuf>,
     /// The mode's key in `--windows` (default: full or lora).
@@ -203,11 +241,97 @@ fn logits_summary(model: &Llama, prompt: &[u32], dev: &Device) -> Result<serde_j
     }))
 }
 
+/// The text cut for training and validation, tokenized (see the module docs).
+struct Split {
+    train: Vec<u32>,
+    val: Vec<u32>,
+    /// How the split was made, for the header.
+    what: String,
+}
+
+/// Training and validation tokens: with `--windows`, the whole text split at 90% of its
+/// tokens (torch_llama.py's split); else the text cut at the line break nearest 90% of its
+/// bytes, and of each part only the tokens `train_need` / `val_need` ask for.
+fn split_text(
+    tok: &LlamaTokenizer,
+    text: &str,
+    whole: bool,
+    train_need: usize,
+    val_need: usize,
+) -> Result<Split> {
+    if whole {
+        let ids = tok.encode(text)?;
+        let n_train = (0.9 * ids.len() as f64) as usize; // torch_llama.py: int(0.9 * len(ids))
+        let what = format!("whole text {} tokens, split at token {n_train}", ids.len());
+        let (train, val) = ids.split_at(n_train);
+        return Ok(Split {
+            train: train.to_vec(),
+            val: val.to_vec(),
+            what,
+        });
+    }
+    // the first place at or after 90% where a cut leaves the tokens as the whole text's
+    let cut = safe_cut(text, text.len() * 9 / 10);
+    let (train, used_train) = tok.encode_prefix(&text[..cut], train_need)?;
+    let (val, used_val) = tok.encode_prefix(&text[cut..], val_need)?;
+    Ok(Split {
+        what: format!(
+            "train: {} tokens of bytes 0-{used_train}, validation: {} tokens of bytes \
+             {cut}-{} (of {} bytes)",
+            train.len(),
+            val.len(),
+            cut + used_val,
+            text.len()
+        ),
+        train,
+        val,
+    })
+}
+
+/// What a checkpoint records about its run; `--resume` refuses a run whose flags differ.
+fn run_fingerprint(a: &Args, mode: &str, precision: Precision) -> serde_json::Value {
+    serde_json::json!({
+        "mode": mode,
+        "model": if a.tiny { "tiny".to_string() } else if a.random_weights {
+            "random-weights".to_string() } else { a.gguf.display().to_string() },
+        "precision": precision.name(),
+        "context": a.context,
+        "batch": a.batch,
+        "seed": a.seed,
+        "windows": a.windows.as_ref().map(|p| p.display().to_string()),
+    })
+}
+
+/// `DIR` of `--save DIR`, or `default` for a bare `--save`.
+fn out_dir(flag: &Option<Option<PathBuf>>, default: &str) -> Option<PathBuf> {
+    flag.as_ref()
+        .map(|d| d.clone().unwrap_or_else(|| PathBuf::from(default)))
+}
+
+/// Writes an HF folder: the weights and config, then the tokenizer files.
+fn save_hf_folder(
+    weights: &LlamaWeights,
+    tok: &LlamaTokenizer,
+    dir: &Path,
+    positions: usize,
+) -> Result<()> {
+    llama_io::save_pretrained(weights, dir)?;
+    tok.save_pretrained(dir, positions)
+}
+
 fn main() -> Result<()> {
+    // wick reports through `tracing` (checkpoint warnings): show warnings and errors on stderr
+    tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::WARN)
+        .with_writer(std::io::stderr)
+        .without_time()
+        .with_target(false)
+        .init();
     let a = Args::parse();
     ensure!(
-        a.batch >= 1 && a.context >= 2 && a.val_batches >= 1,
-        "--batch and --val-batches must be >= 1 and --context >= 2"
+        a.context >= 2,
+        "--context {} is too short: a window needs at least 2 tokens",
+        a.context
     );
     let precision: Precision = a.precision.parse()?;
     let dev = wick::device_from_flag(&a.device)?;
@@ -225,9 +349,14 @@ fn main() -> Result<()> {
         l.validate()?;
         FineTune::Lora(l)
     };
+    let mode = if a.full {
+        "full".to_string()
+    } else {
+        format!("lora{rank}")
+    };
     let lr = a.lr.unwrap_or(if a.full { 5e-5 } else { 1e-3 });
     let wd = a.weight_decay.unwrap_or(if a.full { 0.1 } else { 0.0 });
-    ensure!(lr.is_finite() && lr > 0.0, "--lr must be finite and > 0");
+    let total_steps = a.warmup_steps + a.steps;
 
     // model, tokenizer, data
     let t0 = Instant::now();
@@ -237,25 +366,36 @@ fn main() -> Result<()> {
             a.gguf.display()
         )
     })?;
+    let gguf_config = gguf.config()?;
+    let positions = if a.tiny {
+        TINY_POSITIONS
+    } else {
+        gguf_config.max_position_embeddings
+    };
+    ensure!(
+        a.context <= positions,
+        "--context {} exceeds the {} positions of {}; pass --context {positions} or less",
+        a.context,
+        positions,
+        if a.tiny {
+            "the --tiny model".to_string()
+        } else {
+            format!("{} (llama.context_length)", a.gguf.display())
+        }
+    );
     let tok = LlamaTokenizer::from_gguf(&gguf)?;
     let weights = if a.tiny {
-        let mut c = LlamaConfig::tiny(gguf.config()?.vocab_size);
-        c.max_position_embeddings = a.context.max(64);
-        c.eos_token_id = gguf.config()?.eos_token_id;
+        let mut c = LlamaConfig::tiny(gguf_config.vocab_size);
+        c.max_position_embeddings = TINY_POSITIONS;
+        c.eos_token_id = gguf_config.eos_token_id;
         LlamaWeights::random(c, a.seed)?
     } else if a.random_weights {
-        LlamaWeights::random(gguf.config()?, a.seed)?
+        LlamaWeights::random(gguf_config, a.seed)?
     } else {
         let mut g = gguf;
         g.weights()?
     };
     let load_s = t0.elapsed().as_secs_f64();
-    ensure!(
-        a.context <= weights.config.max_position_embeddings,
-        "--context {} exceeds the model's {} positions",
-        a.context,
-        weights.config.max_position_embeddings
-    );
     let text = std::fs::read_to_string(&a.text).with_context(|| {
         format!(
             "reading {} (run scripts/fetch_shakespeare.sh)",
@@ -263,18 +403,27 @@ fn main() -> Result<()> {
         )
     })?;
     let t1 = Instant::now();
-    let ids = tok.encode(&text)?;
+    // every window distinct: steps x batch windows of context + 1 tokens
+    let window = a.context + 1;
+    let split = split_text(
+        &tok,
+        &text,
+        a.windows.is_some(),
+        (total_steps * a.batch * window).max(window + 1),
+        (a.val_batches * a.batch * window).max(window + 1),
+    )?;
     let tokenize_s = t1.elapsed().as_secs_f64();
-    let n_train = (0.9 * ids.len() as f64) as usize; // torch_llama.py: int(0.9 * len(ids))
-    let (train, val) = ids.split_at(n_train);
-    if val.len() < a.context + 2 {
-        bail!(
-            "{}: {} tokens leave {} for validation, fewer than --context {} + 2",
-            a.text.display(),
-            ids.len(),
-            val.len(),
-            a.context
-        );
+    let (train, val) = (&split.train[..], &split.val[..]);
+    for (part, ids) in [("training", train), ("validation", val)] {
+        if ids.len() < a.context + 2 {
+            bail!(
+                "{}: the {part} part has {} tokens, fewer than --context {} + 2; use a longer \
+                 text or a shorter --context",
+                a.text.display(),
+                ids.len(),
+                a.context
+            );
+        }
     }
     let fixed = match &a.windows {
         Some(p) => {
@@ -283,14 +432,15 @@ fn main() -> Result<()> {
                 .clone()
                 .unwrap_or(if a.full { "full" } else { "lora" }.into());
             let w = read_windows(p, &mode, train.len())?;
-            let needed = a.warmup_steps + a.steps;
             let fits = |l: &[Vec<usize>], len: usize| {
                 l.iter().flatten().all(|&s| s + a.context < len)
                     && l.iter().all(|b| b.len() == a.batch)
             };
             ensure!(
-                w.train.len() >= needed && fits(&w.train, train.len()) && fits(&w.val, val.len()),
-                "{}: the windows do not fit --batch {} --context {} and {needed} steps",
+                w.train.len() >= total_steps
+                    && fits(&w.train, train.len())
+                    && fits(&w.val, val.len()),
+                "{}: the windows do not fit --batch {} --context {} and {total_steps} steps",
                 p.display(),
                 a.batch,
                 a.context
@@ -320,27 +470,27 @@ fn main() -> Result<()> {
     model.set_checkpointing(a.checkpointing)?;
     store.set_weight_decay("*", true)?;
     let trainable = store.num_elements();
+    let what = match (a.tiny, a.random_weights, a.full) {
+        (true, _, _) => format!(
+            "random tiny Llama ({mode}; random weights, SmolLM2's tokenizer): a smoke run, its \
+             losses and greedy text are noise"
+        ),
+        (_, true, _) => format!("SmolLM2-135M config with random weights ({mode}, timing run)"),
+        (_, _, true) => "SmolLM2-135M-Instruct, full fine-tune".to_string(),
+        _ => format!("SmolLM2-135M-Instruct, LoRA r{rank}"),
+    };
     println!(
-        "SmolLM2 {}: {} blocks, {} trainable parameters, frozen base {:.1} MB, {} on {:?}; \
-         text {} tokens ({} train / {} val), loaded in {load_s:.1} s, tokenized in {tokenize_s:.1} s",
-        if a.full { "full fine-tune" } else { "LoRA" },
+        "{what}: {} blocks, {} trainable parameters, frozen base {:.1} MB, {}",
         model.config().num_hidden_layers,
         trainable,
         model.frozen_bytes() as f64 / 1e6,
-        precision.name(),
-        dev,
-        ids.len(),
-        train.len(),
-        val.len()
+        wick::perf::precision_on_device(precision, &dev),
     );
-    let prompt = tok.encode(PROMPT)?;
-    let greedy = |m: &Llama| -> Result<String> {
-        tok.decode(&m.generate(&prompt, a.max_new_tokens, 0.0, 0)?)
-    };
-    let val_before = val_loss(&model, &val_batches)?;
-    let greedy_before = greedy(&model)?;
-    println!("validation loss before: {val_before:.4}");
-    println!("greedy before: {greedy_before:?}");
+    println!(
+        "text {}: {}; loaded in {load_s:.1} s, tokenized in {tokenize_s:.1} s",
+        a.text.display(),
+        split.what
+    );
 
     let mut ec = EngineConfig::adamw(lr);
     if let wick::engine::OptimizerConfig::AdamW(o) = &mut ec.optimizer {
@@ -348,36 +498,110 @@ fn main() -> Result<()> {
         o.weight_decay = wd;
     }
     ec.schedule = LrSchedule::Constant { lr };
-    ec.max_grad_norm = Some(a.clip);
+    ec.max_grad_norm = (a.clip > 0.0).then_some(a.clip);
     let mut engine = Engine::new(store.clone(), ec)?;
-    let mut rng = StdRng::seed_from_u64(a.seed);
-    let mut drawn = 0;
-    let mut step = |engine: &mut Engine| -> Result<wick::StepReport> {
-        let s = match &fixed {
-            Some(w) => w.train[drawn].clone(),
-            None => random_starts(&mut rng, train.len(), a.context, a.batch),
+
+    // checkpoints: --resume, then --save-every and Ctrl-C
+    let ckpt = Checkpointer::new(&a.checkpoint_dir, a.keep_last);
+    let fingerprint = run_fingerprint(&a, &mode, precision);
+    if a.resume {
+        let Some(resumed) = ckpt.resume(&mut engine).context("--resume")? else {
+            bail!(
+                "nothing to resume: no checkpoint in {} (drop --resume to start fresh, or pass \
+                 the run's --checkpoint-dir)",
+                a.checkpoint_dir.display()
+            );
         };
-        drawn += 1;
-        let (x, y) = windows(train, &s, a.context, &dev)?;
-        engine.step(|_| model.loss(&x, &y))
-    };
-    wick::cuda::reset_peak_memory(&dev)?;
-    for _ in 0..a.warmup_steps {
-        step(&mut engine)?;
+        let path = &resumed.path;
+        for n in &resumed.notices {
+            println!("note: {n}");
+        }
+        let theirs = &resumed.extra["run"];
+        let differ: Vec<String> = fingerprint
+            .as_object()
+            .into_iter()
+            .flatten()
+            .filter(|(k, v)| theirs.get(k.as_str()) != Some(v))
+            .map(|(k, v)| format!("{k} {} (this run: {v})", theirs[k.as_str()]))
+            .collect();
+        ensure!(
+            differ.is_empty(),
+            "--resume: {} was made by a different run: {}; pass the original run's flags",
+            path.display(),
+            differ.join(", ")
+        );
+        ensure!(
+            (engine.boundaries() as usize) < total_steps,
+            "--resume: {} is at step {}, which already reaches --warmup-steps + --steps = \
+             {total_steps}; raise --steps to train further",
+            path.display(),
+            engine.boundaries()
+        );
+        println!(
+            "resumed from {} at step {}",
+            path.display(),
+            engine.boundaries()
+        );
     }
-    dev.synchronize()?;
-    let t2 = Instant::now();
-    let mut last_loss = f32::NAN;
-    for i in 0..a.steps {
-        let r = step(&mut engine)?;
+    checkpoint::install_interrupt_handler()?;
+    let start = engine.boundaries() as usize;
+
+    let prompt = tok.encode(PROMPT)?;
+    let noise = if a.tiny {
+        " (random tiny model: noise)"
+    } else {
+        ""
+    };
+    let greedy = |m: &Llama| -> Result<String> {
+        tok.decode(&m.generate(&prompt, a.max_new_tokens, 0.0, 0)?)
+    };
+    let val_before = val_loss(&model, &val_batches)?;
+    let greedy_before = greedy(&model)?;
+    println!("validation loss at step {start}: {val_before:.4}");
+    println!("greedy at step {start}{noise}: {greedy_before:?}");
+
+    // the batches: drawn in step order (a resumed run replays the draws of the steps done)
+    let mut rng = StdRng::seed_from_u64(a.seed);
+    let mut draw = |step: usize| -> Vec<usize> {
+        match &fixed {
+            Some(w) => w.train[step].clone(),
+            None => random_starts(&mut rng, train.len(), a.context, a.batch),
+        }
+    };
+    for s in 0..start {
+        draw(s);
+    }
+    let bar = ProgressBar::new((total_steps - start) as u64);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} steps  {msg}  [{elapsed_precise} < {eta_precise}]",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    wick::cuda::reset_peak_memory(&dev)?;
+    // timed: the steps after --warmup-steps that this process runs
+    let first_timed = start.max(a.warmup_steps);
+    let mut timer: Option<Instant> = None;
+    let mut losses: Vec<(usize, f32)> = Vec::new();
+    for s in start..total_steps {
+        if s == first_timed {
+            dev.synchronize()?;
+            timer = Some(Instant::now());
+        }
+        let (x, y) = windows(train, &draw(s), a.context, &dev)?;
+        let r = engine.step(|_| model.loss(&x, &y))?;
+        let step = s + 1;
+        bar.inc(1);
         // reading the loss waits for the step: only at the log points
-        if i % 25 == 0 || i + 1 == a.steps {
-            last_loss = r.loss()?;
+        if s % a.log_every == 0 || step == total_steps {
+            let loss = r.loss()?;
+            losses.push((step, loss));
+            bar.set_message(format!("loss {loss:.4}"));
             let (host, gpu) = (r.times(), r.spans.resolve()?);
             let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
-            println!(
-                "step {i:>4}  loss {last_loss:.4}  device fwd/bwd/optim {:.1}/{:.1}/{:.1} ms, \
-                 host queueing {:.1}/{:.1}/{:.1} ms",
+            let line = format!(
+                "step {step:>4}/{total_steps}  loss {loss:.4}  device fwd/bwd/optim \
+                 {:.1}/{:.1}/{:.1} ms, host queueing {:.1}/{:.1}/{:.1} ms",
                 ms(gpu.forward),
                 ms(gpu.backward),
                 ms(gpu.optimizer),
@@ -385,41 +609,64 @@ fn main() -> Result<()> {
                 ms(host.backward),
                 ms(host.optimizer)
             );
+            bar.suspend(|| println!("{line}"));
+        }
+        let interrupted = checkpoint::interrupted();
+        let periodic = a.save_every > 0 && (step % a.save_every == 0 || step == total_steps);
+        if periodic || interrupted {
+            let path = ckpt.save(&engine, serde_json::json!({ "run": fingerprint }))?;
+            bar.suspend(|| println!("saved checkpoint {}", path.display()));
+            if interrupted {
+                bar.finish_and_clear();
+                println!(
+                    "interrupted: saved {} (continue with --resume)",
+                    path.display()
+                );
+                std::process::exit(checkpoint::INTERRUPTED_EXIT_CODE);
+            }
         }
     }
+    bar.finish_and_clear();
     dev.synchronize()?;
-    let secs = t2.elapsed().as_secs_f64();
-    let ms = secs * 1e3 / a.steps.max(1) as f64;
-    let tokens_per_s = (a.batch * a.context) as f64 / ms * 1e3;
+    let timed_steps = total_steps - first_timed;
+    let secs = timer.map_or(0.0, |t| t.elapsed().as_secs_f64());
+    let ms = secs * 1e3 / timed_steps.max(1) as f64;
+    let tokens_per_s = (timed_steps * a.batch * a.context) as f64 / secs;
+    let basis = format!(
+        "trained tokens / wall-clock s, steps {}-{total_steps}",
+        first_timed + 1
+    );
     let peak = wick::cuda::peak_memory_gb(&dev);
     let val_after = val_loss(&model, &val_batches)?;
     let greedy_after = greedy(&model)?;
+    println!("validation loss after {total_steps} steps: {val_after:.4}");
+    println!("greedy after{noise}: {greedy_after:?}");
     println!(
-        "validation loss after {} steps: {val_after:.4}",
-        a.steps + a.warmup_steps
-    );
-    println!("greedy after: {greedy_after:?}");
-    println!(
-        "{:.2} ms/step, {:.0} tokens/s, peak memory {}",
-        ms,
-        tokens_per_s,
+        "{ms:.2} ms/step, {tokens_per_s:.0} tokens/s ({basis}), peak memory {}",
         peak.map_or("n/a (CPU)".into(), |g| format!("{g:.2} GB"))
     );
 
-    if let Some(dir) = &a.save {
+    if let Some(dir) = out_dir(
+        &a.save,
+        if a.full {
+            "runs/finetune_llama/model"
+        } else {
+            "runs/finetune_llama/adapter"
+        },
+    ) {
         match model.lora() {
             Some(l) => lora::save_adapter_tensors(
                 model.adapter_masters(&store)?,
                 l,
                 "SmolLM2-135M-Instruct",
-                dir,
+                &dir,
             )?,
-            None => llama_io::save_pretrained(&model.merged_weights(&store)?, dir)?,
+            None => save_hf_folder(&model.merged_weights(&store)?, &tok, &dir, positions)?,
         }
         println!("saved to {}", dir.display());
     }
-    if let Some(dir) = &a.save_merged {
-        llama_io::save_pretrained(&model.merged_weights(&store)?, dir)?;
+    if let Some(dir) = out_dir(&a.save_merged, "runs/finetune_llama/merged") {
+        save_hf_folder(&model.merged_weights(&store)?, &tok, &dir, positions)?;
         println!("saved the merged model to {}", dir.display());
     }
     if let Some(f) = &a.export_logits {
@@ -427,12 +674,15 @@ fn main() -> Result<()> {
         wick::checkpoint::write_file_atomic(f, serde_json::to_string(&s)?.as_bytes())?;
     }
     let result = serde_json::json!({
-        "mode": if a.full { "full".to_string() } else { format!("lora{rank}") },
+        "mode": mode, "tiny": a.tiny,
         "checkpointing": a.checkpointing, "precision": precision.name(),
         "batch": a.batch, "context": a.context, "steps": a.steps, "warmup_steps": a.warmup_steps,
+        "resumed_at": start, "train_tokens": train.len(), "val_tokens": val.len(),
         "trainable": trainable, "frozen_bytes": model.frozen_bytes(),
-        "ms_per_step": ms, "tok_per_s": tokens_per_s, "peak_GB": peak,
-        "val_loss_before": val_before, "val_loss_after": val_after, "last_train_loss": last_loss,
+        "ms_per_step": ms, "tokens_per_s": tokens_per_s, "tokens_per_s_basis": basis,
+        "peak_GB": peak,
+        "val_loss_before": val_before, "val_loss_after": val_after,
+        "last_train_loss": losses.last().map(|l| l.1), "train_losses": losses,
         "greedy_before": greedy_before, "greedy_after": greedy_after,
     });
     println!("RESULT {result}");

@@ -58,6 +58,10 @@ pub struct LlamaTokenizer {
     pub bos_token: Option<String>,
     /// End-of-sequence token text.
     pub eos_token: Option<String>,
+    /// Unknown-token text (`tokenizer.ggml.unknown_token_id`), if the file names one.
+    pub unk_token: Option<String>,
+    /// Padding-token text (`tokenizer.ggml.padding_token_id`), if the file names one.
+    pub pad_token: Option<String>,
     /// [`LlamaTokenizer::encode`] starts with the BOS token (`tokenizer.ggml.add_bos_token`).
     pub add_bos_token: bool,
     /// [`LlamaTokenizer::encode`] ends with the EOS token (`tokenizer.ggml.add_eos_token`).
@@ -182,6 +186,8 @@ impl LlamaTokenizer {
                 .and_then(|v| v.to_string().ok().cloned()),
             bos_token: token_text("tokenizer.ggml.bos_token_id"),
             eos_token: token_text("tokenizer.ggml.eos_token_id"),
+            unk_token: token_text("tokenizer.ggml.unknown_token_id"),
+            pad_token: token_text("tokenizer.ggml.padding_token_id"),
             add_bos_token,
             add_eos_token,
         }
@@ -260,6 +266,70 @@ impl LlamaTokenizer {
         Ok(enc.get_ids().to_vec())
     }
 
+    /// Token ids of the start of `text`: at least `min_tokens` of them (or all of `text`),
+    /// tokenizing only as much as that needs. Returns the ids and how many bytes of `text`
+    /// they cover. The text is cut only before a line break that follows a non-space
+    /// character (where no pre-tokenizer match of GPT-2's regex, digit split or control token
+    /// can span the cut), so the ids are exactly the first ids of [`Self::encode`]`(text)`.
+    ///
+    /// Errors: a tokenizer failure.
+    pub fn encode_prefix(&self, text: &str, min_tokens: usize) -> Result<(Vec<u32>, usize)> {
+        let bos = self.encode_with("", true)?; // the BOS / EOS the flags add
+        let mut ids = Vec::new();
+        if self.add_bos_token {
+            ids.extend(bos.first());
+        }
+        let (mut start, mut chunk) = (0, 1 << 16);
+        while start < text.len() && ids.len() < min_tokens {
+            let end = safe_cut(text, start + chunk);
+            ids.extend(self.encode_with(&text[start..end], false)?);
+            start = end;
+            chunk = chunk.saturating_mul(2);
+        }
+        if self.add_eos_token && start == text.len() {
+            ids.extend(bos.last());
+        }
+        Ok((ids, start))
+    }
+
+    /// Writes `dir/tokenizer.json` (this tokenizer, in the `tokenizers` format) and
+    /// `dir/tokenizer_config.json` (`PreTrainedTokenizerFast`, the special tokens, the chat
+    /// template and `model_max_length`), so that transformers' `AutoTokenizer.from_pretrained`
+    /// loads an HF folder written by [`super::llama_io::save_pretrained`] as is. Each file is
+    /// written atomically.
+    ///
+    /// Errors: the folder cannot be created or a file written (named).
+    pub fn save_pretrained(&self, dir: &std::path::Path, model_max_length: usize) -> Result<()> {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let json = self
+            .tokenizer
+            .to_string(true)
+            .map_err(|e| anyhow!("serialising the tokenizer: {e}"))?;
+        crate::checkpoint::write_file_atomic(&dir.join("tokenizer.json"), json.as_bytes())?;
+        let mut config = serde_json::json!({
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "model_max_length": model_max_length,
+            "add_prefix_space": false,
+            "clean_up_tokenization_spaces": false,
+        });
+        let m = config.as_object_mut().context("a JSON object")?;
+        for (key, value) in [
+            ("bos_token", &self.bos_token),
+            ("eos_token", &self.eos_token),
+            ("unk_token", &self.unk_token),
+            ("pad_token", &self.pad_token),
+            ("chat_template", &self.chat_template),
+        ] {
+            if let Some(v) = value {
+                m.insert(key.into(), v.clone().into());
+            }
+        }
+        crate::checkpoint::write_file_atomic(
+            &dir.join("tokenizer_config.json"),
+            serde_json::to_string_pretty(&config)?.as_bytes(),
+        )
+    }
+
     /// The text of `ids` (special tokens kept).
     ///
     /// Errors: an id outside the vocabulary.
@@ -295,4 +365,14 @@ impl LlamaTokenizer {
             })
             .map_err(|e| anyhow!("rendering the chat template: {e}"))
     }
+}
+
+/// The first byte offset at or after `at` where `text` may be cut and each part tokenized on
+/// its own with the same ids as the whole (see [`LlamaTokenizer::encode_prefix`]): before a
+/// `\n` that follows an ASCII character other than whitespace; `text.len()` if there is none.
+pub fn safe_cut(text: &str, at: usize) -> usize {
+    let b = text.as_bytes();
+    (at.max(1)..b.len())
+        .find(|&i| b[i] == b'\n' && b[i - 1] < 0x80 && !b[i - 1].is_ascii_whitespace())
+        .unwrap_or(b.len())
 }
