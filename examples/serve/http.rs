@@ -68,6 +68,17 @@ fn rejection(r: JsonRejection) -> ApiError {
     ApiError::new(status, message)
 }
 
+/// The `{version}` of `GET /v1/snapshots/{version}`: a whole number, else 400 with a JSON
+/// error (axum's `Path<u64>` would answer plain text).
+pub fn snapshot_version(text: &str) -> Result<u64, ApiError> {
+    text.parse().map_err(|_| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            format!("snapshot version {text:?} is not a version number: use a whole number >= 0, e.g. /v1/snapshots/0"),
+        )
+    })
+}
+
 /// 404 for a route that does not exist.
 pub async fn not_found(req: Request) -> ApiError {
     ApiError::new(

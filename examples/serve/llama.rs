@@ -421,8 +421,9 @@ async fn list_adapters(State(r): State<Routes>) -> impl IntoResponse {
 
 async fn snapshot_weights(
     State(r): State<Routes>,
-    Path(version): Path<u64>,
+    Path(version): Path<String>,
 ) -> Result<impl IntoResponse, ApiError> {
+    let version = crate::http::snapshot_version(&version)?;
     let p = &r.s.published;
     let snap = p.get(version).ok_or_else(|| {
         ApiError::new(

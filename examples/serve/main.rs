@@ -14,7 +14,7 @@
 //! The README's "Serving and learning from feedback" has curl examples. Prints
 //! `listening on http://ADDR` on stdout once the port is bound (`--port 0`: any free port).
 //! SIGTERM / Ctrl-C: stop accepting, let the trainer finish its step, publish, save a
-//! checkpoint, exit with 128 + the signal (143 / 130).
+//! checkpoint (with `--save-dir`), exit with 128 + the signal (143 / 130).
 
 mod http;
 mod llama;
@@ -58,7 +58,7 @@ pub struct Args {
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
     /// Port (0: any free port; the bound address is printed on stdout).
-    #[arg(long, default_value_t = 8080)]
+    #[arg(long, default_value_t = 8080, allow_negative_numbers = true)]
     port: u16,
     /// cpu or cuda (a --features cuda build).
     #[arg(long, default_value = "cpu")]
@@ -66,41 +66,41 @@ pub struct Args {
     /// Precision: "32", "bf16-mixed" or "16-mixed".
     #[arg(long, default_value = "bf16-mixed")]
     precision: Precision,
-    /// AdamW learning rate (default 1e-3).
-    #[arg(long, default_value_t = 1e-3)]
+    /// AdamW learning rate (> 0).
+    #[arg(long, default_value_t = 1e-3, allow_negative_numbers = true, value_parser = wick::cli::positive_f64)]
     lr: f64,
     /// Seed of the initialisation.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     seed: u64,
-    /// Most feedback examples per training step.
-    #[arg(long, default_value_t = 32)]
+    /// Most feedback examples per training step (>= 1).
+    #[arg(long, default_value_t = 32, allow_negative_numbers = true, value_parser = wick::cli::positive_usize)]
     train_batch: usize,
-    /// Publish new weights every N training steps.
-    #[arg(long, default_value_t = 1)]
-    publish_every: u64,
+    /// Publish new weights every N training steps (>= 1).
+    #[arg(long, default_value_t = 1, allow_negative_numbers = true, value_parser = wick::cli::positive_usize)]
+    publish_every: usize,
     /// Checkpoint every N training steps (0: only on shutdown); needs --save-dir.
-    #[arg(long, default_value_t = 100)]
-    checkpoint_every: u64,
+    #[arg(long, default_value_t = 100, allow_negative_numbers = true, value_parser = wick::cli::non_negative_usize)]
+    checkpoint_every: usize,
     /// Checkpoints go here; a checkpoint already there is resumed.
     #[arg(long)]
     save_dir: Option<PathBuf>,
     /// Fraction of wall time training may take, in (0, 1].
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true, value_parser = wick::cli::fraction)]
     train_share: f64,
-    /// Feedback examples that may wait; beyond it feedback is answered 429.
-    #[arg(long, default_value_t = 1024)]
+    /// Feedback examples that may wait (>= 1); beyond it feedback is answered 429.
+    #[arg(long, default_value_t = 1024, allow_negative_numbers = true, value_parser = wick::cli::positive_usize)]
     queue_capacity: usize,
-    /// Published versions kept retrievable at /v1/snapshots/{version}.
-    #[arg(long, default_value_t = 8)]
+    /// Published versions kept retrievable at /v1/snapshots/{version} (>= 1).
+    #[arg(long, default_value_t = 8, allow_negative_numbers = true, value_parser = wick::cli::positive_usize)]
     keep_versions: usize,
-    /// Largest request body in bytes (larger: 413).
-    #[arg(long, default_value_t = 4 << 20)]
+    /// Largest request body in bytes (>= 1; larger: 413).
+    #[arg(long, default_value_t = 4 << 20, allow_negative_numbers = true, value_parser = wick::cli::positive_usize)]
     body_limit: usize,
-    /// Most images per /predict or /feedback request.
-    #[arg(long, default_value_t = 256)]
+    /// Most images per /predict or /feedback request (>= 1).
+    #[arg(long, default_value_t = 256, allow_negative_numbers = true, value_parser = wick::cli::positive_usize)]
     max_batch: usize,
-    /// Most tokens per completion (llama).
-    #[arg(long, default_value_t = 256)]
+    /// Most tokens per completion (llama; >= 1).
+    #[arg(long, default_value_t = 256, allow_negative_numbers = true, value_parser = wick::cli::positive_usize)]
     max_tokens_limit: usize,
     /// Enable GET /debug/panic (a handler that panics: checks that the server survives).
     #[arg(long)]
@@ -108,10 +108,11 @@ pub struct Args {
     /// mnist: the network.
     #[arg(long, value_enum, default_value = "mlp")]
     arch: mnist::Arch,
-    /// mnist: hidden width of the MLP.
-    #[arg(long, default_value_t = 1024)]
+    /// mnist: hidden width of the MLP (>= 1).
+    #[arg(long, default_value_t = 1024, allow_negative_numbers = true, value_parser = wick::cli::positive_usize)]
     hidden: usize,
-    /// mnist: start from these weights (model.safetensors of an examples/mnist.rs checkpoint).
+    /// mnist: start from these weights (model.safetensors of an examples/mnist.rs checkpoint;
+    /// for llama, --gguf names the weights).
     #[arg(long)]
     init: Option<PathBuf>,
     /// llama: the GGUF (weights, tokenizer).
@@ -120,11 +121,11 @@ pub struct Args {
     /// llama: a random 2-block model over the GGUF's tokenizer (CPU tests).
     #[arg(long)]
     tiny: bool,
-    /// llama: LoRA rank.
-    #[arg(long, default_value_t = 8)]
+    /// llama: LoRA rank (>= 1).
+    #[arg(long, default_value_t = 8, allow_negative_numbers = true, value_parser = wick::cli::positive_usize)]
     lora_rank: usize,
     /// llama: folder of named adapters for POST /v1/adapters/{name}.
-    #[arg(long, default_value = "adapters")]
+    #[arg(long, default_value = "runs/adapters")]
     adapters_dir: PathBuf,
 }
 
@@ -139,9 +140,9 @@ pub fn engine_config(a: &Args) -> EngineConfig {
 /// the version it had published (0 without a checkpoint): publication numbers go on from it.
 pub fn resume(a: &Args, engine: &mut Engine) -> Result<u64> {
     if let Some(dir) = &a.save_dir {
-        if let Some((path, extra)) = Checkpointer::new(dir, 3).resume(engine)? {
-            let version = extra["published_version"].as_u64().unwrap_or(0);
-            eprintln!("resumed from {} (version {version})", path.display());
+        if let Some(resumed) = Checkpointer::new(dir, 3).resume(engine)? {
+            let version = resumed.extra["published_version"].as_u64().unwrap_or(0);
+            eprintln!("resumed from {resumed} (version {version})");
             return Ok(version);
         }
     }
@@ -170,6 +171,7 @@ async fn health(State(c): State<Common>) -> impl IntoResponse {
         "model": c.model,
         "version": (c.version)(),
         "train_steps": c.stats.steps(),
+        "train_examples": c.stats.examples(),
         "queue_depth": (c.depth)(),
     });
     (status, Json(body))
@@ -216,8 +218,8 @@ fn spawn_trainer<L: wick::serve::OnlineLearner>(
     let stats = Arc::new(OnlineStats::default());
     let online = OnlineConfig {
         batch_size: a.train_batch,
-        publish_every: a.publish_every,
-        checkpoint_every: a.checkpoint_every,
+        publish_every: a.publish_every as u64,
+        checkpoint_every: a.checkpoint_every as u64,
         train_share: a.train_share,
         poll: Duration::from_millis(20),
     };
@@ -282,7 +284,7 @@ fn start(a: &Args, stop: Arc<AtomicBool>, m: Arc<metrics::Metrics>) -> Result<St
     }
 }
 
-async fn shutdown_signal(code: Arc<AtomicI32>, stop: Arc<AtomicBool>) {
+async fn shutdown_signal(code: Arc<AtomicI32>, stop: Arc<AtomicBool>, saves: bool) {
     use tokio::signal::unix::{signal, SignalKind};
     let (Ok(mut term), Ok(mut int)) = (
         signal(SignalKind::terminate()),
@@ -297,9 +299,12 @@ async fn shutdown_signal(code: Arc<AtomicI32>, stop: Arc<AtomicBool>) {
     };
     code.store(128 + n, Ordering::SeqCst);
     stop.store(true, Ordering::SeqCst); // the trainer finishes its step meanwhile
-    eprintln!(
-        "signal {n}: no new connections; finishing requests and the training step, then saving"
-    );
+    let then = if saves {
+        ", then saving a checkpoint"
+    } else {
+        " (no --save-dir: nothing is saved)"
+    };
+    eprintln!("signal {n}: no new connections; finishing requests and the training step{then}");
 }
 
 fn main() -> Result<()> {
@@ -309,15 +314,13 @@ fn main() -> Result<()> {
         .with_target(false)
         .init();
     let a = Args::parse();
-    anyhow::ensure!(
-        a.max_batch >= 1 && a.max_tokens_limit >= 1,
-        "--max-batch and --max-tokens-limit must be >= 1"
-    );
-    anyhow::ensure!(
-        a.lr.is_finite() && a.lr > 0.0,
-        "--lr must be finite and > 0, got {}",
-        a.lr
-    );
+    if let (ModelKind::Llama, Some(init)) = (a.model, &a.init) {
+        anyhow::bail!(
+            "--init {} is for --model mnist (a model.safetensors of examples/mnist.rs); \
+             --model llama takes its weights from --gguf",
+            init.display()
+        );
+    }
     let stop = Arc::new(AtomicBool::new(false));
     let m = Arc::new(metrics::Metrics::new());
     let started = start(&a, stop.clone(), m.clone())?;
@@ -348,7 +351,11 @@ fn main() -> Result<()> {
         println!("listening on http://{}", listener.local_addr()?);
         std::io::stdout().flush()?;
         axum::serve(listener, app)
-            .with_graceful_shutdown(shutdown_signal(code.clone(), stop.clone()))
+            .with_graceful_shutdown(shutdown_signal(
+                code.clone(),
+                stop.clone(),
+                a.save_dir.is_some(),
+            ))
             .await
             .context("serving")
     })?;

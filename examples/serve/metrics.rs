@@ -139,7 +139,7 @@ impl Metrics {
         );
         r.register(
             "tokens_per_second",
-            "Decode rate of the last completion (llama)",
+            "Generated tokens / wall-clock s of the last completion, prompt prefill included (llama)",
             m.tokens_per_second.clone(),
         );
         m

@@ -190,6 +190,14 @@ async fn feedback(
         )));
     }
     let n = req.labels.len();
+    let capacity = s.feedback.capacity();
+    if n > capacity {
+        // a 429 would say "retry later", but this request can never fit
+        return Err(ApiError::invalid(format!(
+            "{n} examples in one request; the feedback queue holds at most {capacity} \
+             (--queue-capacity): send at most {capacity} per request"
+        )));
+    }
     for (k, (image, label)) in req.images.into_iter().zip(req.labels).enumerate() {
         if let Err(e) = s.feedback.try_push(Example {
             image,
@@ -214,8 +222,9 @@ async fn feedback(
 /// The tensors of a retained version as safetensors (so an answer can be recomputed).
 async fn snapshot_weights(
     State(s): State<MnistState>,
-    Path(version): Path<u64>,
+    Path(version): Path<String>,
 ) -> Result<impl IntoResponse, ApiError> {
+    let version = crate::http::snapshot_version(&version)?;
     let snap = s.published.get(version).ok_or_else(|| {
         ApiError::new(
             StatusCode::NOT_FOUND,
@@ -237,12 +246,33 @@ pub fn router(state: MnistState) -> Router {
         .with_state(state)
 }
 
+/// `--init` takes safetensors; a GGUF file (llama.cpp's format, by its magic bytes) would
+/// otherwise fail inside the safetensors reader with "header too large".
+fn refuse_gguf(init: &std::path::Path) -> Result<()> {
+    use std::io::Read;
+    let mut magic = [0u8; 4];
+    let is_gguf = std::fs::File::open(init)
+        .and_then(|mut f| f.read_exact(&mut magic))
+        .is_ok()
+        && &magic == b"GGUF";
+    anyhow::ensure!(
+        !is_gguf,
+        "--init {}: this is a GGUF file (llama.cpp's format); --init takes the \
+         model.safetensors of an examples/mnist.rs checkpoint. To serve a GGUF Llama, use \
+         --model llama --gguf {}",
+        init.display(),
+        init.display()
+    );
+    Ok(())
+}
+
 /// Builds the store, the network and the engine; resumes from `--save-dir` when it holds a
 /// checkpoint, else starts from `--init` (a model.safetensors of examples/mnist.rs) or fresh.
 pub fn build(a: &Args, dev: &Device) -> Result<(Engine, Learner, Snapshot, u64)> {
     let store = ParamStore::new(a.precision, dev.clone(), a.seed);
     let net = Net::new(a.arch, a.hidden, &store)?;
     if let Some(init) = &a.init {
+        refuse_gguf(init)?;
         let tensors = candle_core::safetensors::load(init, &Device::Cpu)
             .with_context(|| format!("--init {}", init.display()))?;
         store
