@@ -11,9 +11,10 @@
       Loads wick's saved LoRA adapter with peft (PeftModel.from_pretrained) on the same base and
       compares the logits on the fixed prompt with those wick wrote (finetune_llama --save).
 
-  python3 scripts/smollm2_fixture.py check-merged --merged DIR --logits wick.json
-      Loads wick's merged HF folder with transformers (LlamaForCausalLM.from_pretrained) and
-      compares the logits the same way.
+  python3 scripts/smollm2_fixture.py check-merged --merged DIR --logits wick.json [--tol 1e-3]
+      Loads wick's merged (or --full) HF folder as is with AutoTokenizer and
+      AutoModelForCausalLM: the tokenizer's ids, decoding and chat template against the fixture
+      and wick's prompt ids, and the logits the same way as check-adapter.
 
   python3 scripts/smollm2_fixture.py peft-vs-merged --gguf ... --adapter DIR --merged DIR
       peft with wick's adapter against transformers with wick's merged folder (both f32), and
@@ -83,7 +84,7 @@ def make(a):
     print("wrote", a.out, "prompt ids", ids, "greedy", gen)
 
 
-def compare(logits, wick_file):
+def compare(logits, wick_file, tol=0.25):
     w = json.load(open(wick_file))
     mine = summary(logits)
     d = max(abs(x - y) for r1, r2 in zip(mine["first16"], w["first16"]) for x, y in zip(r1, r2))
@@ -92,7 +93,7 @@ def compare(logits, wick_file):
     print(json.dumps({"max_abs_first16": d, "max_abs_logsumexp": dl, "top5_equal": same_top,
                       "top1_equal": mine["last_top_ids"][0] == w["last_top_ids"][0]}))
     # wick's figures come from its bf16-mixed model, these from f32: bf16-sized differences
-    return d < 0.25 and dl < 0.25 and mine["last_top_ids"][0] == w["last_top_ids"][0]
+    return d < tol and dl < tol and mine["last_top_ids"][0] == w["last_top_ids"][0]
 
 
 def check_adapter(a):
@@ -105,12 +106,25 @@ def check_adapter(a):
 
 
 def check_merged(a):
+    """The merged (or --full) HF folder as transformers loads it, as is: AutoTokenizer gives the
+    fixture's ids (transformers' GGUF tokenizer) on every text and wick's ids on the prompt, and
+    renders the chat template as the fixture does; AutoModelForCausalLM's logits on the prompt
+    match wick's (--tol: 0.25 for wick's bf16-mixed figures, about 1e-3 for --precision fp32)."""
     import torch
-    from transformers import LlamaForCausalLM
-    model = LlamaForCausalLM.from_pretrained(a.merged, dtype=torch.float32).eval()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(a.merged)
+    model = AutoModelForCausalLM.from_pretrained(a.merged, dtype=torch.float32).eval()
     w = json.load(open(a.logits))
-    ok = compare(prompt_logits(model, w["prompt_ids"]), a.logits)
-    sys.exit(0 if ok else 1)
+    fx = json.load(open(a.fixture))
+    ids_ok = [tok(t, add_special_tokens=False)["input_ids"] for t in fx["texts"]] == fx["ids"]
+    prompt_ok = tok(PROMPT, add_special_tokens=False)["input_ids"] == w["prompt_ids"]
+    chat_ok = tok.apply_chat_template(fx["chat"], tokenize=False, add_generation_prompt=True) == fx["chat_rendered"]
+    decode_ok = all(tok.decode(i) == t for t, i in zip(fx["texts"], fx["ids"]))
+    print(json.dumps({"tokenizer_class": type(tok).__name__, "ids_equal": ids_ok,
+                      "prompt_ids_equal": prompt_ok, "chat_template_equal": chat_ok,
+                      "decode_equal": decode_ok, "eos_token": tok.eos_token}))
+    ok = compare(prompt_logits(model, w["prompt_ids"]), a.logits, a.tol)
+    sys.exit(0 if ok and ids_ok and prompt_ok and chat_ok and decode_ok else 1)
 
 
 def peft_vs_merged(a):
@@ -136,6 +150,7 @@ def main():
     c = sub.add_parser("check-adapter"); c.add_argument("--gguf", required=True)
     c.add_argument("--adapter", required=True); c.add_argument("--logits", required=True)
     g = sub.add_parser("check-merged"); g.add_argument("--merged", required=True); g.add_argument("--logits", required=True)
+    g.add_argument("--fixture", default="tests/fixtures/smollm2_reference.json"); g.add_argument("--tol", type=float, default=0.25)
     pm = sub.add_parser("peft-vs-merged"); pm.add_argument("--gguf", required=True)
     pm.add_argument("--adapter", required=True); pm.add_argument("--merged", required=True)
     a = ap.parse_args()
