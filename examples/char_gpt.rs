@@ -41,48 +41,48 @@ struct Args {
     #[arg(long, default_value = "gptmini")]
     model: GptConfig,
     /// Override the number of layers (for small smoke runs).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = wick::cli::positive_usize)]
     layers: Option<usize>,
     /// Override the number of attention heads.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = wick::cli::positive_usize)]
     heads: Option<usize>,
     /// Override d_model (with --heads, or the model's heads when they divide it, else 1 head
     /// per 64 dimensions).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = wick::cli::positive_usize)]
     d_model: Option<usize>,
     /// Override the context length (window size in bytes).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = wick::cli::positive_usize)]
     context: Option<usize>,
     /// Precision: "32", "bf16-mixed" or "16-mixed".
     #[arg(long, default_value = "bf16-mixed")]
     precision: Precision,
-    /// Optimizer steps (the cosine schedule ends here).
-    #[arg(long, default_value_t = 3000)]
-    steps: u64,
+    /// Optimizer steps (>= 1; the cosine schedule ends here).
+    #[arg(long, default_value_t = 3000, allow_negative_numbers = true, value_parser = wick::cli::positive_usize)]
+    steps: usize,
     /// Sequences per optimizer step (split into --accum micro-batches); default: the
     /// reference's (64 for gptmini, 16 for gpt2_124m).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = wick::cli::positive_usize)]
     batch_size: Option<usize>,
     /// Micro-batches per optimizer step (gradient accumulation).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, allow_negative_numbers = true, value_parser = wick::cli::positive_usize)]
     accum: usize,
     /// Evaluate every N optimizer steps (and at step 0 and at the end).
-    #[arg(long, default_value_t = 250)]
-    eval_interval: u64,
+    #[arg(long, default_value_t = 250, allow_negative_numbers = true, value_parser = wick::cli::positive_usize)]
+    eval_interval: usize,
     /// Batches per evaluation, for each of train and validation (fixed, seeded windows).
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, default_value_t = 20, allow_negative_numbers = true, value_parser = wick::cli::positive_usize)]
     eval_batches: usize,
     /// Peak learning rate (> 0).
-    #[arg(long, default_value_t = 1e-3, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = 1e-3, allow_negative_numbers = true, value_parser = wick::cli::positive_f64)]
     lr: f64,
     /// Final learning rate of the cosine (>= 0, at most --lr).
-    #[arg(long, default_value_t = 1e-4, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = 1e-4, allow_negative_numbers = true, value_parser = wick::cli::non_negative_f64)]
     min_lr: f64,
-    /// Linear warmup steps.
-    #[arg(long, default_value_t = 100)]
-    warmup: u64,
+    /// Linear warmup steps (at most --steps).
+    #[arg(long, default_value_t = 100, allow_negative_numbers = true, value_parser = wick::cli::non_negative_usize)]
+    warmup: usize,
     /// Clip the global gradient L2 norm to this value (0: no clipping).
-    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true, value_parser = wick::cli::non_negative_f64)]
     clip: f64,
     /// The text file (scripts/fetch_shakespeare.sh writes data/shakespeare/input.txt).
     #[arg(long, default_value = "data/shakespeare/input.txt")]
@@ -91,19 +91,20 @@ struct Args {
     #[arg(long, default_value = "cpu")]
     device: String,
     /// DataLoader worker threads (0: build batches in the training thread).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, allow_negative_numbers = true, value_parser = wick::cli::non_negative_usize)]
     workers: usize,
     /// Allow TF32 tensor-core math for f32 matmuls on CUDA (precision "32").
     #[arg(long)]
     tf32: bool,
-    /// Save checkpoints here (every --save-interval steps, at the end, and on Ctrl-C).
+    /// Save checkpoints here (every --save-interval steps, at the end, and on Ctrl-C), e.g.
+    /// runs/gpt under the git-ignored runs/.
     #[arg(long)]
     save_dir: Option<PathBuf>,
     /// Save every N steps (default: --eval-interval).
-    #[arg(long)]
-    save_interval: Option<u64>,
+    #[arg(long, allow_negative_numbers = true, value_parser = wick::cli::positive_usize)]
+    save_interval: Option<usize>,
     /// Keep the newest N checkpoints in --save-dir and delete older ones (0: keep all).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, allow_negative_numbers = true, value_parser = wick::cli::non_negative_usize)]
     keep_last: usize,
     /// Resume from the latest checkpoint in --save-dir (an error when there is none: drop
     /// --resume to start fresh). Pass the model and precision flags of the original run.
@@ -114,25 +115,25 @@ struct Args {
     #[arg(long)]
     metrics_dir: Option<PathBuf>,
     /// Log (read the loss back, update the progress bar) every N steps.
-    #[arg(long, default_value_t = 10)]
-    log_interval: u64,
+    #[arg(long, default_value_t = 10, allow_negative_numbers = true, value_parser = wick::cli::positive_usize)]
+    log_interval: usize,
     /// Generate text from the latest checkpoint in --save-dir instead of training.
     #[arg(long, requires = "save_dir")]
     sample: bool,
     /// The prompt for --sample (and for the sample printed after training).
     #[arg(long, default_value = "ROMEO:")]
     prompt: String,
-    /// Sampling temperature (0: greedy).
-    #[arg(long, default_value_t = 0.8)]
+    /// Sampling temperature (>= 0; 0: greedy).
+    #[arg(long, default_value_t = 0.8, allow_negative_numbers = true, value_parser = wick::cli::non_negative_f64)]
     temperature: f64,
-    /// Bytes to generate with --sample.
-    #[arg(long, default_value_t = 500)]
+    /// Bytes to generate with --sample (>= 1).
+    #[arg(long, default_value_t = 500, allow_negative_numbers = true, value_parser = wick::cli::positive_usize)]
     max_new_tokens: usize,
     /// Bytes to generate after training (0: none).
-    #[arg(long, default_value_t = 300)]
+    #[arg(long, default_value_t = 300, allow_negative_numbers = true, value_parser = wick::cli::non_negative_usize)]
     final_sample: usize,
     /// Seed for initialisation, shuffling, evaluation windows and sampling.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     seed: u64,
 }
 
@@ -268,30 +269,15 @@ fn main() -> Result<()> {
         .batch_size
         .unwrap_or_else(|| config.reference_batch_size());
     ensure!(
-        args.accum >= 1 && batch >= 1 && batch % args.accum == 0,
-        "--batch-size ({batch}) must be a positive multiple of --accum ({})",
+        batch % args.accum == 0,
+        "--batch-size ({batch}) must be a multiple of --accum ({})",
         args.accum
     );
-    ensure!(args.steps >= 1, "--steps must be >= 1");
     ensure!(
-        args.lr.is_finite() && args.lr > 0.0,
-        "--lr must be a finite number > 0 (the peak learning rate), got {}",
+        args.min_lr <= args.lr,
+        "--min-lr ({}) must be at most --lr ({})",
+        args.min_lr,
         args.lr
-    );
-    ensure!(
-        args.min_lr.is_finite() && (0.0..=args.lr).contains(&args.min_lr),
-        "--min-lr must be between 0 and --lr ({}), got {}",
-        args.lr,
-        args.min_lr
-    );
-    ensure!(
-        args.clip.is_finite() && args.clip >= 0.0,
-        "--clip must be a finite number >= 0 (0: no clipping), got {}",
-        args.clip
-    );
-    ensure!(
-        args.eval_interval >= 1 && args.eval_batches >= 1 && args.log_interval >= 1,
-        "--eval-interval, --eval-batches and --log-interval must be >= 1"
     );
     ensure!(
         args.warmup <= args.steps,
@@ -331,7 +317,8 @@ fn main() -> Result<()> {
         lr: args.lr,
         ..reference_adamw()
     });
-    ec.schedule = reference_schedule(args.lr, args.min_lr, args.warmup, args.steps);
+    let (steps, warmup) = (args.steps as u64, args.warmup as u64);
+    ec.schedule = reference_schedule(args.lr, args.min_lr, warmup, steps);
     ec.max_grad_norm = (args.clip > 0.0).then_some(args.clip);
     ec.accumulation_steps = args.accum;
     let mut engine = Engine::new(store.clone(), ec)?;
@@ -348,22 +335,19 @@ fn main() -> Result<()> {
         .as_ref()
         .map(|d| Checkpointer::new(d, args.keep_last));
     if let (true, Some(c)) = (args.resume, &ckpt) {
-        let (path, _) = c
+        let resumed = c
             .resume_existing_with_loader(&mut engine, &mut loader)
             .context("--resume")?;
-        println!(
-            "resumed from {} at step {}",
-            path.display(),
-            engine.boundaries()
-        );
+        println!("resumed from {resumed} at step {}", engine.boundaries());
     }
     if ckpt.is_some() {
         checkpoint::install_interrupt_handler()?;
     }
 
     println!(
-        "GPT {config} ({params} parameters), {} on {:?}; batch {batch} = {} x {micro} sequences of {t} bytes",
-        args.precision, dev, args.accum
+        "GPT {config} ({params} parameters), {}; batch {batch} = {} x {micro} sequences of {t} bytes",
+        wick::perf::precision_on_device(args.precision, &dev),
+        args.accum
     );
     println!(
         "AdamW lr {} (warmup {}, cosine to {} at step {}), betas 0.9/0.99, wd 0.1 on rank >= 2, clip {}; \
@@ -382,11 +366,11 @@ fn main() -> Result<()> {
     let tokens_per_step = batch * t;
     let tc = TrainerConfig {
         max_epochs: None,
-        max_steps: Some(args.steps),
-        eval_every: Some(args.eval_interval),
+        max_steps: Some(steps),
+        eval_every: Some(args.eval_interval as u64),
         // the untrained model's losses: the first point of the curve, in metrics.csv too
         eval_at_start: true,
-        log_every: args.log_interval,
+        log_every: args.log_interval as u64,
         out_dir: args.metrics_dir.clone(),
         tokens_per_sample: Some(t),
         flops_per_step: Some(6.0 * params as f64 * tokens_per_step as f64),
@@ -408,8 +392,7 @@ fn main() -> Result<()> {
             ("val_loss".to_string(), va),
         ]))
     };
-    let save_every = args.save_interval.unwrap_or(args.eval_interval).max(1);
-    let steps = args.steps;
+    let save_every = args.save_interval.unwrap_or(args.eval_interval) as u64;
     let hooks = Hooks {
         after_step: Some(Box::new(|engine: &mut Engine, _r, pos: &LoaderState| {
             let Some(c) = &ckpt else { return Ok(false) };
@@ -453,7 +436,6 @@ fn main() -> Result<()> {
             args.seed,
         )?;
     }
-    let train_s = summary.elapsed.as_secs_f64();
     let json = serde_json::json!({
         "model": config,
         "precision": args.precision.to_string(),
@@ -462,12 +444,14 @@ fn main() -> Result<()> {
         "batch": batch,
         "val_curve": curve,
         "final_val_loss": curve.last().map(|c| c.1),
-        "train_s": train_s,
+        "train_s": summary.elapsed.as_secs_f64(),
         // the phase table's `step` row (data + h2d + forward + backward + optimizer)
         "ms_per_step": summary.step_ms(),
         // wall clock of the training loop per step, evaluations and logging included
         "wall_ms_per_step": summary.wall_ms_per_step(),
-        "tok_per_s": if train_s > 0.0 { Some(summary.samples as f64 * t as f64 / train_s) } else { None },
+        // the same figure as the report's throughput line
+        "tokens_per_s": summary.tokens_per_s(),
+        "tokens_per_s_basis": wick::trainer::FitSummary::THROUGHPUT_BASIS,
         "wick": env!("CARGO_PKG_VERSION"),
     });
     println!("{json}");

@@ -71,8 +71,8 @@ pub fn run(dir: &Path, keep_last: usize, max_saves: Option<u64>) -> Result<()> {
     checkpoint::install_interrupt_handler()?;
     let (model, mut engine) = build(0)?;
     let ckpt = Checkpointer::new(dir, keep_last);
-    if let Some((path, _)) = ckpt.resume(&mut engine)? {
-        eprintln!("resumed from {}", path.display());
+    if let Some(resumed) = ckpt.resume(&mut engine)? {
+        eprintln!("resumed from {resumed}");
     }
     let mut out = std::io::stdout();
     writeln!(out, "ready step={}", engine.boundaries())?;
@@ -104,7 +104,8 @@ fn main() -> Result<()> {
         .next()
         .context("usage: ckpt_crash DIR [KEEP_LAST] (checkpoints are written under DIR)")?;
     let keep_last = match args.next() {
-        Some(k) => k.parse().context("KEEP_LAST must be a number")?,
+        Some(k) => wick::cli::non_negative_usize(&k)
+            .map_err(|e| anyhow::anyhow!("KEEP_LAST (checkpoints to keep, 0: all) {e}"))?,
         None => 2,
     };
     run(Path::new(&dir), keep_last, None)

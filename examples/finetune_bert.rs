@@ -63,46 +63,47 @@ struct Args {
     /// 32 (fp32), bf16-mixed or 16-mixed (f16 with the dynamic loss scaler).
     #[arg(long, default_value = "bf16-mixed")]
     precision: Precision,
-    /// Passes over the train lines.
-    #[arg(long, default_value_t = 1)]
+    /// Passes over the train lines (>= 1).
+    #[arg(long, default_value_t = 1, allow_negative_numbers = true, value_parser = wick::cli::positive_usize)]
     epochs: usize,
-    /// Lines per optimizer step.
-    #[arg(long, default_value_t = 64)]
+    /// Lines per optimizer step (>= 1).
+    #[arg(long, default_value_t = 64, allow_negative_numbers = true, value_parser = wick::cli::positive_usize)]
     batch_size: usize,
-    /// Peak learning rate of the encoder.
-    #[arg(long, default_value_t = 1e-4)]
+    /// Peak learning rate of the encoder (> 0).
+    #[arg(long, default_value_t = 1e-4, allow_negative_numbers = true, value_parser = wick::cli::positive_f64)]
     lr: f64,
-    /// Peak learning rate of the head.
-    #[arg(long, default_value_t = 2e-3)]
+    /// Peak learning rate of the head (> 0).
+    #[arg(long, default_value_t = 2e-3, allow_negative_numbers = true, value_parser = wick::cli::positive_f64)]
     head_lr: f64,
-    /// Decoupled weight decay (weights and embeddings; not biases or LayerNorm gains).
-    #[arg(long, default_value_t = 0.01)]
+    /// Decoupled weight decay (>= 0; weights and embeddings, not biases or LayerNorm gains).
+    #[arg(long, default_value_t = 0.01, allow_negative_numbers = true, value_parser = wick::cli::non_negative_f64)]
     weight_decay: f64,
-    /// Warmup as a fraction of the optimizer steps.
-    #[arg(long, default_value_t = 0.06)]
+    /// Warmup as a fraction of the optimizer steps, in [0, 1).
+    #[arg(long, default_value_t = 0.06, allow_negative_numbers = true, value_parser = wick::cli::dropout)]
     warmup_frac: f64,
-    /// Global gradient-norm clipping threshold.
-    #[arg(long, default_value_t = 1.0)]
+    /// Global gradient-norm clipping threshold (> 0).
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true, value_parser = wick::cli::positive_f64)]
     clip: f64,
     /// Longest input in tokens ([CLS] and [SEP] included); longer lines are truncated.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, allow_negative_numbers = true, value_parser = wick::cli::positive_usize)]
     max_len: usize,
-    /// Use only this many train lines (a seeded sample; CPU-sized runs).
-    #[arg(long)]
+    /// Use only this many train lines (>= 1; a seeded sample; CPU-sized runs).
+    #[arg(long, allow_negative_numbers = true, value_parser = wick::cli::positive_usize)]
     max_train: Option<usize>,
-    /// Use only this many test lines (a seeded sample).
-    #[arg(long)]
+    /// Use only this many test lines (>= 1; a seeded sample).
+    #[arg(long, allow_negative_numbers = true, value_parser = wick::cli::positive_usize)]
     max_test: Option<usize>,
     /// Seed of the sampling, the batch order and the baselines.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     seed: u64,
     /// Steps left out of the throughput figure (warmup of caches and kernels).
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, default_value_t = 20, allow_negative_numbers = true, value_parser = wick::cli::non_negative_usize)]
     timing_warmup: usize,
-    /// Write every batch and the hyper-parameters to this JSON file (for the PyTorch run).
+    /// Write every batch and the hyper-parameters to this JSON file (for the PyTorch run),
+    /// e.g. runs/bert/batches.json under the git-ignored runs/.
     #[arg(long)]
     export_batches: Option<PathBuf>,
-    /// Save the fine-tuned encoder and head here.
+    /// Save the fine-tuned encoder and head here, e.g. runs/bert/tuned.
     #[arg(long)]
     save: Option<PathBuf>,
     /// Hold out validation plays (one in five of the train plays, see wick::data::plays) and
@@ -111,7 +112,7 @@ struct Args {
     val_plays: bool,
     /// Which fold of plays is the test split, 0 to 4 (play i of each genre, sorted by file
     /// name, is in fold i % 5); default 2. Validation plays (--val-plays) are fold K + 2 mod 5.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = wick::cli::non_negative_usize)]
     test_fold: Option<usize>,
     /// Cross-validation by play: train and score one model per fold (0 to 4), each tested on
     /// plays it never saw, then pool the five folds' predictions into one score per method.
@@ -122,8 +123,8 @@ struct Args {
     /// reference (plain candle ops) or auto (fused where available).
     #[arg(long, default_value = "auto", value_parser = ["auto", "fused", "reference"])]
     optimizer_path: String,
-    /// Print the loss every this many steps.
-    #[arg(long, default_value_t = 100)]
+    /// Print the loss every this many steps (>= 1).
+    #[arg(long, default_value_t = 100, allow_negative_numbers = true, value_parser = wick::cli::positive_usize)]
     log_every: usize,
     /// Skip the bag-of-bytes baseline.
     #[arg(long)]
@@ -354,8 +355,25 @@ struct Setup {
 
 impl Setup {
     /// Reads the tokenizer (with truncation at `--max-len`) and config.json of `--model-dir`.
+    /// A missing folder or file is an error that names it and the fetch script.
     fn new(args: &Args, dev: Device) -> Result<Self> {
-        let path = args.model_dir.join("tokenizer.json");
+        let dir = &args.model_dir;
+        let files = ["config.json", "tokenizer.json"]
+            .into_iter()
+            .chain((!args.random_init).then_some("model.safetensors"));
+        let missing: Vec<&str> = files.filter(|f| !dir.join(f).is_file()).collect();
+        anyhow::ensure!(
+            missing.is_empty(),
+            "--model-dir {}: {}; scripts/fetch_minilm.sh fetches all-MiniLM-L6-v2 (config.json, \
+             tokenizer.json, model.safetensors) into data/minilm, the default",
+            dir.display(),
+            if dir.is_dir() {
+                format!("the folder has no {}", missing.join(", "))
+            } else {
+                "no such folder".to_string()
+            }
+        );
+        let path = dir.join("tokenizer.json");
         let mut tok = tokenizers::Tokenizer::from_file(&path)
             .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
         tok.with_padding(None);
@@ -587,8 +605,8 @@ fn run_fold(
     };
     let mut engine = Engine::new(store.clone(), ec)?;
     println!(
-        "training: {} steps of {} lines, {} on {:?}, lr {} (head {}), warmup {warmup}, clip {}, checkpointing {}",
-        total, args.batch_size, args.precision, dev, args.lr, args.head_lr, args.clip, args.checkpointing
+        "training: {} steps of {} lines, {}, lr {} (head {}), warmup {warmup}, clip {}, checkpointing {}",
+        total, args.batch_size, wick::perf::precision_on_device(args.precision, dev), args.lr, args.head_lr, args.clip, args.checkpointing
     );
     wick::cuda::reset_peak_memory(dev)?;
     let (mut timed_examples, mut t_start) = (0usize, None);
@@ -605,7 +623,7 @@ fn run_fold(
         if t_start.is_some() {
             timed_examples += idx.len();
         }
-        if step % args.log_every.max(1) == 0 || step + 1 == schedule_batches.len() {
+        if step % args.log_every == 0 || step + 1 == schedule_batches.len() {
             println!(
                 "step {step:>5}  loss {:.4}  lr {:.2e}",
                 r.loss()?,
@@ -842,18 +860,6 @@ fn cross_validate(args: &Args, setup: Setup) -> Result<()> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    anyhow::ensure!(
-        args.batch_size >= 1 && args.epochs >= 1,
-        "--batch-size and --epochs must be >= 1"
-    );
-    anyhow::ensure!(
-        args.lr > 0.0 && args.head_lr > 0.0 && args.lr.is_finite() && args.head_lr.is_finite(),
-        "--lr and --head-lr must be finite and > 0"
-    );
-    anyhow::ensure!(
-        (0.0..1.0).contains(&args.warmup_frac),
-        "--warmup-frac must be in [0, 1)"
-    );
     if let Some(k) = args.test_fold {
         anyhow::ensure!(
             k < plays::FOLDS,

@@ -5,10 +5,11 @@
 //! scripts/fetch_mnist.sh            # once: fetches and verifies the data into data/mnist
 //! cargo run --release --example mnist -- --precision bf16-mixed --epochs 3
 //! cargo run --release --example mnist -- --model cnn --epochs 2 --workers 2 --clip 1.0 \
-//!     --schedule cosine:warmup=100,total=936,min_lr=1e-4 --save-dir ckpt --metrics-dir ckpt/metrics
+//!     --schedule cosine:warmup=100,total=936,min_lr=1e-4 --save-dir runs/mnist-cnn \
+//!     --metrics-dir runs/mnist-cnn/metrics
 //! cargo run --release --example mnist -- --model cnn --epochs 3 --workers 2 --clip 1.0 \
-//!     --schedule cosine:warmup=100,total=936,min_lr=1e-4 --save-dir ckpt --metrics-dir ckpt/metrics \
-//!     --resume                                               # one more epoch from the latest
+//!     --schedule cosine:warmup=100,total=936,min_lr=1e-4 --save-dir runs/mnist-cnn \
+//!     --metrics-dir runs/mnist-cnn/metrics --resume          # one more epoch from the latest
 //! ```
 //! Prints per-epoch train loss, test accuracy, samples/s and where the time went.
 
@@ -36,26 +37,27 @@ struct Args {
     model: Arch,
     /// Passes over the 60,000 training images (>= 1; a resumed run counts the epochs it already
     /// did).
-    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
-    epochs: u64,
-    /// Samples per optimizer step (split into --accum micro-batches).
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 3, allow_negative_numbers = true, value_parser = wick::cli::positive_usize)]
+    epochs: usize,
+    /// Samples per optimizer step (>= 1, split into --accum micro-batches).
+    #[arg(long, default_value_t = 128, allow_negative_numbers = true, value_parser = wick::cli::positive_usize)]
     batch_size: usize,
     /// AdamW base learning rate (> 0).
-    #[arg(long, default_value_t = 1e-3, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = 1e-3, allow_negative_numbers = true, value_parser = wick::cli::positive_f64)]
     lr: f64,
-    /// Micro-batches per optimizer step (gradient accumulation).
-    #[arg(long, default_value_t = 1)]
+    /// Micro-batches per optimizer step (>= 1, gradient accumulation).
+    #[arg(long, default_value_t = 1, allow_negative_numbers = true, value_parser = wick::cli::positive_usize)]
     accum: usize,
     /// Learning-rate schedule: "constant", "cosine:warmup=N,total=N,min_lr=X",
     /// "step:size=N,gamma=X" or "linear:warmup=N,total=N,end_lr=X".
     #[arg(long, default_value = "constant")]
     schedule: String,
-    /// Clip the global gradient L2 norm to this value (> 0).
-    #[arg(long, allow_negative_numbers = true)]
+    /// Clip the global gradient L2 norm to this value (> 0; leave out to train without
+    /// clipping).
+    #[arg(long, allow_negative_numbers = true, value_parser = wick::cli::positive_f64)]
     clip: Option<f64>,
     /// DataLoader worker threads (0: load in the training thread).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true, value_parser = wick::cli::non_negative_usize)]
     workers: usize,
     /// cpu or cuda (cuda needs a build with --features cuda).
     #[arg(long, default_value = "cpu")]
@@ -63,7 +65,8 @@ struct Args {
     /// Folder with the four MNIST idx files (scripts/fetch_mnist.sh fills data/mnist).
     #[arg(long, default_value = "data/mnist")]
     data_dir: PathBuf,
-    /// Save a checkpoint here at the end of every epoch and on Ctrl-C.
+    /// Save a checkpoint here at the end of every epoch and on Ctrl-C (e.g. runs/mnist, under
+    /// the git-ignored runs/).
     #[arg(long)]
     save_dir: Option<PathBuf>,
     /// Resume from the latest checkpoint in --save-dir (an error when there is none: drop
@@ -71,7 +74,7 @@ struct Args {
     #[arg(long, requires = "save_dir")]
     resume: bool,
     /// Keep the newest N checkpoints in --save-dir and delete older ones (0: keep all).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, allow_negative_numbers = true, value_parser = wick::cli::non_negative_usize)]
     keep_last: usize,
     /// Write metrics.csv / metrics.jsonl (appended to when resuming), phases.csv, loss.png and
     /// phases.png here.
@@ -81,7 +84,7 @@ struct Args {
     #[arg(long)]
     config: Option<PathBuf>,
     /// Seed for initialisation and shuffling.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     seed: u64,
 }
 
@@ -119,23 +122,11 @@ fn main() -> Result<()> {
         .init();
     let args = Args::parse();
     anyhow::ensure!(
-        args.accum >= 1 && args.batch_size >= 1 && args.batch_size % args.accum == 0,
-        "--batch-size ({}) must be a positive multiple of --accum ({})",
+        args.batch_size % args.accum == 0,
+        "--batch-size ({}) must be a multiple of --accum ({})",
         args.batch_size,
         args.accum
     );
-    anyhow::ensure!(
-        args.lr.is_finite() && args.lr > 0.0,
-        "--lr must be a finite number > 0 (the AdamW learning rate), got {}",
-        args.lr
-    );
-    if let Some(c) = args.clip {
-        anyhow::ensure!(
-            c.is_finite() && c > 0.0,
-            "--clip must be a finite number > 0 (the largest global gradient norm), got {c}; \
-             leave it out to train without clipping"
-        );
-    }
     let dev = wick::device_from_flag(&args.device)?;
     let data = wick::data::mnist::load_dir(&args.data_dir)?;
 
@@ -161,14 +152,10 @@ fn main() -> Result<()> {
         .as_ref()
         .map(|d| Checkpointer::new(d, args.keep_last));
     if let (true, Some(c)) = (args.resume, &ckpt) {
-        let (path, _) = c
+        let resumed = c
             .resume_existing_with_loader(&mut engine, &mut loader)
             .context("--resume")?;
-        println!(
-            "resumed from {} at step {}",
-            path.display(),
-            engine.boundaries()
-        );
+        println!("resumed from {resumed} at step {}", engine.boundaries());
     }
     if ckpt.is_some() {
         checkpoint::install_interrupt_handler()?;
@@ -178,21 +165,20 @@ fn main() -> Result<()> {
         Some(p) => TrainerConfig::from_toml_file(p)?,
         None => TrainerConfig::default(),
     };
-    tc.max_epochs = Some(args.epochs);
+    tc.max_epochs = Some(args.epochs as u64);
     tc.out_dir = args.metrics_dir.clone().or(tc.out_dir);
     let mut trainer = Trainer::new(tc)?;
     println!(
-        "{:?} ({} parameters), {} on {:?}, batch {} = {} x {}, AdamW lr {} ({}), clip {:?}, {} workers",
+        "{:?} ({} parameters), {}, batch {} = {} x {}, AdamW lr {} ({}), clip {}, {} workers",
         args.model,
         store.num_elements(),
-        args.precision,
-        dev,
+        wick::perf::precision_on_device(args.precision, &dev),
         args.batch_size,
         args.accum,
         micro,
         args.lr,
         args.schedule,
-        args.clip,
+        args.clip.map_or("off".to_string(), |c| c.to_string()),
         args.workers
     );
 

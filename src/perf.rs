@@ -218,6 +218,27 @@ impl fmt::Display for PerfSettings {
     }
 }
 
+/// The device as the run headers print it: `cpu`, `cuda:0` (PyTorch's names; candle's
+/// `Debug` form is `Cpu` / `Cuda(CudaDevice(DeviceId(1)))`).
+pub fn device_name(device: &Device) -> String {
+    match device.location() {
+        candle_core::DeviceLocation::Cpu => "cpu".to_string(),
+        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        candle_core::DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
+    }
+}
+
+/// Precision and device for a run header, e.g. `precision 32 (fp32) on cpu` or
+/// `precision bf16-mixed (bf16 compute, fp32 masters) on cuda:0`.
+pub fn precision_on_device(precision: crate::Precision, device: &Device) -> String {
+    let what = match precision {
+        crate::Precision::Fp32 => "fp32",
+        crate::Precision::Bf16Mixed => "bf16 compute, fp32 masters",
+        crate::Precision::F16Mixed => "f16 compute, fp32 masters, loss scaling",
+    };
+    format!("precision {precision} ({what}) on {}", device_name(device))
+}
+
 /// See [`PerfSettings::derive_seed`].
 pub fn derive_seed(seed: u64, stream: &str) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -264,6 +285,17 @@ mod tests {
             format!("{}", PerfSettings::default()),
             PerfSettings::default().header()
         );
+    }
+
+    #[test]
+    fn headers_name_precision_and_device_readably() {
+        assert_eq!(device_name(&Device::Cpu), "cpu");
+        assert_eq!(
+            precision_on_device(crate::Precision::Fp32, &Device::Cpu),
+            "precision 32 (fp32) on cpu"
+        );
+        let h = precision_on_device(crate::Precision::Bf16Mixed, &Device::Cpu);
+        assert!(h.starts_with("precision bf16-mixed (bf16 compute") && h.ends_with(" on cpu"));
     }
 
     #[test]

@@ -137,6 +137,9 @@ pub struct RunProfile {
     pub device_timed: bool,
     /// Batches reached the GPU through the loader's pinned staging (`with_device`).
     pub staged_h2d: bool,
+    /// Wall-clock time of the steps (evaluation and hooks excluded), the basis of the
+    /// throughput line; `None`: the summed phase times are used instead.
+    pub train_time: Option<Duration>,
 }
 
 /// One bottleneck hint: what was seen and what to change.
@@ -231,11 +234,31 @@ impl RunProfile {
                 "host wall clock"
             }
         );
-        let _ = write!(s, "throughput: {:.0} samples/s", self.samples as f64 / secs);
-        if let Some(t) = self.tokens_per_sample {
-            let _ = write!(s, ", {:.0} tokens/s", (self.samples * t) as f64 / secs);
+        let (secs, basis) = match self.train_time {
+            Some(w) => (
+                w.as_secs_f64().max(1e-12),
+                "wall-clock s of the steps, evaluation and hooks excluded",
+            ),
+            None => (secs, "summed phase time"),
+        };
+        let steps = self.steps;
+        match self.tokens_per_sample {
+            Some(t) => writeln!(
+                s,
+                "throughput: {:.0} tokens/s (trained tokens / {basis}; {steps} steps, {:.1} s), \
+                 {:.1} samples/s",
+                (self.samples * t) as f64 / secs,
+                secs,
+                self.samples as f64 / secs
+            ),
+            None => writeln!(
+                s,
+                "throughput: {:.0} samples/s (trained samples / {basis}; {steps} steps, {:.1} s)",
+                self.samples as f64 / secs,
+                secs
+            ),
         }
-        s.push('\n');
+        .ok();
         if let Some(m) = self.mfu() {
             let _ = writeln!(s, "MFU: {:.1}%", 100.0 * m);
         }

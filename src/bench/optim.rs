@@ -37,11 +37,11 @@ pub const MLP_SHAPES: [(&str, &[usize]); 6] = [
 pub struct OptimArgs {
     /// Parameter set: "mlp" (the MNIST MLP's six tensors, 1,863,690 parameters) or a number N
     /// of elements in one tensor (underscores allowed: 16_000_000).
-    #[arg(long, default_value = "mlp")]
+    #[arg(long, default_value = "mlp", allow_negative_numbers = true)]
     pub params: ParamSpec,
-    /// Timed steps per path (the median is reported).
-    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..))]
-    pub iters: u32,
+    /// Timed steps per path (>= 1; the median is reported).
+    #[arg(long, default_value_t = 50, allow_negative_numbers = true, value_parser = crate::cli::positive_usize)]
+    pub iters: usize,
     /// Precision of the ParamStore: "32", "bf16-mixed" or "16-mixed". The optimizer updates the
     /// fp32 masters whatever the mode; in the mixed modes the working-copy refresh that the
     /// engine runs after each step is timed too.
@@ -126,7 +126,7 @@ fn time_steps(
     fused: bool,
     params: &[Param],
     grads: &[Option<Tensor>],
-    iters: u32,
+    iters: usize,
 ) -> Result<Vec<Duration>> {
     let mut opt = AdamW::new(
         AdamWConfig::default(),
@@ -140,7 +140,7 @@ fn time_steps(
     for _ in 0..WARMUP_STEPS {
         opt.step(params, grads, StepInputs::host(&GradStats::clean(1.0), lr))?;
     }
-    let mut times = Vec::with_capacity(iters as usize);
+    let mut times = Vec::with_capacity(iters);
     for _ in 0..iters {
         let t = Instant::now();
         opt.step(params, grads, StepInputs::host(&GradStats::clean(1.0), lr))?;
@@ -212,8 +212,8 @@ pub fn run(args: &OptimArgs) -> Result<()> {
 
     if args.precision.is_mixed() {
         // The engine refreshes the half working copies after every applied step.
-        let mut times = Vec::with_capacity(args.iters as usize);
-        for i in 0..WARMUP_STEPS + args.iters as usize {
+        let mut times = Vec::with_capacity(args.iters);
+        for i in 0..WARMUP_STEPS + args.iters {
             let t = Instant::now();
             store.refresh_working_copies()?;
             if i >= WARMUP_STEPS {

@@ -24,14 +24,21 @@ const BENCH_STEP_DEVICE: &str = if cfg!(feature = "cuda") {
 /// rank >= 2; constant lr, no clipping, as the reference's `step`), one batch as the reference
 /// draws it (GPT: random tokens `x: (B, T)` with targets `y = x`; MLP: `x ~ N(0, 1)` of
 /// `(B, 784)` and random labels in `0..10`), runs `--warmup` untimed steps, then times
-/// `--steps` steps between two device synchronisations. For the MLP a "token" is a sample. Reports ms/step, tokens/s, peak device memory (the CUDA pool's high-water
+/// `--steps` steps between two device synchronisations. Steps that take a second or more (the
+/// GPTs on a CPU) print a progress line each, with an estimate of the time left. Reports
+/// ms/step, tokens/s for the GPTs (samples/s for the MLP; both trained items / wall-clock s of
+/// the timed steps), peak device memory (the CUDA pool's high-water
 /// mark since before the model was built, like `torch.cuda.max_memory_allocated`; n/a on the
 /// CPU), MFU (6 × parameters × tokens per step over the GPU's peak for the compute dtype, from
 /// `crate::profile::peak_flops`), the host time per phase (on CUDA the time to queue the work,
 /// which includes waits on a full launch queue when the GPU runs behind: a small `--batch`
 /// leaves the same graph and launches with little GPU work, so there it is the host's own
 /// cost), and one JSON line with the
-/// reference's keys (`gptmini_bf16_ms`, `..._tok_per_s`, `..._peak_GB`). On CUDA, TF32 is on
+/// reference's keys (`gptmini_bf16_ms`, `..._tok_per_s`, `..._peak_GB`; the MLP's
+/// throughput as `mlp_..._samples_per_s`, where the reference calls it `_tok_per_s`) and a
+/// `tokens_per_s_basis` (MLP: `samples_per_s_basis`) saying how the throughput is computed.
+/// The loss printed is the last step's: every step trains on the same batch, so it falls as the
+/// model memorises it (random labels: ln 10 = 2.303 at the start for the MLP). On CUDA, TF32 is on
 /// for f32 matmuls (the reference sets `allow_tf32`).
 #[derive(clap::Args, Debug)]
 pub struct StepArgs {
@@ -45,18 +52,18 @@ pub struct StepArgs {
     /// cpu or cuda (the default is cuda in builds with the cuda feature, cpu otherwise).
     #[arg(long, default_value = BENCH_STEP_DEVICE)]
     pub device: String,
-    /// Timed steps.
-    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..))]
-    pub steps: u32,
+    /// Timed steps (>= 1).
+    #[arg(long, default_value_t = 20, allow_negative_numbers = true, value_parser = crate::cli::positive_usize)]
+    pub steps: usize,
     /// Untimed warm-up steps before timing (the first CUDA steps JIT-compile kernels).
-    #[arg(long, default_value_t = 3)]
-    pub warmup: u32,
+    #[arg(long, default_value_t = 3, allow_negative_numbers = true, value_parser = crate::cli::non_negative_usize)]
+    pub warmup: usize,
     /// Sequences (MLP: samples) per step (default: the reference's: 512 for mlp, 64 for
     /// gptmini, 16 for gpt2_124m).
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
-    pub batch: Option<u64>,
+    #[arg(long, allow_negative_numbers = true, value_parser = crate::cli::positive_usize)]
+    pub batch: Option<usize>,
     /// Seed of the initialisation and of the random tokens.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     pub seed: u64,
     /// Under `wick launch`: ZeRO-1 (optimizer state partitioned over the ranks) instead of
     /// plain DDP.
@@ -178,7 +185,7 @@ pub fn run(args: &StepArgs) -> Result<()> {
             },
         ),
     };
-    let batch = args.batch.map_or(default_batch, |b| b as usize);
+    let batch = args.batch.unwrap_or(default_batch);
     let store = ParamStore::new(args.precision, dev.clone(), args.seed);
     let net = match &args.model {
         BenchModel::Mlp => Net::Mlp(
@@ -250,17 +257,21 @@ pub fn run(args: &StepArgs) -> Result<()> {
         BenchModel::Gpt(c) => (format!("GPT {c}"), format!("{batch} x {t} tokens")),
     };
     println!(
-        "{what} ({params} parameters), {} on {:?}, batch {per_rank} per rank, {world} rank(s), fused optimizer: {}",
-        args.precision,
-        dev,
+        "{what} ({params} parameters), {}, batch {per_rank} per rank, {world} rank(s), fused optimizer: {}",
+        crate::perf::precision_on_device(args.precision, &dev),
         engine.implementation().is_fused()
     );
     println!("{}", perf.header());
-    let graph_warmup = u32::from(args.cuda_graph);
+    let mut progress = Progress::new(args.warmup, args.steps);
+    let graph_warmup = usize::from(args.cuda_graph);
     for _ in 0..args.warmup.saturating_sub(graph_warmup) {
         engine.step(|_| net.loss(&x, &y))?;
+        progress.step();
     }
     let graph = capture(&mut engine, args, || net.loss(&x, &y))?;
+    if args.cuda_graph && args.warmup > 0 {
+        progress.step();
+    }
     dev.synchronize()?;
     let mut phases = PhaseTimes::default();
     let mut pending = crate::timing::PendingPhases::default();
@@ -271,6 +282,7 @@ pub fn run(args: &StepArgs) -> Result<()> {
             Some(g) => engine.replay(g)?,
             None => engine.step(|_| net.loss(&x, &y))?,
         };
+        progress.step();
         phases.add(&r.times());
         pending.push(None, r.spans.clone());
         last = Some(r);
@@ -285,8 +297,18 @@ pub fn run(args: &StepArgs) -> Result<()> {
 
     let steps = args.steps as f64;
     let ms_per_step = secs * 1e3 / steps;
-    let tokens = (batch * t * world) as f64; // global, over the ranks
-    let tok_per_s = tokens * steps / secs;
+    // global, over the ranks; for the MLP an item is a sample
+    let items = (batch * t * world) as f64;
+    let tok_per_s = items * steps / secs;
+    let (unit, item) = match &args.model {
+        BenchModel::Mlp => ("samples/s", "samples"),
+        BenchModel::Gpt(_) => ("tokens/s", "tokens"),
+    };
+    let basis = format!(
+        "trained {item} / wall-clock s of the timed steps {}-{}, warm-up excluded",
+        args.warmup + 1,
+        args.warmup + args.steps
+    );
     let flops = match &args.model {
         BenchModel::Gpt(c) => c.train_flops(batch * t * world),
         BenchModel::Mlp => 6.0 * params as f64 * (batch * world) as f64,
@@ -308,7 +330,8 @@ pub fn run(args: &StepArgs) -> Result<()> {
     let mfu = peak_rate.map(|p| flops / (ms_per_step / 1e3) / p);
 
     println!(
-        "{} warm-up + {} timed steps{}; last loss {loss:.4}",
+        "{} warm-up + {} timed steps{}; last loss {} (the same batch every step: the loss falls \
+         as the model memorises it)",
         args.warmup,
         args.steps,
         if graph.is_some() {
@@ -316,9 +339,14 @@ pub fn run(args: &StepArgs) -> Result<()> {
         } else {
             ""
         },
+        if loss.abs() < 1e-3 {
+            format!("{loss:.3e}")
+        } else {
+            format!("{loss:.4}")
+        }
     );
     println!("ms/step     {ms_per_step:.3}");
-    println!("tokens/s    {tok_per_s:.0}");
+    println!("{unit:<11} {tok_per_s:.0} ({basis})");
     if let Some((started, buckets)) = engine.buckets_started_in_backward() {
         println!("overlap     {started} of {buckets} gradient buckets started during the backward");
     }
@@ -343,7 +371,7 @@ pub fn run(args: &StepArgs) -> Result<()> {
     }
     match (mfu, peak_rate) {
         (Some(m), Some(p)) => println!(
-            "MFU         {:.1}% (6 x {params} params x {} tokens per step per GPU = {:.2} TFLOP; {} peak {:.0} TFLOP/s)",
+            "MFU         {:.1}% (6 x {params} params x {} {item} per step per GPU = {:.2} TFLOP; {} peak {:.0} TFLOP/s)",
             m * 100.0,
             batch * t,
             flops / 1e12,
@@ -385,9 +413,14 @@ pub fn run(args: &StepArgs) -> Result<()> {
     } else {
         format!("{name}_{tag}")
     };
+    let (rate_key, basis_key) = match &args.model {
+        BenchModel::Mlp => (format!("{key}_samples_per_s"), "samples_per_s_basis"),
+        BenchModel::Gpt(_) => (format!("{key}_tok_per_s"), "tokens_per_s_basis"),
+    };
     let json = serde_json::json!({
         format!("{key}_ms"): ms_per_step,
-        format!("{key}_tok_per_s"): tok_per_s,
+        rate_key: tok_per_s,
+        basis_key: basis,
         format!("{key}_peak_GB"): peak.map(|b| b as f64 / 1e9),
         format!("{key}_mfu"): mfu,
         format!("{key}_phases_ms"): device_phases.map(|p| {
@@ -413,6 +446,58 @@ pub fn run(args: &StepArgs) -> Result<()> {
     });
     println!("{json}");
     Ok(())
+}
+
+/// Progress of a benchmark whose steps are slow: after every step of a second or more, one
+/// line with its time and an estimate of the time left (from the mean step so far), so that
+/// e.g. gptmini on a CPU (about 30 s per step) does not sit silent for minutes.
+struct Progress {
+    warmup: usize,
+    total: usize,
+    done: usize,
+    started: Instant,
+    last: Instant,
+}
+
+impl Progress {
+    fn new(warmup: usize, steps: usize) -> Self {
+        let now = Instant::now();
+        Self {
+            warmup,
+            total: warmup + steps,
+            done: 0,
+            started: now,
+            last: now,
+        }
+    }
+
+    /// Call after each step.
+    fn step(&mut self) {
+        let now = Instant::now();
+        let took = now - self.last;
+        self.last = now;
+        self.done += 1;
+        if took.as_secs_f64() < 1.0 {
+            return;
+        }
+        let (what, i, n) = if self.done <= self.warmup {
+            ("warm-up step", self.done, self.warmup)
+        } else {
+            (
+                "timed step",
+                self.done - self.warmup,
+                self.total - self.warmup,
+            )
+        };
+        let mean = (now - self.started).as_secs_f64() / self.done as f64;
+        let left = mean * (self.total - self.done) as f64;
+        let left = if left >= 90.0 {
+            format!("about {:.0} min to go", left / 60.0)
+        } else {
+            format!("about {left:.0} s to go")
+        };
+        println!("{what} {i}/{n} took {:.1} s; {left}", took.as_secs_f64());
+    }
 }
 
 /// With `--cuda-graph`: the last warm-up step and the capture of the next one; `None` (after

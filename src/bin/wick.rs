@@ -22,7 +22,12 @@
 //!
 //! `plot` draws train/validation loss and the learning rate against step from a metrics CSV
 //! (`step,epoch,loss,val_loss,lr,grad_norm,loss_scale,samples_per_s`), and with `--phases` a
-//! bar chart of the per-phase step time.
+//! bar chart of the per-phase step time; the pictures go beside the CSV unless `-o` says
+//! otherwise.
+//!
+//! Numeric flags refuse values that make no sense with the flag's name and range
+//! (`--steps 0`, `--iters -1`: `invalid value '-1' for '--iters <ITERS>': must be a whole
+//! number >= 1`), with exit status 2 as every argument error.
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
@@ -65,22 +70,23 @@ enum Command {
 #[derive(clap::Args, Debug)]
 struct LaunchArgs {
     /// Ranks on this node (one per GPU; rank l uses cuda:l through LOCAL_RANK).
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
-    nproc_per_node: u32,
+    #[arg(long, allow_negative_numbers = true, value_parser = wick::cli::positive_usize)]
+    nproc_per_node: usize,
     /// Nodes in the job.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
-    nnodes: u32,
+    #[arg(long, default_value_t = 1, allow_negative_numbers = true, value_parser = wick::cli::positive_usize)]
+    nnodes: usize,
     /// This node's index, 0..nnodes.
-    #[arg(long, default_value_t = 0)]
-    node_rank: u32,
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true, value_parser = wick::cli::non_negative_usize)]
+    node_rank: usize,
     /// Host of rank 0 (node 0).
     #[arg(long, default_value = "127.0.0.1")]
     master_addr: String,
-    /// Port of rank 0's rendezvous.
-    #[arg(long, default_value_t = 29500)]
+    /// Port of rank 0's rendezvous, 1 to 65535.
+    #[arg(long, default_value_t = 29500, allow_negative_numbers = true,
+          value_parser = clap::value_parser!(u16).range(1..))]
     master_port: u16,
-    /// Seconds between SIGTERM and SIGKILL when stopping ranks.
-    #[arg(long, default_value_t = 10.0)]
+    /// Seconds between SIGTERM and SIGKILL when stopping ranks (>= 0; at most 3600 is used).
+    #[arg(long, default_value_t = 10.0, allow_negative_numbers = true, value_parser = wick::cli::non_negative_f64)]
     grace_s: f64,
     /// The program every rank runs, and its arguments (after `--`).
     #[arg(last = true, required = true, num_args = 1..)]
@@ -105,20 +111,23 @@ struct PlotArgs {
     /// Metrics CSV: step,epoch,loss,val_loss,lr,grad_norm,loss_scale,samples_per_s (empty cells
     /// allowed; only `step` is required).
     metrics: std::path::PathBuf,
-    /// Output PNG for the loss and lr curves.
-    #[arg(short = 'o', long = "out", default_value = "loss.png")]
-    out: std::path::PathBuf,
+    /// Output PNG for the loss and lr curves (default: loss.png beside METRICS, where the
+    /// Trainer draws it too).
+    #[arg(short = 'o', long = "out")]
+    out: Option<std::path::PathBuf>,
     /// Phases CSV (`phase,ms_per_step` rows, or per-step columns data,h2d,forward,backward,optimizer).
     #[arg(long)]
     phases: Option<std::path::PathBuf>,
     /// Output PNG for the phase bar chart (default: phases.png beside --out).
     #[arg(long = "phases-out", visible_alias = "o2")]
     phases_out: Option<std::path::PathBuf>,
-    /// Picture width in pixels.
-    #[arg(long, default_value_t = wick::plot::DEFAULT_SIZE.0)]
+    /// Picture width in pixels, 64 to 16384.
+    #[arg(long, default_value_t = wick::plot::DEFAULT_SIZE.0, allow_negative_numbers = true,
+          value_parser = clap::value_parser!(u32).range(64..=16384))]
     width: u32,
-    /// Picture height in pixels.
-    #[arg(long, default_value_t = wick::plot::DEFAULT_SIZE.1)]
+    /// Picture height in pixels, 64 to 16384.
+    #[arg(long, default_value_t = wick::plot::DEFAULT_SIZE.1, allow_negative_numbers = true,
+          value_parser = clap::value_parser!(u32).range(64..=16384))]
     height: u32,
 }
 
@@ -157,18 +166,14 @@ fn launch(args: LaunchArgs) -> Result<()> {
     let _ = ctrlc::set_handler(move || s.store(true, Ordering::SeqCst));
     let mut command = args.command.into_iter();
     let config = LaunchConfig {
-        nproc_per_node: args.nproc_per_node as usize,
-        nnodes: args.nnodes as usize,
-        node_rank: args.node_rank as usize,
+        nproc_per_node: args.nproc_per_node,
+        nnodes: args.nnodes,
+        node_rank: args.node_rank,
         master_addr: args.master_addr,
         master_port: args.master_port,
         program: command.next().unwrap_or_default(),
         args: command.collect(),
-        grace: Duration::from_secs_f64(if args.grace_s.is_finite() {
-            args.grace_s.clamp(0.0, 3600.0)
-        } else {
-            10.0
-        }),
+        grace: Duration::from_secs_f64(args.grace_s.min(3600.0)),
         stop: Some(stop),
     };
     let outcome = wick::dist::launch::launch(&config)?;
@@ -224,7 +229,17 @@ fn plot(args: &PlotArgs) -> Result<()> {
         labels: true,
     };
     let rows = plot::read_metrics(&args.metrics)?;
-    let r = plot::plot_metrics(&rows, &args.out, &opts)
+    let beside_metrics = |name: &str| {
+        args.metrics
+            .parent()
+            .unwrap_or(std::path::Path::new(""))
+            .join(name)
+    };
+    let out = args
+        .out
+        .clone()
+        .unwrap_or_else(|| beside_metrics("loss.png"));
+    let r = plot::plot_metrics(&rows, &out, &opts)
         .with_context(|| format!("plotting {}", args.metrics.display()))?;
     println!(
         "wrote {} ({}x{}, {} points from {} rows)",
@@ -238,8 +253,7 @@ fn plot(args: &PlotArgs) -> Result<()> {
     if let Some(phases) = &args.phases {
         let b = plot::read_phases(phases)?;
         let out = args.phases_out.clone().unwrap_or_else(|| {
-            args.out
-                .parent()
+            out.parent()
                 .unwrap_or(std::path::Path::new(""))
                 .join("phases.png")
         });

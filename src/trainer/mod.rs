@@ -170,6 +170,10 @@ pub struct FitSummary {
     pub samples: u64,
     /// Wall time of this call.
     pub elapsed: Duration,
+    /// Wall-clock time of the training steps: [`FitSummary::elapsed`] less the evaluations and
+    /// the `after_step` hooks (checkpoint saves). The basis of every throughput the trainer
+    /// prints ([`FitSummary::THROUGHPUT_BASIS`]).
+    pub train_time: Duration,
     /// Summed per-phase times (data measured around `next_batch`).
     pub phases: PhaseTimes,
     /// The last evaluation.
@@ -183,6 +187,26 @@ pub struct FitSummary {
 }
 
 impl FitSummary {
+    /// How [`FitSummary::tokens_per_s`] and [`FitSummary::samples_per_s`] (and the report's
+    /// throughput, the progress bar's and the epoch lines' rates) are computed; print it beside
+    /// the figure (e.g. as `tokens_per_s_basis` in a JSON line).
+    pub const THROUGHPUT_BASIS: &'static str = "trained tokens (samples x tokens per sample, \
+        padding included only if the samples are padded) / wall-clock s of the steps \
+        (evaluation and after_step hooks such as checkpoint saves excluded)";
+
+    /// Samples trained on per second of [`FitSummary::train_time`]; `None` when no step ran.
+    pub fn samples_per_s(&self) -> Option<f64> {
+        let secs = self.train_time.as_secs_f64();
+        (self.samples > 0 && secs > 0.0).then(|| self.samples as f64 / secs)
+    }
+
+    /// Tokens trained on per second of [`FitSummary::train_time`] (samples x
+    /// [`TrainerConfig::tokens_per_sample`]); `None` without tokens per sample or steps.
+    pub fn tokens_per_s(&self) -> Option<f64> {
+        let t = self.profile.tokens_per_sample?;
+        self.samples_per_s().map(|r| r * t as f64)
+    }
+
     /// The end-of-run report: steps and wall time, then the phase table, throughput, MFU (when
     /// `flops_per_step` is set on a GPU in the peak table) and bottleneck hints.
     pub fn report(&self) -> String {
@@ -288,6 +312,8 @@ struct Tally {
     losses: u64,
     samples: u64,
     started: Instant,
+    /// Time since `started` spent outside the steps (evaluations, hooks): not in the rate.
+    paused: Duration,
 }
 
 impl Tally {
@@ -297,6 +323,7 @@ impl Tally {
             losses: 0,
             samples: 0,
             started: Instant::now(),
+            paused: Duration::ZERO,
         }
     }
 
@@ -318,9 +345,18 @@ impl Tally {
         }
     }
 
-    /// Throughput since the mark, in samples (or tokens, with `scale`) per second.
+    /// Wall-clock seconds of the steps since the mark (evaluations and hooks excluded).
+    fn secs(&self) -> f64 {
+        self.started
+            .elapsed()
+            .saturating_sub(self.paused)
+            .as_secs_f64()
+    }
+
+    /// Throughput since the mark, in samples (or tokens, with `scale`) per second of the
+    /// steps' wall clock ([`FitSummary::THROUGHPUT_BASIS`]).
     fn rate(&self, scale: f64) -> f64 {
-        self.samples as f64 * scale / self.started.elapsed().as_secs_f64().max(1e-9)
+        self.samples as f64 * scale / self.secs().max(1e-9)
     }
 }
 
@@ -401,6 +437,7 @@ impl Trainer {
                 steps: 0,
                 samples: 0,
                 elapsed: Duration::ZERO,
+                train_time: Duration::ZERO,
                 phases: PhaseTimes::default(),
                 last_eval: None,
                 best: None,
@@ -433,6 +470,8 @@ impl Trainer {
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
         );
         let started = Instant::now();
+        // time outside the steps (evaluations, hooks): not in the throughput
+        let mut outside = Duration::ZERO;
         let mut phases = PhaseTimes::default();
         // CUDA-event spans, resolved at log rows (where the loss is read anyway)
         let mut pending = PendingPhases::default();
@@ -452,7 +491,10 @@ impl Trainer {
         };
         let scale = c.tokens_per_sample.unwrap_or(1) as f64;
         if c.eval_at_start && start_step == 0 {
+            let t = Instant::now();
             let m = evaluate(engine)?;
+            outside += t.elapsed();
+            window.paused += t.elapsed();
             let row = MetricsRow {
                 step: 0,
                 epoch: loader.epoch(),
@@ -527,7 +569,11 @@ impl Trainer {
                 }
                 let mut stop_now = false;
                 if c.eval_every.is_some_and(|e| step % e == 0) {
+                    let t = Instant::now();
                     let m = evaluate(engine)?;
+                    let d = t.elapsed();
+                    (outside, window.paused, epoch_stats.paused) =
+                        (outside + d, window.paused + d, epoch_stats.paused + d);
                     let r = row.get_or_insert_with(|| MetricsRow {
                         step,
                         epoch: batch.epoch,
@@ -542,7 +588,12 @@ impl Trainer {
                     f.write(r)?;
                 }
                 if let Some(h) = hooks.after_step.as_mut() {
-                    if h(engine, &report, &loader.state())? {
+                    let t = Instant::now();
+                    let stop = h(engine, &report, &loader.state())?;
+                    let d = t.elapsed();
+                    (outside, window.paused, epoch_stats.paused) =
+                        (outside + d, window.paused + d, epoch_stats.paused + d);
+                    if stop {
                         break 'outer StopReason::Interrupted;
                     }
                 }
@@ -555,7 +606,12 @@ impl Trainer {
             }
             // end of an epoch (none ran when a resumed loader stood at the end of one)
             if c.eval_every.is_none() && epoch_stats.samples > 0 {
+                // the epoch's rate before its evaluation, which is not a training step
+                let (secs, rate) = (epoch_stats.secs(), epoch_stats.rate(scale));
+                let t = Instant::now();
                 let m = evaluate(engine)?;
+                outside += t.elapsed();
+                window.paused += t.elapsed();
                 let step = engine.boundaries();
                 let row = MetricsRow {
                     step,
@@ -564,16 +620,15 @@ impl Trainer {
                     eval: m.clone(),
                     ..Default::default()
                 };
-                let secs = epoch_stats.started.elapsed().as_secs_f64();
                 let train_loss = match epoch_stats.mean_loss()? {
                     None => String::new(),
                     Some(l) => format!("train loss {l:.4}  "),
                 };
                 let line = format!(
-                    "epoch {}: {train_loss}{}  {:.0} {unit}  ({secs:.1} s)",
+                    "epoch {}: {train_loss}{}  {rate:.0} {unit} (wall clock of the epoch's steps, \
+                     {secs:.1} s)",
                     row.epoch,
                     fmt_metrics(&m),
-                    epoch_stats.rate(scale)
                 );
                 if rank == 0 {
                     bar.suspend(|| println!("{line}"));
@@ -605,6 +660,7 @@ impl Trainer {
             peak_memory: peak_memory(engine.store().device()),
             device_timed,
             staged_h2d,
+            train_time: Some(started.elapsed().saturating_sub(outside)),
         };
         drop(files);
         Ok(FitSummary {
@@ -613,6 +669,7 @@ impl Trainer {
             steps: engine.boundaries() - start_step,
             samples,
             elapsed: started.elapsed(),
+            train_time: started.elapsed().saturating_sub(outside),
             phases,
             last_eval,
             best: stopper.best,
