@@ -157,7 +157,10 @@ fn llama3_rope_scaling_in_config_json_matches_candle_transformers() -> Result<()
         .narrow(1, t - 1, 1)?
         .squeeze(1)?;
     let gap = max_abs(&plain, &theirs);
-    assert!(gap > 100.0 * d.max(1e-5), "unscaled logits only {gap} away (wick vs candle {d})");
+    assert!(
+        gap > 100.0 * d.max(1e-5),
+        "unscaled logits only {gap} away (wick vs candle {d})"
+    );
     Ok(())
 }
 
@@ -603,6 +606,12 @@ fn gguf_user_defined_tokens_are_atomic_and_add_bos_token_is_honoured() -> Result
     want.extend(base.encode("so, 2+2 is 4</think>")?);
     assert_eq!(tok.encode(text)?, want);
     assert_eq!(tok.encode_with(text, false)?, want[1..].to_vec());
+    // a long text encoded in pieces gets one BOS, at the start
+    let long = "line one<think>\n".repeat(10_000);
+    let (prefix, used) = tok.encode_prefix(&long, usize::MAX)?;
+    assert_eq!(used, long.len());
+    assert_eq!(prefix, tok.encode(&long)?);
+    assert_eq!(prefix.iter().filter(|&&i| i == bos).count(), 1);
     // user-defined, not control: kept when decoding skips special tokens
     assert_eq!(
         tok.tokenizer.decode(&[bos, think_id], true).unwrap(),
