@@ -243,3 +243,71 @@ fn bad_configs_and_missing_metrics_are_errors() -> anyhow::Result<()> {
     assert!(format!("{err:#}").contains("val_acc"), "{err:#}");
     Ok(())
 }
+
+/// Throughput excludes evaluations and `after_step` hooks: with each evaluation and hook
+/// sleeping, `train_time` is at most the wall time less the sleeps, and `tokens_per_s` is the
+/// trained tokens (samples x `tokens_per_sample`) over `train_time`, the figure of the report.
+#[test]
+fn throughput_is_trained_tokens_over_the_steps_wall_clock() -> anyhow::Result<()> {
+    use std::time::Duration;
+    let (mut engine, l1, l2) = setup(1)?;
+    let mut loader = DataLoader::new(dataset(64)?, LoaderConfig::new(8))?;
+    let mut trainer = Trainer::new(TrainerConfig {
+        max_epochs: None,
+        max_steps: Some(4),
+        eval_every: Some(2),
+        log_every: 1,
+        progress: false,
+        tokens_per_sample: Some(5),
+        ..TrainerConfig::default()
+    })?;
+    let pause = Duration::from_millis(150);
+    let (evals, hooks) = (RefCell::new(0u32), RefCell::new(0u32));
+    let summary = trainer.fit(
+        &mut engine,
+        &mut loader,
+        |_, b| {
+            let (x, y) = b
+                .pair()
+                .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?;
+            loss::cross_entropy(&l2.forward(&l1.forward(&x)?.relu()?)?, &y)
+        },
+        |_| {
+            *evals.borrow_mut() += 1;
+            std::thread::sleep(pause);
+            Ok(Metrics::from([("val_loss".to_string(), 1.0)]))
+        },
+        Hooks {
+            after_step: Some(Box::new(|_, _, _| {
+                *hooks.borrow_mut() += 1;
+                std::thread::sleep(pause);
+                Ok(false)
+            })),
+        },
+    )?;
+    let (evals, hooks) = (*evals.borrow(), *hooks.borrow());
+    assert_eq!(
+        (summary.steps, summary.samples, evals, hooks),
+        (4, 32, 2, 4)
+    );
+    let paused = pause * (evals + hooks);
+    assert!(
+        summary.train_time + paused <= summary.elapsed,
+        "train {:?} + paused {paused:?} > elapsed {:?}",
+        summary.train_time,
+        summary.elapsed
+    );
+    let secs = summary.train_time.as_secs_f64();
+    let want = 32.0 * 5.0 / secs;
+    let got = summary.tokens_per_s().expect("tokens per sample set");
+    assert!((got - want).abs() <= 1e-9 * want, "{got} vs {want}");
+    assert!((summary.samples_per_s().unwrap() - 32.0 / secs).abs() <= 1e-9 * want);
+    let report = summary.report();
+    assert!(
+        report.contains(&format!(
+            "throughput: {want:.0} tokens/s (trained tokens / wall-clock s"
+        )),
+        "{report}"
+    );
+    Ok(())
+}

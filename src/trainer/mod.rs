@@ -190,9 +190,9 @@ impl FitSummary {
     /// How [`FitSummary::tokens_per_s`] and [`FitSummary::samples_per_s`] (and the report's
     /// throughput, the progress bar's and the epoch lines' rates) are computed; print it beside
     /// the figure (e.g. as `tokens_per_s_basis` in a JSON line).
-    pub const THROUGHPUT_BASIS: &'static str = "trained tokens (samples x tokens per sample, \
-        padding included only if the samples are padded) / wall-clock s of the steps \
-        (evaluation and after_step hooks such as checkpoint saves excluded)";
+    pub const THROUGHPUT_BASIS: &'static str = "trained tokens (samples x tokens_per_sample) / \
+        wall-clock s of the steps (evaluation and after_step hooks such as checkpoint saves \
+        excluded)";
 
     /// Samples trained on per second of [`FitSummary::train_time`]; `None` when no step ran.
     pub fn samples_per_s(&self) -> Option<f64> {
@@ -646,6 +646,9 @@ impl Trainer {
         bar.finish_and_clear();
         phases.add(&pending.drain()?);
         let steps = engine.boundaries() - start_step;
+        // one reading for the summary and its report, so both print the same throughput
+        let elapsed = started.elapsed();
+        let train_time = elapsed.saturating_sub(outside);
         let profile = RunProfile {
             phases,
             steps,
@@ -660,7 +663,7 @@ impl Trainer {
             peak_memory: peak_memory(engine.store().device()),
             device_timed,
             staged_h2d,
-            train_time: Some(started.elapsed().saturating_sub(outside)),
+            train_time: Some(train_time),
         };
         drop(files);
         Ok(FitSummary {
@@ -668,8 +671,8 @@ impl Trainer {
             stop,
             steps: engine.boundaries() - start_step,
             samples,
-            elapsed: started.elapsed(),
-            train_time: started.elapsed().saturating_sub(outside),
+            elapsed,
+            train_time,
             phases,
             last_eval,
             best: stopper.best,
