@@ -113,8 +113,8 @@ struct Args {
     /// Print a log line every N steps (and at the last step).
     #[arg(long, default_value_t = 25, allow_negative_numbers = true, value_parser = positive_usize)]
     log_every: usize,
-    /// Save the adapters (LoRA, PEFT's layout) or the weights (full, an HF folder with the
-    /// tokenizer) at the end; without DIR into runs/finetune_llama/adapter or .../model.
+    /// Save the adapters (LoRA, PEFT's layout) or the weights (full, an HF folder), with the
+    /// tokenizer files, at the end; without DIR into runs/finetune_llama/adapter or .../model.
     #[arg(long, num_args = 0..=1, value_name = "DIR")]
     save: Option<Option<PathBuf>>,
     /// Save the LoRA-merged model (an HF folder with the tokenizer) at the end; without DIR
@@ -655,12 +655,16 @@ fn main() -> Result<()> {
         },
     ) {
         match model.lora() {
-            Some(l) => lora::save_adapter_tensors(
-                model.adapter_masters(&store)?,
-                l,
-                "SmolLM2-135M-Instruct",
-                &dir,
-            )?,
+            Some(l) => {
+                lora::save_adapter_tensors(
+                    model.adapter_masters(&store)?,
+                    l,
+                    "SmolLM2-135M-Instruct",
+                    &dir,
+                )?;
+                // as PEFT's trainers do: AutoTokenizer.from_pretrained(adapter folder) works
+                tok.save_pretrained(&dir, positions)?;
+            }
             None => save_hf_folder(&model.merged_weights(&store)?, &tok, &dir, positions)?,
         }
         println!("saved to {}", dir.display());

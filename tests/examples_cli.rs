@@ -752,6 +752,8 @@ fn finetune_llama_runs_tiny_full_and_real_lora_on_the_cpu() {
     ] {
         assert!(out.contains(want), "{want:?} missing from\n{out}");
     }
+    assert!(adapters.join("tokenizer.json").is_file());
+    assert!(merged.join("tokenizer_config.json").is_file());
     let (cfg, tensors) = wick::lora::load_adapters(&adapters).unwrap();
     assert_eq!(cfg.r, 4);
     assert_eq!(tensors.len(), 30 * 7 * 2);
