@@ -14,7 +14,8 @@
 //! ```text
 //! scripts/fetch_minilm.sh && scripts/fetch_shakespeare.sh
 //! cargo run --release --example finetune_bert -- --device cuda
-//! cargo run --release --example finetune_bert -- --max-train 2000 --max-test 1000   # CPU-sized
+//! cargo run --release --example finetune_bert -- --test-fold 1 --max-train 3000 \
+//!     --max-test 1000 --precision fp32 --head-lr 5e-3      # CPU-sized, about 2 min on 2 cores
 //! cargo run --release --example finetune_bert -- --device cuda --cv   # 5-fold cross-validation
 //! ```
 //! The split is by play ([`wick::data::plays`]): play `i` of each genre (sorted by file name)
