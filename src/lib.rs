@@ -74,6 +74,7 @@ pub mod profile;
 pub mod recompute;
 pub mod scaler;
 pub mod serve;
+pub mod throughput;
 pub mod timing;
 pub mod trainer;
 
