@@ -16,7 +16,9 @@
 //! Prints the train and validation loss at every evaluation (both on fixed batches, as
 //! nanoGPT's `estimate_loss`; step 0 included), the Trainer's end report (phases, tokens/s, MFU
 //! on a known GPU, peak memory) and, on its last line, one JSON object shaped like
-//! `train-char`'s: its `ms_per_step` is the report's `step` row (the training phases), and
+//! `train-char`'s: its `ms_per_step` and `tokens_per_s` share one basis, the wall clock of the
+//! training steps (evaluations and checkpoint saves excluded; `tokens_per_s_basis` says so),
+//! `phase_ms_per_step` is the report's `step` row (the summed training phases), and
 //! `wall_ms_per_step` the loop's wall clock per step with evaluations included.
 
 use anyhow::{bail, ensure, Context, Result};
@@ -246,12 +248,7 @@ fn print_sample(gpt: &Gpt, prompt: &str, n: usize, temperature: f64, seed: u64) 
 fn main() -> Result<()> {
     // wick reports through `tracing` (checkpoint warnings, e.g. a precision that differs from
     // the checkpoint's): show warnings and errors on stderr
-    tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::WARN)
-        .with_writer(std::io::stderr)
-        .without_time()
-        .with_target(false)
-        .init();
+    wick::cli::init_logging();
     let args = Args::parse();
     let dev = wick::device_from_flag(&args.device)?;
     let perf = PerfSettings {
@@ -436,7 +433,8 @@ fn main() -> Result<()> {
             args.seed,
         )?;
     }
-    let json = serde_json::json!({
+    let throughput = summary.throughput();
+    let mut json = serde_json::json!({
         "model": config,
         "precision": args.precision.to_string(),
         "text_bytes": text.bytes().len(),
@@ -445,15 +443,18 @@ fn main() -> Result<()> {
         "val_curve": curve,
         "final_val_loss": curve.last().map(|c| c.1),
         "train_s": summary.elapsed.as_secs_f64(),
+        // wall clock of the training steps per step: the basis of tokens_per_s
+        "ms_per_step": throughput.as_ref().map(|t| t.secs * 1e3 / summary.steps as f64),
         // the phase table's `step` row (data + h2d + forward + backward + optimizer)
-        "ms_per_step": summary.step_ms(),
+        "phase_ms_per_step": summary.step_ms(),
         // wall clock of the training loop per step, evaluations and logging included
         "wall_ms_per_step": summary.wall_ms_per_step(),
-        // the same figure as the report's throughput line
-        "tokens_per_s": summary.tokens_per_s(),
-        "tokens_per_s_basis": wick::trainer::FitSummary::THROUGHPUT_BASIS,
         "wick": env!("CARGO_PKG_VERSION"),
     });
+    // tokens_per_s and tokens_per_s_basis: the report's throughput line
+    if let (Some(t), Some(m)) = (throughput, json.as_object_mut()) {
+        m.extend(t.json().as_object().cloned().unwrap_or_default());
+    }
     println!("{json}");
     if let Some(code) = checkpoint::interrupted_exit_code() {
         std::process::exit(code); // saved in the hook; 130 as after any Ctrl-C

@@ -47,6 +47,7 @@ use wick::data::plays::{self, GenreLines, Line};
 use wick::models::bert::{classification_loss, mean_pool, ClassifierHead, PaddedBatch, Recompute};
 use wick::models::{bert_io, Bert, BertConfig};
 use wick::optim::{LrSchedule, OptimPath};
+use wick::throughput::{Throughput, Unit};
 use wick::{Engine, EngineConfig, ParamStore, Precision};
 
 #[derive(Parser, Debug)]
@@ -417,9 +418,11 @@ struct FoldRun {
     val: Option<ClassificationReport>,
     steps: u64,
     applied: u64,
-    /// Examples and seconds of the timed steps (after --timing-warmup).
+    /// Examples, seconds and first and last (1-based) of the timed steps (after
+    /// --timing-warmup).
     timed_examples: usize,
     timed_s: f64,
+    timed_steps: (u64, u64),
     train_s: f64,
     test_rate: f64,
     peak_gb: Option<f64>,
@@ -427,9 +430,23 @@ struct FoldRun {
 
 impl FoldRun {
     fn train_rate(&self) -> f64 {
-        self.timed_examples as f64 / self.timed_s
+        self.throughput().per_s()
+    }
+
+    /// Trained examples over the wall-clock seconds of the timed steps.
+    fn throughput(&self) -> Throughput {
+        Throughput {
+            items: self.timed_examples as u64,
+            unit: Unit::Samples,
+            secs: self.timed_s,
+            steps: self.timed_steps,
+            excluded: WARMUP_EXCLUDED,
+        }
     }
 }
+
+/// What the training throughput leaves out ([`Throughput::excluded`]).
+const WARMUP_EXCLUDED: &str = "the --timing-warmup steps and the evaluations";
 
 fn peak_text(peak: Option<f64>) -> String {
     peak.map_or("n/a (CPU)".to_string(), |g| format!("{g:.2} GB"))
@@ -611,9 +628,10 @@ fn run_fold(
     );
     wick::cuda::reset_peak_memory(dev)?;
     let (mut timed_examples, mut t_start) = (0usize, None);
+    let first_timed = args.timing_warmup.min(schedule_batches.len() - 1);
     let t_all = Instant::now();
     for (step, idx) in schedule_batches.iter().enumerate() {
-        if step == args.timing_warmup.min(schedule_batches.len() - 1) {
+        if step == first_timed {
             sync(dev)?;
             t_start = Some(Instant::now());
         }
@@ -670,17 +688,14 @@ fn run_fold(
         applied,
         timed_examples,
         timed_s,
+        timed_steps: (first_timed as u64 + 1, schedule_batches.len() as u64),
         train_s,
         test_rate,
         peak_gb,
     };
     println!(
-        "train: {:.1} examples/s (steps {}.., {} examples), {:.1} s in all; test {:.1} examples/s; peak memory {}",
-        run.train_rate(),
-        args.timing_warmup,
-        timed_examples,
-        train_s,
-        test_rate,
+        "train: {} ({timed_examples} examples), {train_s:.1} s in all; test {test_rate:.1} examples/s; peak memory {}",
+        run.throughput(),
         peak_text(peak_gb)
     );
     Ok((run, store))
@@ -696,6 +711,7 @@ fn single(args: &Args, setup: Setup) -> Result<()> {
         serde_json::json!({
             "impl": "wick", "device": args.device, "precision": args.precision.to_string(),
             "steps": run.steps, "applied_steps": run.applied, "batch_size": args.batch_size, "train_examples_per_s": run.train_rate(),
+            "train_examples_per_s_basis": run.throughput().basis(),
             "train_wall_s": run.train_s, "test_examples_per_s": run.test_rate, "peak_memory_gb": run.peak_gb,
             "accuracy": run.wick.accuracy, "macro_f1": run.wick.macro_f1,
             "val_accuracy": run.val.as_ref().map(|v| v.accuracy), "val_macro_f1": run.val.as_ref().map(|v| v.macro_f1),
@@ -795,10 +811,18 @@ fn cross_validate(args: &Args, setup: Setup) -> Result<()> {
             .map(|v| v.concat());
         pred.map(pool).transpose()?
     };
-    let (timed_examples, timed_s) = runs.iter().fold((0usize, 0.0), |(e, s), r| {
-        (e + r.timed_examples, s + r.timed_s)
-    });
-    let rate = timed_examples as f64 / timed_s;
+    // every fold's timed steps: the first fold's first timed step to the longest fold's last
+    let pooled = Throughput {
+        items: runs.iter().map(|r| r.timed_examples as u64).sum(),
+        secs: runs.iter().map(|r| r.timed_s).sum(),
+        steps: (
+            runs.iter().map(|r| r.timed_steps.0).min().unwrap_or(1),
+            runs.iter().map(|r| r.timed_steps.1).max().unwrap_or(0),
+        ),
+        unit: Unit::Samples,
+        excluded: WARMUP_EXCLUDED,
+    };
+    let rate = pooled.per_s();
     let peak = runs.iter().filter_map(|r| r.peak_gb).reduce(f64::max);
     let sampled = if args.max_test.is_some() {
         " (a --max-test sample of each fold)"
@@ -816,7 +840,8 @@ fn cross_validate(args: &Args, setup: Setup) -> Result<()> {
         print_report("bag-of-bytes (pooled)", b);
     }
     println!(
-        "train: {rate:.1} examples/s over all folds' timed steps; peak memory {}",
+        "train, summed over the {} folds: {pooled}; peak memory {}",
+        plays::FOLDS,
         peak_text(peak)
     );
 
@@ -851,7 +876,7 @@ fn cross_validate(args: &Args, setup: Setup) -> Result<()> {
                 "wick": scores(&wick),
                 "majority": scores(&majority),
                 "bag_of_bytes": bytes.as_ref().map(scores),
-                "train_examples_per_s": rate, "peak_memory_gb": peak,
+                "train_examples_per_s": rate, "train_examples_per_s_basis": pooled.basis(), "peak_memory_gb": peak,
             },
             "per_fold": per_fold,
         })
@@ -860,6 +885,7 @@ fn cross_validate(args: &Args, setup: Setup) -> Result<()> {
 }
 
 fn main() -> Result<()> {
+    wick::cli::init_logging();
     let args = Args::parse();
     if let Some(k) = args.test_fold {
         anyhow::ensure!(

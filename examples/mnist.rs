@@ -114,12 +114,7 @@ fn evaluate(net: &Net, images: &Tensor, labels: &Tensor, dev: &Device) -> Result
 fn main() -> Result<()> {
     // wick reports through `tracing` (checkpoint warnings, e.g. a precision that differs from
     // the checkpoint's): show warnings and errors on stderr
-    tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::WARN)
-        .with_writer(std::io::stderr)
-        .without_time()
-        .with_target(false)
-        .init();
+    wick::cli::init_logging();
     let args = Args::parse();
     anyhow::ensure!(
         args.batch_size % args.accum == 0,

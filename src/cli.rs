@@ -1,4 +1,5 @@
-//! Value parsers for command-line flags, shared by the `wick` binary and the examples.
+//! Value parsers for command-line flags, shared by the `wick` binary and the examples, and their
+//! logging setup ([`init_logging`]).
 //!
 //! Each parser takes the flag's text and returns the value or a message saying what range the
 //! flag accepts; clap prints that message after the flag's own name (`error: invalid value '-1'
@@ -23,6 +24,19 @@
 //! let ok = Args::try_parse_from(["t", "--lr", "1e-3", "--steps", "3"]).unwrap();
 //! assert_eq!((ok.lr, ok.steps), (1e-3, 3));
 //! ```
+
+/// Shows wick's `tracing` warnings and errors (a checkpoint skipped or loaded in another
+/// precision, parameters without gradients, ...) on stderr, without timestamps or targets: the
+/// logging of wick's binaries and examples. Call it first in `main`. Does nothing when a global
+/// subscriber is already installed.
+pub fn init_logging() {
+    let _ = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::WARN)
+        .with_writer(std::io::stderr)
+        .without_time()
+        .with_target(false)
+        .try_init();
+}
 
 fn number<T: std::str::FromStr>(s: &str, what: &str) -> Result<T, String> {
     s.trim()

@@ -2,6 +2,7 @@
 //! phases are timed with wall clocks around each phase; on CUDA with events on the compute
 //! stream, read back in batches (see [`crate::timing`]).
 
+use crate::throughput::Throughput;
 use std::fmt::Write as _;
 use std::time::Duration;
 
@@ -137,9 +138,10 @@ pub struct RunProfile {
     pub device_timed: bool,
     /// Batches reached the GPU through the loader's pinned staging (`with_device`).
     pub staged_h2d: bool,
-    /// Wall-clock time of the steps (evaluation and hooks excluded), the basis of the
-    /// throughput line; `None`: the summed phase times are used instead.
-    pub train_time: Option<Duration>,
+    /// Trained items over the wall-clock time of the steps (evaluation and hooks excluded),
+    /// with its basis: the report's throughput line, and the seconds of its MFU. `None`: both
+    /// use the summed phase times instead, and say so.
+    pub throughput: Option<Throughput>,
 }
 
 /// One bottleneck hint: what was seen and what to change.
@@ -156,11 +158,22 @@ impl RunProfile {
         d.as_secs_f64() / self.phases.total().as_secs_f64().max(1e-12)
     }
 
+    /// The seconds throughput and MFU are computed over: [`RunProfile::throughput`]'s wall
+    /// clock, else the summed phase time.
+    fn secs(&self) -> f64 {
+        match &self.throughput {
+            Some(t) => t.secs,
+            None => self.phases.total().as_secs_f64(),
+        }
+    }
+
     /// Model FLOP utilisation: achieved model FLOP/s over the GPU's peak for the compute dtype
-    /// (PaLM, Chowdhery et al. 2022, appendix B). `None` without FLOPs, GPU or table entry.
+    /// (PaLM, Chowdhery et al. 2022, appendix B), over the same seconds as the throughput
+    /// ([`RunProfile::throughput`]'s wall clock; the summed phase time without it). `None`
+    /// without FLOPs, GPU or table entry.
     pub fn mfu(&self) -> Option<f64> {
         let peak = peak_flops(self.gpu_name.as_deref()?, self.compute_dtype?)?;
-        let secs = self.phases.total().as_secs_f64();
+        let secs = self.secs();
         let flops = self.flops_per_step?;
         (secs > 0.0).then(|| flops * self.steps as f64 / secs / peak)
     }
@@ -223,7 +236,6 @@ impl RunProfile {
 
     /// The end-of-run report: phase table, throughput, MFU, peak memory and hints.
     pub fn report(&self) -> String {
-        let secs = self.phases.total().as_secs_f64().max(1e-12);
         let mut s = self.phases.table(self.steps);
         let _ = writeln!(
             s,
@@ -234,33 +246,29 @@ impl RunProfile {
                 "host wall clock"
             }
         );
-        let (secs, basis) = match self.train_time {
-            Some(w) => (
-                w.as_secs_f64().max(1e-12),
-                "wall-clock s of the steps, evaluation and hooks excluded",
-            ),
-            None => (secs, "summed phase time"),
+        let secs = self.secs().max(1e-12);
+        let basis = match &self.throughput {
+            Some(t) => {
+                let _ = write!(s, "throughput: {t}, {secs:.1} s");
+                if t.unit == crate::throughput::Unit::Tokens {
+                    let _ = write!(s, ", {:.1} samples/s", self.samples as f64 / secs);
+                }
+                "the throughput's wall clock"
+            }
+            None => {
+                let _ = write!(
+                    s,
+                    "throughput: {:.0} samples/s (trained samples / summed phase time of {} steps, \
+                     {secs:.1} s)",
+                    self.samples as f64 / secs,
+                    self.steps
+                );
+                "summed phase time"
+            }
         };
-        let steps = self.steps;
-        match self.tokens_per_sample {
-            Some(t) => writeln!(
-                s,
-                "throughput: {:.0} tokens/s (trained tokens / {basis}; {steps} steps, {:.1} s), \
-                 {:.1} samples/s",
-                (self.samples * t) as f64 / secs,
-                secs,
-                self.samples as f64 / secs
-            ),
-            None => writeln!(
-                s,
-                "throughput: {:.0} samples/s (trained samples / {basis}; {steps} steps, {:.1} s)",
-                self.samples as f64 / secs,
-                secs
-            ),
-        }
-        .ok();
+        s.push('\n');
         if let Some(m) = self.mfu() {
-            let _ = writeln!(s, "MFU: {:.1}%", 100.0 * m);
+            let _ = writeln!(s, "MFU: {:.1}% (model FLOPs / {basis})", 100.0 * m);
         }
         if let Some(b) = self.peak_memory {
             let _ = writeln!(
@@ -306,6 +314,28 @@ mod tests {
         };
         // 49.45 TFLOP per 0.1 s step on a 67 TFLOP/s f32 peak: 494.5 / 67 = 7.38
         assert!((p.mfu().unwrap() - 49.45e12 / 0.1 / 67e12).abs() < 1e-9);
+        assert!(p.report().contains("(model FLOPs / summed phase time)"));
+        // with a wall clock (2 s for the 10 steps, more than the 1 s of phases), MFU and the
+        // throughput line use its seconds
+        let walled = RunProfile {
+            throughput: Some(Throughput {
+                items: 640,
+                unit: crate::throughput::Unit::Samples,
+                secs: 2.0,
+                steps: (1, 10),
+                excluded: "evaluation",
+            }),
+            ..p.clone()
+        };
+        assert!((walled.mfu().unwrap() - 49.45e12 * 10.0 / 2.0 / 67e12).abs() < 1e-9);
+        let report = walled.report();
+        assert!(
+            report.contains(
+                "throughput: 320 samples/s (trained samples / wall-clock s of steps 1-10; \
+                 evaluation excluded), 2.0 s\nMFU: 369.0% (model FLOPs / the throughput's wall clock)"
+            ),
+            "{report}"
+        );
         let hints = p.hints();
         assert!(
             hints[0].finding.contains("40%") && hints[0].action.contains("with_workers"),

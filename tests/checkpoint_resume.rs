@@ -1,6 +1,7 @@
 //! Resuming safely: a missing checkpoint is an error when a resume was asked for; an
 //! incomplete newest checkpoint is skipped loudly (a warning naming it and the one used) and
-//! is never overwritten by the resumed run; a precision change is warned about.
+//! is never overwritten by the resumed run; a precision change is warned about; an exact
+//! resume (`Checkpointer::exact`) refuses either before changing the engine or the loader.
 
 use candle_core::{DType, Device, Module, Tensor};
 use std::io::Write;
@@ -77,6 +78,34 @@ fn step(run: &mut Run) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// What a refused resume must leave as it was: step count, masters and loader position.
+fn snapshot(run: &Run) -> (u64, Vec<(String, Vec<f32>)>, wick::data::LoaderState) {
+    let masters = run
+        .engine
+        .store()
+        .masters()
+        .into_iter()
+        .map(|(n, t)| (n, t.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
+        .collect();
+    (run.engine.boundaries(), masters, run.loader.state())
+}
+
+/// An exact resume of `dir` into `run` is refused with a message containing `want`, and
+/// changes nothing.
+fn refused_exact(dir: &Path, run: &mut Run, want: &str) {
+    let before = snapshot(run);
+    let err = Checkpointer::new(dir, 0)
+        .exact()
+        .resume_existing_with_loader(&mut run.engine, &mut run.loader)
+        .expect_err("not an exact continuation");
+    let msg = format!("{err:#}");
+    assert!(
+        msg.contains(want) && msg.contains("not an exact continuation"),
+        "{msg}"
+    );
+    assert!(snapshot(run) == before, "a refused resume changed the run");
+}
+
 fn names(dir: &Path) -> Vec<String> {
     let mut v: Vec<String> = std::fs::read_dir(dir)
         .unwrap()
@@ -120,6 +149,7 @@ fn an_incomplete_newest_checkpoint_is_skipped_loudly_and_never_overwritten() -> 
     let state3 = std::fs::read(step3.join(checkpoint::STATE_FILE))?;
 
     let mut resumed = setup(Precision::Fp32)?;
+    refused_exact(&dir, &mut resumed, "step-000003");
     let again = Checkpointer::new(&dir, 0);
     let (r, log) =
         with_log(|| again.resume_existing_with_loader(&mut resumed.engine, &mut resumed.loader));
@@ -133,8 +163,6 @@ fn an_incomplete_newest_checkpoint_is_skipped_loudly_and_never_overwritten() -> 
         }],
         "the caller is told, not only the log"
     );
-    let refused = r.refuse_notices().expect_err("not an exact continuation");
-    assert!(refused.to_string().contains("step-000003"), "{refused}");
     assert!(
         log.contains(&step3.display().to_string())
             && log.contains(&dir.join("step-000002").display().to_string())
@@ -187,6 +215,11 @@ fn resuming_a_bf16_checkpoint_in_fp32_returns_a_notice_and_warns() -> anyhow::Re
     step(&mut run)?;
     ckpt.save_with_loader(&run.engine, &run.loader.state(), serde_json::Value::Null)?;
     let mut other = setup(Precision::Fp32)?;
+    // a run that has moved: the refusal must keep its step, masters and loader position
+    step(&mut other)?;
+    step(&mut other)?;
+    refused_exact(&dir, &mut other, "saved in bf16-mixed and loaded into 32");
+    let mut other = setup(Precision::Fp32)?;
     let (r, log) =
         with_log(|| ckpt.resume_existing_with_loader(&mut other.engine, &mut other.loader));
     assert_eq!(
@@ -202,9 +235,12 @@ fn resuming_a_bf16_checkpoint_in_fp32_returns_a_notice_and_warns() -> anyhow::Re
     );
     // an exact continuation has no notice
     let mut same = setup(Precision::Bf16Mixed)?;
-    let exact = ckpt.resume_existing_with_loader(&mut same.engine, &mut same.loader)?;
+    let exact = ckpt
+        .clone()
+        .exact()
+        .resume_existing_with_loader(&mut same.engine, &mut same.loader)?;
     assert!(exact.notices.is_empty(), "{exact}");
-    exact.refuse_notices()?;
+    assert_eq!(same.engine.boundaries(), 1);
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }

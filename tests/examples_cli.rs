@@ -6,8 +6,8 @@
 
 mod common;
 
-use common::example;
-use std::path::{Path, PathBuf};
+use common::{example, tmp};
+use std::path::Path;
 use std::process::{Command, Output};
 
 fn run<S: AsRef<std::ffi::OsStr>>(name: &str, args: &[S]) -> Output {
@@ -23,13 +23,6 @@ fn text(o: &Output) -> (String, String) {
         String::from_utf8_lossy(&o.stdout).into_owned(),
         String::from_utf8_lossy(&o.stderr).into_owned(),
     )
-}
-
-fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("wick-examples-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
 }
 
 /// A small MNIST in idx format: `train` and `test` images of 28x28 with labels i % 10.
@@ -294,7 +287,7 @@ fn bench_step_mlp_reports_samples_per_s_with_its_basis() {
         .find(|l| l.starts_with("samples/s"))
         .unwrap_or_else(|| panic!("no samples/s line in\n{out}"));
     assert!(
-        line.contains("trained samples / wall-clock s of the timed steps 2-3"),
+        line.contains("trained samples / wall-clock s of steps 2-3; warm-up excluded"),
         "{line}"
     );
     assert!(!out.contains("tokens/s"), "{out}");
@@ -362,10 +355,22 @@ fn char_gpt_reports_one_ms_per_step_and_logs_step_zero() {
         .parse()
         .unwrap();
     let json: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
-    let json_ms = json["ms_per_step"].as_f64().expect("ms_per_step");
+    let json_ms = json["phase_ms_per_step"]
+        .as_f64()
+        .expect("phase_ms_per_step");
     assert!(
         (json_ms - table_ms).abs() <= 0.0005 + 1e-9,
         "table {table_ms} vs JSON {json_ms}"
+    );
+    // ms_per_step and tokens_per_s share the steps' wall clock: 4 x 8 tokens per step
+    let (wall_ms, tokens_per_s) = (json["ms_per_step"].as_f64(), json["tokens_per_s"].as_f64());
+    let per_step = wall_ms.unwrap() * tokens_per_s.unwrap() / 1e3;
+    assert!((per_step - 32.0).abs() < 1e-6, "{json}");
+    assert!(
+        json["tokens_per_s_basis"]
+            .as_str()
+            .is_some_and(|b| b.contains("wall-clock s of steps 1-4")),
+        "{json}"
     );
     assert!(
         json["wall_ms_per_step"]

@@ -107,13 +107,19 @@ fn max_steps_with_accumulation_and_metrics_files() -> anyhow::Result<()> {
     let lines: Vec<&str> = csv.lines().collect();
     assert_eq!(
         lines[0],
-        "step,epoch,loss,val_loss,lr,grad_norm,loss_scale,samples_per_s"
+        "step,epoch,loss,val_loss,lr,grad_norm,loss_scale,samples_per_s,tokens_per_s"
     );
     let steps: Vec<&str> = lines[1..]
         .iter()
         .map(|l| l.split(',').next().unwrap())
         .collect();
     assert_eq!(steps, ["5", "10", "15", "20"]);
+    // samples/s in samples_per_s; no tokens_per_sample, so tokens_per_s stays empty
+    for l in &lines[1..] {
+        let cells: Vec<&str> = l.split(',').collect();
+        assert!(cells[7].parse::<f64>().is_ok_and(|r| r > 0.0), "{l}");
+        assert_eq!(cells[8], "", "{l}");
+    }
     // the loss column is the mean over every micro-batch since the previous row
     let logged: Vec<f64> = lines[1..]
         .iter()
@@ -252,6 +258,8 @@ fn throughput_is_trained_tokens_over_the_steps_wall_clock() -> anyhow::Result<()
     use std::time::Duration;
     let (mut engine, l1, l2) = setup(1)?;
     let mut loader = DataLoader::new(dataset(64)?, LoaderConfig::new(8))?;
+    let dir = std::env::temp_dir().join(format!("wick-trainer-tok-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
     let mut trainer = Trainer::new(TrainerConfig {
         max_epochs: None,
         max_steps: Some(4),
@@ -259,6 +267,7 @@ fn throughput_is_trained_tokens_over_the_steps_wall_clock() -> anyhow::Result<()
         log_every: 1,
         progress: false,
         tokens_per_sample: Some(5),
+        out_dir: Some(dir.clone()),
         ..TrainerConfig::default()
     })?;
     let pause = Duration::from_millis(150);
@@ -305,9 +314,19 @@ fn throughput_is_trained_tokens_over_the_steps_wall_clock() -> anyhow::Result<()
     let report = summary.report();
     assert!(
         report.contains(&format!(
-            "throughput: {want:.0} tokens/s (trained tokens / wall-clock s"
+            "throughput: {want:.0} tokens/s (trained tokens / wall-clock s of steps 1-4; "
         )),
         "{report}"
     );
+    // each metrics row: samples/s in samples_per_s, 5 tokens a sample in tokens_per_s
+    let csv = std::fs::read_to_string(dir.join("metrics.csv"))?;
+    for l in csv.lines().skip(1) {
+        let cells: Vec<f64> = l.split(',').skip(7).map(|c| c.parse().unwrap()).collect();
+        assert!(
+            cells[0] > 0.0 && (cells[1] - 5.0 * cells[0]).abs() <= 1e-9 * cells[1],
+            "{l}"
+        );
+    }
+    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }

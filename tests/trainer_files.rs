@@ -160,7 +160,7 @@ fn step_zero_evaluation_is_a_metrics_row_and_plots_come_after_fit() -> anyhow::R
     let mut trainer = Trainer::new(config(&out, 4))?;
     let summary = fit(&mut run, &mut trainer, Hooks::default())?;
     let rows = csv_rows(&out);
-    assert_eq!(rows[1], "0,0,,1,,,,", "step 0: val_loss 1/(1+0) = 1");
+    assert_eq!(rows[1], "0,0,,1,,,,,", "step 0: val_loss 1/(1+0) = 1");
     assert!(!out.join("loss.png").exists(), "fit draws no plots");
     let written = trainer.write_plots(&summary)?;
     assert_eq!(

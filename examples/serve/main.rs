@@ -308,11 +308,7 @@ async fn shutdown_signal(code: Arc<AtomicI32>, stop: Arc<AtomicBool>, saves: boo
 }
 
 fn main() -> Result<()> {
-    tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::WARN)
-        .with_writer(std::io::stderr)
-        .with_target(false)
-        .init();
+    wick::cli::init_logging();
     let a = Args::parse();
     if let (ModelKind::Llama, Some(init)) = (a.model, &a.init) {
         anyhow::bail!(

@@ -2,6 +2,7 @@
 //! [`crate::models::gpt`]'s GPTs) on random data, the train-step benchmark of the team's
 //! `torch_reference.py step`, in wick.
 
+use crate::throughput::{Throughput, Unit};
 use crate::{ParamStore, Precision};
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
@@ -298,17 +299,17 @@ pub fn run(args: &StepArgs) -> Result<()> {
     let steps = args.steps as f64;
     let ms_per_step = secs * 1e3 / steps;
     // global, over the ranks; for the MLP an item is a sample
-    let items = (batch * t * world) as f64;
-    let tok_per_s = items * steps / secs;
-    let (unit, item) = match &args.model {
-        BenchModel::Mlp => ("samples/s", "samples"),
-        BenchModel::Gpt(_) => ("tokens/s", "tokens"),
+    let throughput = Throughput {
+        items: (batch * t * world * args.steps) as u64,
+        unit: match &args.model {
+            BenchModel::Mlp => Unit::Samples,
+            BenchModel::Gpt(_) => Unit::Tokens,
+        },
+        secs,
+        steps: ((args.warmup + 1) as u64, (args.warmup + args.steps) as u64),
+        excluded: "warm-up",
     };
-    let basis = format!(
-        "trained {item} / wall-clock s of the timed steps {}-{}, warm-up excluded",
-        args.warmup + 1,
-        args.warmup + args.steps
-    );
+    let item = throughput.unit.name();
     let flops = match &args.model {
         BenchModel::Gpt(c) => c.train_flops(batch * t * world),
         BenchModel::Mlp => 6.0 * params as f64 * (batch * world) as f64,
@@ -346,7 +347,12 @@ pub fn run(args: &StepArgs) -> Result<()> {
         }
     );
     println!("ms/step     {ms_per_step:.3}");
-    println!("{unit:<11} {tok_per_s:.0} ({basis})");
+    println!(
+        "{:<11} {:.0} ({})",
+        format!("{item}/s"),
+        throughput.per_s(),
+        throughput.basis()
+    );
     if let Some((started, buckets)) = engine.buckets_started_in_backward() {
         println!("overlap     {started} of {buckets} gradient buckets started during the backward");
     }
@@ -419,8 +425,8 @@ pub fn run(args: &StepArgs) -> Result<()> {
     };
     let json = serde_json::json!({
         format!("{key}_ms"): ms_per_step,
-        rate_key: tok_per_s,
-        basis_key: basis,
+        rate_key: throughput.per_s(),
+        basis_key: throughput.basis(),
         format!("{key}_peak_GB"): peak.map(|b| b as f64 / 1e9),
         format!("{key}_mfu"): mfu,
         format!("{key}_phases_ms"): device_phases.map(|p| {

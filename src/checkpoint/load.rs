@@ -85,11 +85,33 @@ pub fn read_state(path: impl AsRef<Path>) -> Result<TrainerState> {
 /// the same checkpoint. The ranks agree after validating and after applying: all succeed, or
 /// all return an error (the engine state rolled back).
 pub fn load(path: impl AsRef<Path>, engine: &mut Engine) -> Result<Resumed> {
+    load_checked(path.as_ref(), engine, Vec::new(), false)
+}
+
+/// [`load`], with `skipped` (newer incomplete folders a resume passed over) put before the
+/// load's own notices; with `exact`, any notice is an error before the engine is changed.
+pub(super) fn load_checked(
+    path: &Path,
+    engine: &mut Engine,
+    skipped: Vec<ResumeNotice>,
+    exact: bool,
+) -> Result<Resumed> {
     let started = Instant::now();
-    let path = path.as_ref();
     // read and validate everything first; under data parallelism every rank then agrees before
     // anything collective runs (a rank that failed alone would leave the others waiting)
-    let checked = validate(path, engine);
+    let checked = validate(path, engine).and_then(|mut v| {
+        v.notices.splice(0..0, skipped);
+        if exact && !v.notices.is_empty() {
+            let list: Vec<String> = v.notices.iter().map(|n| n.to_string()).collect();
+            bail!(
+                "resuming from {} is not an exact continuation (Checkpointer::exact): {}; \
+                 nothing was loaded",
+                path.display(),
+                list.join("; ")
+            );
+        }
+        Ok(v)
+    });
     agree_across_ranks(engine, checked.is_ok(), "reading the checkpoint")?;
     let Validated {
         state,

@@ -166,6 +166,8 @@ pub struct TrainerState {
 pub struct Checkpointer {
     dir: PathBuf,
     keep_last: usize,
+    /// Resumes refuse anything but an exact continuation ([`Checkpointer::exact`]).
+    exact: bool,
     /// Steps this checkpointer (or a clone) saved: only those may be replaced by a new save.
     saved: std::sync::Arc<std::sync::Mutex<std::collections::BTreeSet<u64>>>,
 }
@@ -177,8 +179,19 @@ impl Checkpointer {
         Self {
             dir: dir.into(),
             keep_last,
+            exact: false,
             saved: Default::default(),
         }
+    }
+
+    /// This checkpointer, with resumes ([`Self::resume`] and the loader forms) that refuse
+    /// anything but an exact continuation of the newest save: a newer incomplete checkpoint
+    /// skipped, or a precision other than the saved one (what [`Resumed::notices`] would
+    /// list), is an error naming each difference, returned before anything is applied: the
+    /// engine and the loader are unchanged.
+    pub fn exact(mut self) -> Self {
+        self.exact = true;
+        self
     }
 
     /// The root directory.
@@ -327,14 +340,17 @@ impl Checkpointer {
     /// Loads the newest complete checkpoint into `engine` when there is one ([`latest`] then
     /// [`load`]); returns what was loaded. `Ok(None)`: no checkpoint yet (fresh start). Newer
     /// incomplete folders that were skipped, and a precision change, are in
-    /// [`Resumed::notices`] (see [`Resumed::refuse_notices`]). Errors as [`load`]; the newest
-    /// complete checkpoint failing to load is an error, never a silent fallback to an older one.
+    /// [`Resumed::notices`] (or an error, changing nothing, with [`Self::exact`]). Errors as
+    /// [`load`]; the newest complete checkpoint failing to load is an error, never a silent
+    /// fallback to an older one.
     pub fn resume(&self, engine: &mut Engine) -> Result<Option<Resumed>> {
         let (newest, skipped) = self.agreed_latest(engine)?;
         let Some(path) = newest else {
             return Ok(None);
         };
-        Ok(Some(load(&path, engine)?.after_skipping(skipped)))
+        Ok(Some(load::load_checked(
+            &path, engine, skipped, self.exact,
+        )?))
     }
 
     /// [`Self::latest`], checked across ranks under data parallelism: every rank must see the
@@ -437,8 +453,8 @@ impl Checkpointer {
             return Err(e);
         }
         restored?;
-        match load(&path, engine) {
-            Ok(resumed) => Ok(Some(resumed.after_skipping(skipped))),
+        match load::load_checked(&path, engine, skipped, self.exact) {
+            Ok(resumed) => Ok(Some(resumed)),
             Err(e) => {
                 loader.load_state(&before)?;
                 Err(e)

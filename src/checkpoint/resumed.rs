@@ -3,8 +3,8 @@
 //! A resume that quietly takes an older checkpoint, or loads masters saved in another
 //! precision, changes the run the user asked for. Those facts are returned in
 //! [`Resumed::notices`] (and also logged with `tracing`), so a caller without a tracing
-//! subscriber still sees them: print them, refuse them ([`Resumed::refuse_notices`]), or
-//! accept them.
+//! subscriber still sees them: print them, or accept them; [`Checkpointer::exact`] refuses
+//! them before anything is loaded.
 
 use super::*;
 use std::fmt;
@@ -69,30 +69,6 @@ impl fmt::Display for Resumed {
             write!(f, " [note: {notice}]")?;
         }
         Ok(())
-    }
-}
-
-impl Resumed {
-    /// Puts `skipped` (newer incomplete folders) before the load's own notices.
-    pub(super) fn after_skipping(mut self, mut skipped: Vec<ResumeNotice>) -> Self {
-        skipped.append(&mut self.notices);
-        self.notices = skipped;
-        self
-    }
-
-    /// `Ok(self)` when nothing differs from an exact continuation; otherwise an error listing
-    /// every notice. The engine has been loaded either way: on error, build it again or
-    /// resume from another folder.
-    pub fn refuse_notices(self) -> Result<Self> {
-        if self.notices.is_empty() {
-            return Ok(self);
-        }
-        let list: Vec<String> = self.notices.iter().map(|n| n.to_string()).collect();
-        bail!(
-            "resuming from {} is not an exact continuation: {}",
-            self.path.display(),
-            list.join("; ")
-        )
     }
 }
 

@@ -20,6 +20,7 @@ pub use metrics::{MetricsRow, CSV_HEADER};
 use crate::data::{Batch, Collate, DataLoader, Dataset, LoaderState};
 use crate::engine::{Engine, StepCtx, StepReport};
 use crate::profile::{PhaseTimes, RunProfile};
+use crate::throughput::{Throughput, Unit};
 use crate::timing::PendingPhases;
 use anyhow::{bail, Context, Result};
 use candle_core::Tensor;
@@ -172,7 +173,7 @@ pub struct FitSummary {
     pub elapsed: Duration,
     /// Wall-clock time of the training steps: [`FitSummary::elapsed`] less the evaluations and
     /// the `after_step` hooks (checkpoint saves). The basis of every throughput the trainer
-    /// prints ([`FitSummary::THROUGHPUT_BASIS`]).
+    /// prints, and of the report's MFU ([`FitSummary::throughput`]).
     pub train_time: Duration,
     /// Summed per-phase times (data measured around `next_batch`).
     pub phases: PhaseTimes,
@@ -187,12 +188,13 @@ pub struct FitSummary {
 }
 
 impl FitSummary {
-    /// How [`FitSummary::tokens_per_s`] and [`FitSummary::samples_per_s`] (and the report's
-    /// throughput, the progress bar's and the epoch lines' rates) are computed; print it beside
-    /// the figure (e.g. as `tokens_per_s_basis` in a JSON line).
-    pub const THROUGHPUT_BASIS: &'static str = "trained tokens (samples x tokens_per_sample) / \
-        wall-clock s of the steps (evaluation and after_step hooks such as checkpoint saves \
-        excluded)";
+    /// The report's throughput: trained tokens (samples x
+    /// [`TrainerConfig::tokens_per_sample`]; samples without it) over
+    /// [`FitSummary::train_time`], with its basis ([`Throughput::basis`], e.g. for
+    /// `tokens_per_s_basis` in a JSON line: [`Throughput::json`]). `None` when no step ran.
+    pub fn throughput(&self) -> Option<Throughput> {
+        self.profile.throughput.clone()
+    }
 
     /// Samples trained on per second of [`FitSummary::train_time`]; `None` when no step ran.
     pub fn samples_per_s(&self) -> Option<f64> {
@@ -236,6 +238,9 @@ impl FitSummary {
         (self.steps > 0).then(|| self.elapsed.as_secs_f64() * 1e3 / self.steps as f64)
     }
 }
+
+/// What the trainer's throughput leaves out of the wall clock ([`Throughput::excluded`]).
+const EXCLUDED: &str = "evaluation and after_step hooks (checkpoint saves)";
 
 /// Hooks the loop calls; all optional.
 #[derive(Default)]
@@ -353,10 +358,10 @@ impl Tally {
             .as_secs_f64()
     }
 
-    /// Throughput since the mark, in samples (or tokens, with `scale`) per second of the
-    /// steps' wall clock ([`FitSummary::THROUGHPUT_BASIS`]).
-    fn rate(&self, scale: f64) -> f64 {
-        self.samples as f64 * scale / self.secs().max(1e-9)
+    /// Samples since the mark per second of the steps' wall clock (the basis of
+    /// [`FitSummary::throughput`]).
+    fn rate(&self) -> f64 {
+        self.samples as f64 / self.secs().max(1e-9)
     }
 }
 
@@ -485,11 +490,18 @@ impl Trainer {
         };
         let (mut samples, mut last_eval) = (0u64, None);
         let unit = if c.tokens_per_sample.is_some() {
-            "tokens/s"
+            Unit::Tokens
         } else {
-            "samples/s"
+            Unit::Samples
         };
-        let scale = c.tokens_per_sample.unwrap_or(1) as f64;
+        let per_sample = c.tokens_per_sample.unwrap_or(1) as u64;
+        let throughput = |items: u64, secs: f64, steps: (u64, u64)| Throughput {
+            items: items * per_sample,
+            unit,
+            secs,
+            steps,
+            excluded: EXCLUDED,
+        };
         if c.eval_at_start && start_step == 0 {
             let t = Instant::now();
             let m = evaluate(engine)?;
@@ -516,6 +528,7 @@ impl Trainer {
                 break StopReason::MaxSteps;
             }
             let mut epoch_stats = Tally::new();
+            let epoch_first_step = engine.boundaries() + 1;
             loop {
                 let t = Instant::now();
                 let Some(batch) = loader.next_batch()? else {
@@ -549,11 +562,13 @@ impl Trainer {
                 if step % c.log_every == 0 {
                     let loss = window.mean_loss()?;
                     phases.add(&pending.drain()?);
-                    let rate = window.rate(scale);
+                    let rate = window.rate();
                     bar.set_message(format!(
-                        "loss {:.4}  lr {:.2e}  {rate:.0} {unit}",
+                        "loss {:.4}  lr {:.2e}  {:.0} {}/s",
                         loss.unwrap_or(f64::NAN),
-                        report.lr
+                        report.lr,
+                        rate * per_sample as f64,
+                        unit.name()
                     ));
                     row = Some(MetricsRow {
                         step,
@@ -563,6 +578,7 @@ impl Trainer {
                         grad_norm: report.grad_norm()?,
                         loss_scale: Some(report.loss_scale()? as f64),
                         samples_per_s: Some(rate),
+                        tokens_per_s: c.tokens_per_sample.map(|t| rate * t as f64),
                         ..Default::default()
                     });
                     window = Tally::new();
@@ -607,7 +623,11 @@ impl Trainer {
             // end of an epoch (none ran when a resumed loader stood at the end of one)
             if c.eval_every.is_none() && epoch_stats.samples > 0 {
                 // the epoch's rate before its evaluation, which is not a training step
-                let (secs, rate) = (epoch_stats.secs(), epoch_stats.rate(scale));
+                let rate = throughput(
+                    epoch_stats.samples,
+                    epoch_stats.secs(),
+                    (epoch_first_step, engine.boundaries()),
+                );
                 let t = Instant::now();
                 let m = evaluate(engine)?;
                 outside += t.elapsed();
@@ -625,10 +645,10 @@ impl Trainer {
                     Some(l) => format!("train loss {l:.4}  "),
                 };
                 let line = format!(
-                    "epoch {}: {train_loss}{}  {rate:.0} {unit} (wall clock of the epoch's steps, \
-                     {secs:.1} s)",
+                    "epoch {}: {train_loss}{}  {rate}, {:.1} s",
                     row.epoch,
                     fmt_metrics(&m),
+                    rate.secs
                 );
                 if rank == 0 {
                     bar.suspend(|| println!("{line}"));
@@ -663,7 +683,13 @@ impl Trainer {
             peak_memory: peak_memory(engine.store().device()),
             device_timed,
             staged_h2d,
-            train_time: Some(train_time),
+            throughput: (steps > 0).then(|| {
+                throughput(
+                    samples,
+                    train_time.as_secs_f64(),
+                    (start_step + 1, start_step + steps),
+                )
+            }),
         };
         drop(files);
         Ok(FitSummary {

@@ -81,6 +81,15 @@ pub fn causal_mask(t: usize, device: &Device) -> Tensor {
     Tensor::from_vec(mask, (t, t), device).expect("mask")
 }
 
+/// A fresh, empty folder `wick-test-{name}-{pid}` under the system's temp dir (an older one of
+/// the same name is removed first).
+pub fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("wick-test-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).expect("creating a temp folder");
+    d
+}
+
 /// Newest modification time of the files under `dir` (recursively).
 pub fn newest(dir: &Path) -> std::time::SystemTime {
     let mut t = std::time::UNIX_EPOCH;
