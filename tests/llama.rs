@@ -71,7 +71,10 @@ fn gguf_config_is_smollm2_135m() {
     assert_eq!(c.rope_theta, 100000.0);
     assert!((c.rms_norm_eps - 1e-5).abs() < 1e-12);
     assert!(c.tie_word_embeddings);
-    assert_eq!((c.bos_token_id, c.eos_token_id), (Some(1), Some(2)));
+    assert_eq!(
+        (c.bos_token_id, c.eos_token_id.clone()),
+        (Some(1), Some(wick::models::llama_config::TokenIds::One(2)))
+    );
     assert_eq!(w.tensors.len(), 1 + 30 * 9 + 1);
     let params: usize = w.tensors.values().map(Tensor::elem_count).sum();
     assert_eq!(params, 134_515_008); // SmolLM2-135M's count (tied head counted once)

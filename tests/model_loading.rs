@@ -225,6 +225,17 @@ fn config_json_keys_that_change_the_math_are_refused() {
             "low_freq_factor",
         ),
         ("sliding_window", serde_json::json!(32), "sliding_window"),
+        (
+            "sliding_window",
+            serde_json::json!("full"),
+            "neither null nor",
+        ),
+        (
+            "sliding_window",
+            serde_json::json!(300.5),
+            "neither null nor",
+        ),
+        ("sliding_window", serde_json::json!(-1), "neither null nor"),
         ("attention_bias", serde_json::json!(true), "attention_bias"),
         ("mlp_bias", serde_json::json!(true), "mlp_bias"),
         ("hidden_act", serde_json::json!("gelu"), "hidden_act"),
@@ -260,7 +271,7 @@ fn config_json_keys_that_change_the_math_are_refused() {
     }
 }
 
-/// The real key sets of SmolLM2-135M-Instruct's, Llama-3.2-1B's and Mistral-7B-v0.3's
+/// The real key sets of SmolLM2-135M-Instruct's, Llama-3.2-1B-Instruct's and Mistral-7B-v0.3's
 /// config.json (sizes replaced by the tiny model's) load.
 #[test]
 fn real_config_json_key_sets_are_accepted() {
@@ -274,7 +285,7 @@ fn real_config_json_key_sets_are_accepted() {
     });
     let llama32 = serde_json::json!({
         "architectures": ["LlamaForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
-        "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 16, "hidden_act": "silu",
+        "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "head_dim": 16, "hidden_act": "silu",
         "initializer_range": 0.02, "mlp_bias": false, "model_type": "llama", "pretraining_tp": 1,
         "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                          "original_max_position_embeddings": 8192, "rope_type": "llama3"},
@@ -554,22 +565,35 @@ fn smollm2_gguf() -> PathBuf {
     p
 }
 
+/// SmolLM2's tokenizer and general metadata (no tensors), for [`tokenizer_gguf`] to edit.
+fn smollm2_tokenizer_meta() -> Vec<(String, gguf_file::Value)> {
+    Gguf::open(&smollm2_gguf())
+        .unwrap()
+        .content
+        .metadata
+        .iter()
+        .filter(|(k, _)| k.starts_with("tokenizer.") || k.starts_with("general."))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect()
+}
+
+/// Writes `meta` as a tensor-less GGUF `dir/name` and opens it.
+fn tokenizer_gguf(dir: &Path, name: &str, meta: &[(String, gguf_file::Value)]) -> Gguf {
+    let path = dir.join(name);
+    let refs: Vec<(&str, &gguf_file::Value)> = meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    gguf_file::write(&mut std::fs::File::create(&path).unwrap(), &refs, &[]).unwrap();
+    Gguf::open(&path).unwrap()
+}
+
 /// SmolLM2's tokenizer metadata with a user-defined token `<think>` (type 4, as Qwen3's GGUF
 /// has it) appended and `add_bos_token` true (as Llama 3's and Gemma 3's files say), written
 /// as a tensor-less GGUF.
 #[test]
 fn gguf_user_defined_tokens_are_atomic_and_add_bos_token_is_honoured() -> Result<()> {
     use gguf_file::Value as V;
-    let base_gguf = Gguf::open(&smollm2_gguf())?;
-    let base = LlamaTokenizer::from_gguf(&base_gguf)?;
+    let base = LlamaTokenizer::from_gguf(&Gguf::open(&smollm2_gguf())?)?;
     assert!(!base.add_bos_token);
-    let mut meta: Vec<(String, V)> = base_gguf
-        .content
-        .metadata
-        .iter()
-        .filter(|(k, _)| k.starts_with("tokenizer.") || k.starts_with("general."))
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
+    let mut meta = smollm2_tokenizer_meta();
     let think_id = 49152u32;
     for (k, v) in meta.iter_mut() {
         match k.as_str() {
@@ -589,10 +613,7 @@ fn gguf_user_defined_tokens_are_atomic_and_add_bos_token_is_honoured() -> Result
         }
     }
     let dir = tempdir("tokenizer");
-    let path = dir.join("tok.gguf");
-    let refs: Vec<(&str, &V)> = meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    gguf_file::write(&mut std::fs::File::create(&path)?, &refs, &[])?;
-    let tok = LlamaTokenizer::from_gguf(&Gguf::open(&path)?)?;
+    let tok = LlamaTokenizer::from_gguf(&tokenizer_gguf(&dir, "tok.gguf", &meta))?;
     assert!(tok.add_bos_token && !tok.add_eos_token);
     let bos = 1u32; // tokenizer.ggml.bos_token_id
     assert_eq!(tok.bos_token.as_deref(), Some("<|im_start|>"));
@@ -618,6 +639,312 @@ fn gguf_user_defined_tokens_are_atomic_and_add_bos_token_is_honoured() -> Result
         "<think>"
     );
     assert_eq!(tok.decode(&[think_id])?, "<think>");
+    Ok(())
+}
+
+/// A feedback example (prompt, then completion) gets one BOS, at the start, and the EOS only
+/// at the end, when the file's flags ask for them; each part's ids are its own.
+#[test]
+fn prompt_completion_pairs_get_one_bos_at_the_start() -> Result<()> {
+    use gguf_file::Value as V;
+    let base = LlamaTokenizer::from_gguf(&Gguf::open(&smollm2_gguf())?)?;
+    let (prompt, completion) = ("The capital of Wick is", " Candleburg, by the sea.");
+    let (p, c) = (base.encode(prompt)?, base.encode(completion)?);
+    let (bos, eos) = (1u32, 2u32); // tokenizer.ggml.bos_token_id / eos_token_id
+    assert!(!p.contains(&bos) && !c.contains(&bos) && !c.contains(&eos));
+    // SmolLM2's own flags: no BOS, no EOS
+    assert_eq!(
+        base.encode_prompt_completion(prompt, completion)?,
+        [p.clone(), c.clone()].concat()
+    );
+    let dir = tempdir("pair");
+    for (add_eos, name) in [(false, "bos.gguf"), (true, "bos-eos.gguf")] {
+        let mut meta = smollm2_tokenizer_meta();
+        for (k, v) in meta.iter_mut() {
+            match k.as_str() {
+                "tokenizer.ggml.add_bos_token" => *v = V::Bool(true),
+                "tokenizer.ggml.add_eos_token" => *v = V::Bool(add_eos),
+                _ => {}
+            }
+        }
+        if !meta
+            .iter()
+            .any(|(k, _)| k == "tokenizer.ggml.add_eos_token")
+        {
+            meta.push(("tokenizer.ggml.add_eos_token".into(), V::Bool(add_eos)));
+        }
+        let tok = LlamaTokenizer::from_gguf(&tokenizer_gguf(&dir, name, &meta))?;
+        assert!(tok.add_bos_token && tok.add_eos_token == add_eos);
+        let mut want = vec![bos];
+        want.extend(&p);
+        want.extend(&c);
+        if add_eos {
+            want.push(eos);
+        }
+        let got = tok.encode_prompt_completion(prompt, completion)?;
+        assert_eq!(got, want, "add_eos_token {add_eos}");
+        // what concatenating two encode() calls gave: a BOS in the middle
+        let mut two = tok.encode(prompt)?;
+        two.extend(tok.encode(completion)?);
+        assert_eq!(two.iter().filter(|&&i| i == bos).count(), 2);
+        assert_eq!(got.iter().filter(|&&i| i == bos).count(), 1);
+    }
+    Ok(())
+}
+
+/// `tokenizer.ggml.pre`: `gpt2` and `smollm` are implemented exactly; another value (Llama
+/// 3's `llama-bpe`, Qwen2's `qwen2`, llama.cpp's `default`) is refused naming the key, the
+/// value and the file; an absent key is transformers' GPT-2 regex, refused for llama.cpp's
+/// pre-tokenization (its `default` regexes).
+#[test]
+fn gguf_pre_tokenizers_are_implemented_or_refused() -> Result<()> {
+    use gguf_file::Value as V;
+    use wick::models::llama_tokenizer::Pretokenizer;
+    let smollm = Gguf::open(&smollm2_gguf())?;
+    // a space run before a digit: GPT-2's regex keeps " 7" together, the digit split does not
+    let text = "x  7 apples and 1234 pears";
+    let transformers = LlamaTokenizer::from_gguf(&smollm)?.encode(text)?;
+    let digits = LlamaTokenizer::from_gguf_with(&smollm, Pretokenizer::LlamaCpp)?.encode(text)?;
+    assert_ne!(transformers, digits);
+    let dir = tempdir("pre");
+    let with_pre = |name: &str, pre: Option<&str>| {
+        let mut meta = smollm2_tokenizer_meta();
+        meta.retain(|(k, _)| k != "tokenizer.ggml.pre");
+        if let Some(p) = pre {
+            meta.push(("tokenizer.ggml.pre".into(), V::String(p.into())));
+        }
+        tokenizer_gguf(&dir, name, &meta)
+    };
+    // gpt2: GPT-2's regex alone, in both modes (no digit split)
+    let gpt2 = with_pre("gpt2.gguf", Some("gpt2"));
+    for mode in [Pretokenizer::Transformers, Pretokenizer::LlamaCpp] {
+        assert_eq!(
+            LlamaTokenizer::from_gguf_with(&gpt2, mode)?.encode(text)?,
+            transformers,
+            "{mode:?}"
+        );
+    }
+    // absent: transformers' loader (GPT-2's regex); llama.cpp would use its "default"
+    let absent = with_pre("absent.gguf", None);
+    assert_eq!(
+        LlamaTokenizer::from_gguf(&absent)?.encode(text)?,
+        transformers
+    );
+    let err = format!(
+        "{:#}",
+        LlamaTokenizer::from_gguf_with(&absent, Pretokenizer::LlamaCpp)
+            .err()
+            .unwrap()
+    );
+    assert!(
+        err.contains("tokenizer.ggml.pre") && err.contains("absent.gguf"),
+        "{err}"
+    );
+    for pre in ["llama-bpe", "qwen2", "default"] {
+        let name = format!("{pre}.gguf");
+        let g = with_pre(&name, Some(pre));
+        for mode in [Pretokenizer::Transformers, Pretokenizer::LlamaCpp] {
+            let err = format!(
+                "{:#}",
+                LlamaTokenizer::from_gguf_with(&g, mode).err().unwrap()
+            );
+            assert!(
+                err.contains("tokenizer.ggml.pre")
+                    && err.contains(&format!("{pre:?}"))
+                    && err.contains(&name),
+                "{pre} {mode:?}: {err}"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Llama 3.1 / 3.2 Instruct's `eos_token_id` list loads, is saved as a list, and generation
+/// stops at any of its ids; one id stays one id; anything else is refused naming the key.
+#[test]
+fn eos_token_id_lists_load_stop_generation_and_save_as_read() -> Result<()> {
+    use wick::models::llama_config::TokenIds;
+    // greedy ids of the tiny model without an EOS
+    let w = tiny_weights();
+    let prompt = [5u32, 17, 3];
+    let free = {
+        let store = ParamStore::new(Precision::Fp32, Device::Cpu, 0);
+        Llama::new(&store, &w, &FineTune::Full)?.generate(&prompt, 6, 0.0, 0)?
+    };
+    assert_eq!(free.len(), 6);
+    let stop = free[2];
+    let first = free.iter().position(|&i| i == stop).unwrap();
+    let dir = hf_folder("eos-list", |c| {
+        c.insert("eos_token_id".into(), serde_json::json!([95, stop, 94]));
+    });
+    let back = llama_io::read_safetensors(&dir)?;
+    assert_eq!(
+        back.config.eos_token_id,
+        Some(TokenIds::Many(vec![95, stop, 94]))
+    );
+    let store = ParamStore::new(Precision::Fp32, Device::Cpu, 0);
+    let got = Llama::new(&store, &back, &FineTune::Full)?.generate(&prompt, 6, 0.0, 0)?;
+    assert_eq!(got, free[..=first].to_vec(), "stops after {stop}");
+    let out = dir.join("saved");
+    llama_io::save_pretrained(&back, &out)?;
+    let saved: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json"))?)?;
+    assert_eq!(saved["eos_token_id"], serde_json::json!([95, stop, 94]));
+    // one id: read and written as a number
+    let one = hf_folder("eos-one", |c| {
+        c.insert("eos_token_id".into(), 2.into());
+    });
+    let c = LlamaConfig::from_json_file(&one.join("config.json"))?;
+    assert_eq!(c.eos_token_id, Some(TokenIds::One(2)));
+    assert_eq!(serde_json::to_value(&c)?["eos_token_id"], 2);
+    for bad in [serde_json::json!("2"), serde_json::json!([2, -1])] {
+        let d = hf_folder("eos-bad", |c| {
+            c.insert("eos_token_id".into(), bad.clone());
+        });
+        let err = format!(
+            "{:#}",
+            LlamaConfig::from_json_file(&d.join("config.json")).unwrap_err()
+        );
+        assert!(err.contains("eos_token_id"), "{bad}: {err}");
+    }
+    Ok(())
+}
+
+/// transformers 5's `rope_parameters` is read however the config is deserialized, and a
+/// `rope_theta` or `rope_scaling` beside it that differs is refused.
+#[test]
+fn rope_parameters_are_read_at_deserialization_and_conflicts_refused() -> Result<()> {
+    let base = serde_json::to_value(tiny_config())?;
+    let with = |edit: &dyn Fn(&mut serde_json::Map<String, serde_json::Value>)| {
+        let mut v = base.clone();
+        edit(v.as_object_mut().unwrap());
+        serde_json::from_value::<LlamaConfig>(v)
+    };
+    let mut params = llama3_json(64);
+    params["rope_theta"] = 20000.0.into();
+    let c = with(&|m| {
+        m.remove("rope_theta");
+        m.insert("rope_parameters".into(), params.clone());
+    })?;
+    c.validate()?;
+    assert_eq!(c.rope_theta, 20000.0);
+    assert_eq!(
+        c.rope_scaling,
+        Some(RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 64,
+        })
+    );
+    assert!(!c.other.contains_key("rope_parameters"));
+    // saved as rope_theta + rope_scaling, and read back the same
+    let saved = serde_json::to_value(&c)?;
+    assert_eq!(saved["rope_theta"], 20000.0);
+    assert_eq!(saved["rope_scaling"]["rope_type"], "llama3");
+    assert_eq!(serde_json::from_value::<LlamaConfig>(saved)?, c);
+    // the default type with a theta; the same theta beside it is fine
+    let c = with(&|m| {
+        m.insert("rope_theta".into(), 500000.0.into());
+        m.insert(
+            "rope_parameters".into(),
+            serde_json::json!({"rope_type": "default", "rope_theta": 500000.0}),
+        );
+    })?;
+    assert_eq!((c.rope_theta, c.rope_scaling), (500000.0, None));
+    // a different top-level theta: refused, both named
+    let err = with(&|m| {
+        m.insert("rope_theta".into(), 10000.0.into());
+        m.insert("rope_parameters".into(), params.clone());
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("rope_theta") && err.contains("10000") && err.contains("20000"),
+        "{err}"
+    );
+    // a different rope_scaling beside it: refused
+    let err = with(&|m| {
+        m.insert(
+            "rope_scaling".into(),
+            serde_json::json!({"rope_type": "linear", "factor": 2.0}),
+        );
+        m.insert("rope_parameters".into(), params.clone());
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("rope_parameters") && err.contains("rope_scaling"),
+        "{err}"
+    );
+    Ok(())
+}
+
+/// llama.cpp's RoPE scaling keys as it reads them: the type defaults to linear, the factor is
+/// `llama.rope.scaling.factor` or the older `llama.rope.scale_linear`, and type `none` never
+/// scales (llama-context.cpp: "never scale if scaling type is none").
+#[test]
+fn gguf_rope_scaling_type_none_ignores_the_factor() -> Result<()> {
+    use gguf_file::Value as V;
+    let w = tiny_weights();
+    let dir = tempdir("gguf-none");
+    let read = |name: &str, meta: Vec<(&str, V)>| {
+        let path = dir.join(name);
+        write_gguf(&path, &w, meta, vec![]);
+        llama_io::read_gguf(&path).unwrap()
+    };
+    let none = read(
+        "none.gguf",
+        vec![
+            ("llama.rope.scaling.type", V::String("none".into())),
+            ("llama.rope.scaling.factor", V::F32(4.0)),
+        ],
+    );
+    assert_eq!(none.config.rope_scaling, None);
+    assert!(max_abs(&logits(&none, &ids(32)), &logits(&w, &ids(32))) < 1e-5);
+    let none_legacy = read(
+        "none-legacy.gguf",
+        vec![
+            ("llama.rope.scaling.type", V::String("none".into())),
+            ("llama.rope.scale_linear", V::F32(4.0)),
+        ],
+    );
+    assert_eq!(none_legacy.config.rope_scaling, None);
+    let linear = Some(RopeScaling::Linear { factor: 4.0 });
+    for (name, key) in [
+        ("legacy.gguf", "llama.rope.scale_linear"),
+        ("factor.gguf", "llama.rope.scaling.factor"),
+    ] {
+        let g = read(name, vec![(key, V::F32(4.0))]);
+        assert_eq!(g.config.rope_scaling, linear, "{key} without a type");
+    }
+    Ok(())
+}
+
+/// `ops::rotary_tables_from_inv_freq`: the tables of the given frequencies, written out here,
+/// and its argument checks.
+#[test]
+fn rotary_tables_from_inv_freq_values_and_checks() -> Result<()> {
+    let inv = [0.5, 0.125, 1e-3];
+    let (cos, sin) = wick::ops::rotary_tables_from_inv_freq(&inv, 4, 3, &Device::Cpu)?;
+    assert_eq!(cos.dims(), &[4, 3]);
+    let (cos, sin) = (cos.to_vec2::<f32>()?, sin.to_vec2::<f32>()?);
+    for t in 0..4 {
+        for (i, f) in inv.iter().enumerate() {
+            let a = (t + 3) as f64 * f;
+            assert!((cos[t][i] as f64 - a.cos()).abs() < 1e-7);
+            assert!((sin[t][i] as f64 - a.sin()).abs() < 1e-7);
+        }
+    }
+    let err = |inv: &[f64], start| {
+        wick::ops::rotary_tables_from_inv_freq(inv, 2, start, &Device::Cpu)
+            .unwrap_err()
+            .to_string()
+    };
+    assert!(err(&[], 0).contains("no inverse frequencies"));
+    assert!(err(&[0.5, f64::NAN], 0).contains("finite and positive"));
+    assert!(err(&[0.0], 0).contains("finite and positive"));
+    assert!(err(&[0.5], usize::MAX).contains("overflow"));
     Ok(())
 }
 

@@ -275,15 +275,11 @@ async fn post_feedback(
             "prompt and completion must both be non-empty",
         ));
     }
-    let mut ids = s
+    // one BOS at the start (if the file adds one), never between prompt and completion
+    let ids = s
         .tok
-        .encode(&req.prompt)
-        .map_err(|e| ApiError::invalid(format!("prompt: {e:#}")))?;
-    ids.extend(
-        s.tok
-            .encode(&req.completion)
-            .map_err(|e| ApiError::invalid(format!("completion: {e:#}")))?,
-    );
+        .encode_prompt_completion(&req.prompt, &req.completion)
+        .map_err(|e| ApiError::invalid(format!("{e:#}")))?;
     let positions = s.published.load().value.config().max_position_embeddings;
     if ids.len() > positions + 1 {
         return Err(ApiError::invalid(format!(

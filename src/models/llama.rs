@@ -693,7 +693,7 @@ impl Llama {
     /// Generates up to `max_new_tokens` ids after `prompt` with a KV cache: the prompt in one
     /// forward, then one token per forward. Each id is drawn from `softmax(logits /
     /// temperature)` (seeded by `seed`); `temperature == 0` is greedy. Stops after the config's
-    /// `eos_token_id` (included). Returns the new ids.
+    /// `eos_token_id` (any of them; included). Returns the new ids.
     ///
     /// Errors: an empty prompt, an id outside the vocabulary, a temperature that is negative or
     /// not finite, a prompt plus new tokens past `max_position_embeddings`, non-finite logits.
@@ -734,7 +734,7 @@ impl Llama {
                 .to_vec1()?;
             let id = super::sampling::sample(&last, temperature, &mut rng)?;
             out.push(id);
-            if !on_token(id) || Some(id) == self.config.eos_token_id {
+            if !on_token(id) || self.config.is_eos(id) {
                 break;
             }
             next_input = vec![id];

@@ -13,7 +13,12 @@ use std::path::Path;
 /// The fields of a Llama `config.json` the decoder uses (transformers' `LlamaConfig` names);
 /// the file's other fields are kept in `other`, so that a saved config says what the loaded
 /// one said.
+///
+/// Deserializing (from any source, not only [`Self::from_json_file`]) reads transformers 5's
+/// `rope_parameters` object into [`Self::rope_theta`] and [`Self::rope_scaling`], refusing one
+/// that contradicts them; serializing writes them as `rope_theta` and `rope_scaling`.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(remote = "Self")]
 pub struct LlamaConfig {
     /// Vocabulary size (rows of `model.embed_tokens.weight`).
     pub vocab_size: usize,
@@ -47,9 +52,10 @@ pub struct LlamaConfig {
     /// Beginning-of-sequence token id.
     #[serde(default)]
     pub bos_token_id: Option<u32>,
-    /// End-of-sequence token id (generation stops there).
-    #[serde(default)]
-    pub eos_token_id: Option<u32>,
+    /// End-of-sequence token id, or several (Llama 3.1 / 3.2 Instruct list
+    /// `[128001, 128008, 128009]`); generation stops at any of them.
+    #[serde(default, deserialize_with = "deserialize_eos_token_id")]
+    pub eos_token_id: Option<TokenIds>,
     /// The file's other fields.
     #[serde(flatten)]
     pub other: serde_json::Map<String, serde_json::Value>,
@@ -57,6 +63,104 @@ pub struct LlamaConfig {
 
 fn default_rope_theta() -> f64 {
     10000.0
+}
+
+impl serde::Serialize for LlamaConfig {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        LlamaConfig::serialize(self, s)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for LlamaConfig {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        use serde::de::Error;
+        let mut map = serde_json::Map::<String, serde_json::Value>::deserialize(d)?;
+        take_rope_parameters(&mut map).map_err(|e| D::Error::custom(format!("{e:#}")))?;
+        LlamaConfig::deserialize(serde_json::Value::Object(map)).map_err(D::Error::custom)
+    }
+}
+
+/// transformers 5 writes `rope_theta` and `rope_scaling` as one `rope_parameters` object:
+/// moves it into the `rope_theta` and `rope_scaling` keys of a `config.json` object.
+///
+/// Errors: a `rope_parameters` that is not an object, a RoPE type wick does not implement
+/// ([`RopeScaling::from_json`]), a `rope_theta` or `rope_scaling` beside it that differs.
+fn take_rope_parameters(map: &mut serde_json::Map<String, serde_json::Value>) -> Result<()> {
+    let Some(v) = map.remove("rope_parameters") else {
+        return Ok(());
+    };
+    if v.is_null() {
+        return Ok(());
+    }
+    let scaling = RopeScaling::from_json(&v).context("rope_parameters")?;
+    let given = match map.get("rope_scaling") {
+        None | Some(serde_json::Value::Null) => None,
+        Some(r) => Some(RopeScaling::from_json(r).context("rope_scaling")?),
+    };
+    if given.as_ref().is_some_and(|g| *g != scaling) {
+        bail!(
+            "rope_parameters {v} contradicts rope_scaling {}; keep one of them",
+            map["rope_scaling"]
+        );
+    }
+    if let Some(theta) = v.get("rope_theta") {
+        let t = theta
+            .as_f64()
+            .with_context(|| format!("rope_parameters {v}: rope_theta is not a number"))?;
+        if let Some(top) = map.get("rope_theta") {
+            if top.as_f64() != Some(t) {
+                bail!(
+                    "rope_theta {top} contradicts rope_parameters.rope_theta {theta}; keep one \
+                     of them"
+                );
+            }
+        }
+        map.insert("rope_theta".into(), theta.clone());
+    }
+    map.insert(
+        "rope_scaling".into(),
+        scaling.map_or(serde_json::Value::Null, |s| s.to_json()),
+    );
+    Ok(())
+}
+
+/// One token id or several, written back in the form read (`config.json`'s `eos_token_id`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(untagged)]
+pub enum TokenIds {
+    /// A single id (`"eos_token_id": 2`).
+    One(u32),
+    /// A list (`"eos_token_id": [128001, 128008, 128009]`).
+    Many(Vec<u32>),
+}
+
+impl TokenIds {
+    /// The ids, in the file's order.
+    pub fn ids(&self) -> &[u32] {
+        match self {
+            Self::One(id) => std::slice::from_ref(id),
+            Self::Many(ids) => ids,
+        }
+    }
+
+    /// Whether `id` is one of them.
+    pub fn contains(&self, id: u32) -> bool {
+        self.ids().contains(&id)
+    }
+}
+
+fn deserialize_eos_token_id<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<Option<TokenIds>, D::Error> {
+    use serde::Deserialize;
+    match Option::<serde_json::Value>::deserialize(d)? {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(v) => TokenIds::deserialize(&v).map(Some).map_err(|_| {
+            serde::de::Error::custom(format!(
+                "eos_token_id {v} is neither a token id nor a list of token ids (u32)"
+            ))
+        }),
+    }
 }
 
 /// RoPE frequency scaling, as transformers' `modeling_rope_utils` computes it (the inverse
@@ -272,39 +376,11 @@ impl LlamaConfig {
     pub fn from_json_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("reading the Llama config {}", path.display()))?;
-        let mut c: Self = serde_json::from_str(&text)
+        let c: Self = serde_json::from_str(&text)
             .with_context(|| format!("parsing the Llama config {}", path.display()))?;
-        c.take_rope_parameters()
-            .with_context(|| format!("the Llama config {}", path.display()))?;
         c.validate()
             .with_context(|| format!("the Llama config {}", path.display()))?;
         Ok(c)
-    }
-
-    /// transformers 5 writes `rope_theta` and `rope_scaling` as one `rope_parameters` object:
-    /// read it into [`Self::rope_theta`] and [`Self::rope_scaling`] (an error when it
-    /// contradicts them).
-    fn take_rope_parameters(&mut self) -> Result<()> {
-        let Some(v) = self.other.remove("rope_parameters") else {
-            return Ok(());
-        };
-        if v.is_null() {
-            return Ok(());
-        }
-        let scaling = RopeScaling::from_json(&v).context("rope_parameters")?;
-        if self.rope_scaling.is_some() && self.rope_scaling != scaling {
-            bail!(
-                "rope_parameters {v} contradicts rope_scaling {:?}",
-                self.rope_scaling
-            );
-        }
-        self.rope_scaling = scaling;
-        if let Some(theta) = v.get("rope_theta") {
-            self.rope_theta = theta
-                .as_f64()
-                .with_context(|| format!("rope_parameters {v}: rope_theta is not a number"))?;
-        }
-        Ok(())
     }
 
     /// A 2-block, 64-wide config (4 query heads, 2 KV heads of width 16, FFN 96, vocabulary
@@ -326,6 +402,11 @@ impl LlamaConfig {
             eos_token_id: None,
             other: serde_json::Map::new(),
         }
+    }
+
+    /// Whether `id` is one of the [`Self::eos_token_id`]s (generation stops after it).
+    pub fn is_eos(&self, id: u32) -> bool {
+        self.eos_token_id.as_ref().is_some_and(|e| e.contains(id))
     }
 
     /// Width of one head, `D = C / H`.
@@ -405,8 +486,14 @@ impl LlamaConfig {
             "attention_dropout" | "hidden_dropout" => is_zero(),
             "head_dim" => value.is_null() || value.as_u64() == Some(self.head_dim() as u64),
             "sliding_window" => {
-                if let Some(w) = value.as_u64() {
-                    if (w as usize) < self.max_position_embeddings {
+                if !value.is_null() {
+                    let w = value.as_u64().with_context(|| {
+                        format!(
+                            "LlamaConfig: sliding_window = {value} is neither null nor a number of \
+                             tokens; write null (no window) or the window's length"
+                        )
+                    })?;
+                    if w < self.max_position_embeddings as u64 {
                         bail!(
                             "LlamaConfig: sliding_window {w} is below max_position_embeddings {}: \
                              wick has no sliding-window attention yet (Mistral 7B v0.1), so it \
@@ -451,36 +538,23 @@ impl LlamaConfig {
 
     /// The rotary tables `(cos, sin)`, each `(seq_len, D / 2)` f32, of positions
     /// `start..start + seq_len` with [`Self::rope_inv_freq`] (angles in f64, rounded once):
-    /// what [`crate::ops::rotary_qkv`] takes. Without scaling they equal
-    /// [`crate::ops::rotary_tables`]'s.
+    /// [`crate::ops::rotary_tables_from_inv_freq`], what [`crate::ops::rotary_qkv`] takes.
+    /// Without scaling they equal [`crate::ops::rotary_tables`]'s.
     ///
-    /// Errors: `start + seq_len` overflowing.
+    /// Errors: `start + seq_len` overflowing, inverse frequencies that are not finite and
+    /// positive.
     pub fn rotary_tables(
         &self,
         seq_len: usize,
         start: usize,
         device: &candle_core::Device,
     ) -> Result<(candle_core::Tensor, candle_core::Tensor)> {
-        if start.checked_add(seq_len).is_none() {
-            bail!("LlamaConfig::rotary_tables: positions {start} + {seq_len} overflow");
-        }
-        let inv = self.rope_inv_freq();
-        let half = inv.len();
-        let (mut cos, mut sin) = (
-            Vec::with_capacity(seq_len * half),
-            Vec::with_capacity(seq_len * half),
-        );
-        for t in start..start + seq_len {
-            for f in &inv {
-                let (s, c) = (t as f64 * f).sin_cos();
-                cos.push(c as f32);
-                sin.push(s as f32);
-            }
-        }
-        Ok((
-            candle_core::Tensor::from_vec(cos, (seq_len, half), device)?,
-            candle_core::Tensor::from_vec(sin, (seq_len, half), device)?,
-        ))
+        Ok(crate::ops::rotary_tables_from_inv_freq(
+            &self.rope_inv_freq(),
+            seq_len,
+            start,
+            device,
+        )?)
     }
 
     /// Every tensor the decoder has, by HF name, with its shape: the token table, per block

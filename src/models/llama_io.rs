@@ -10,7 +10,7 @@
 //! RoPE kernel uses ([`unpermute_rotary_rows`]).
 
 use super::llama::LlamaWeights;
-use super::llama_config::{LlamaConfig, RopeScaling, EMBED, FINAL_NORM, HEAD};
+use super::llama_config::{LlamaConfig, RopeScaling, TokenIds, EMBED, FINAL_NORM, HEAD};
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device, Tensor};
@@ -41,6 +41,11 @@ impl Gguf {
         })
     }
 
+    /// The file's path, as opened.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
     /// A metadata value, or an error naming the key.
     pub fn meta(&self, key: &str) -> Result<&gguf_file::Value> {
         self.content
@@ -56,7 +61,8 @@ impl Gguf {
     /// The model's [`LlamaConfig`] from the `llama.*` metadata (`general.architecture` must be
     /// `llama`); the head is tied when the file has no `output.weight`. RoPE scaling is read
     /// as llama.cpp applies it: a linear factor from `llama.rope.scaling.factor` (or the older
-    /// `llama.rope.scale_linear`), and Llama 3's scaling from the `rope_freqs.weight` tensor
+    /// `llama.rope.scale_linear`) unless `llama.rope.scaling.type` is `none` (then the factor
+    /// is ignored, as llama.cpp ignores it), and Llama 3's scaling from the `rope_freqs.weight` tensor
     /// ([`RopeScaling::Llama3`]). Every other `llama.*` key that changes the computation is
     /// refused ([`GGUF_LLAMA_KEYS`] lists those read).
     ///
@@ -113,7 +119,7 @@ impl Gguf {
             max_position_embeddings: self.meta_usize("llama.context_length")?,
             tie_word_embeddings: !self.content.tensor_infos.contains_key("output.weight"),
             bos_token_id: opt_u32("tokenizer.ggml.bos_token_id"),
-            eos_token_id: opt_u32("tokenizer.ggml.eos_token_id"),
+            eos_token_id: opt_u32("tokenizer.ggml.eos_token_id").map(TokenIds::One),
             other: serde_json::Map::new(),
         };
         config
@@ -161,21 +167,27 @@ impl Gguf {
                 }
             }
         }
-        if let Some(v) = get("llama.rope.scaling.type") {
-            let t = v.to_string().context("llama.rope.scaling.type")?;
-            if t != "none" && t != "linear" {
-                bail!(
-                    "llama.rope.scaling.type = {t:?} is not implemented: wick implements \
-                     \"linear\" and Llama 3's rope_freqs.weight factors"
-                );
-            }
+        // llama.cpp (llama-model.cpp `load_hparams`, llama-context.cpp): the type defaults to
+        // "linear"; the factor is `llama.rope.scaling.factor`, else the older
+        // `llama.rope.scale_linear`; type "none" never scales, whatever the factor
+        let kind = match get("llama.rope.scaling.type") {
+            Some(v) => v.to_string().context("llama.rope.scaling.type")?.as_str(),
+            None => "linear",
+        };
+        if kind != "none" && kind != "linear" {
+            bail!(
+                "llama.rope.scaling.type = {kind:?} is not implemented: wick implements \
+                 \"none\", \"linear\" and Llama 3's rope_freqs.weight factors"
+            );
         }
-        // llama.cpp: freq_scale = 1 / factor whatever the type (llama-model.cpp, `ropescale`)
         let mut factor = None;
-        for k in ["llama.rope.scale_linear", "llama.rope.scaling.factor"] {
-            if let Some(v) = get(k) {
+        for k in ["llama.rope.scaling.factor", "llama.rope.scale_linear"] {
+            if let (None, Some(v)) = (factor, get(k)) {
                 factor = Some(v.to_f32().with_context(|| k.to_string())? as f64);
             }
+        }
+        if kind == "none" {
+            factor = None;
         }
         let linear = match factor {
             Some(f) if f != 0.0 && f != 1.0 => {

@@ -72,13 +72,18 @@ impl LlamaTokenizer {
     /// Builds the tokenizer from the metadata of `gguf`, pre-tokenizing as transformers does
     /// ([`Pretokenizer::Transformers`]).
     ///
-    /// Errors: a tokenizer model other than `gpt2` (byte-level BPE), missing or mistyped
-    /// vocabulary, merges or token types (named), a merge that is not two tokens.
+    /// Errors: a tokenizer model other than `gpt2` (byte-level BPE), a pre-tokenizer
+    /// (`tokenizer.ggml.pre`) wick does not implement (see [`PRE_TOKENIZERS`]), missing or
+    /// mistyped vocabulary, merges or token types (named), a merge that is not two tokens.
     pub fn from_gguf(gguf: &Gguf) -> Result<Self> {
         Self::from_gguf_with(gguf, Pretokenizer::Transformers)
     }
 
-    /// [`Self::from_gguf`] with the pre-tokenization chosen.
+    /// [`Self::from_gguf`] with the pre-tokenization chosen. With
+    /// [`Pretokenizer::LlamaCpp`] a file without `tokenizer.ggml.pre` is refused too (llama.cpp
+    /// then uses its `default` regexes, which wick does not implement).
+    ///
+    /// Errors: those of [`Self::from_gguf`].
     pub fn from_gguf_with(gguf: &Gguf, pretokenizer: Pretokenizer) -> Result<Self> {
         let model = gguf.meta("tokenizer.ggml.model")?.to_string()?;
         if model != "gpt2" {
@@ -121,12 +126,7 @@ impl LlamaTokenizer {
             .map_err(|e| anyhow!("building the BPE model: {e}"))?;
         let mut tokenizer = Tokenizer::new(bpe);
         let byte_level = ByteLevel::new(false, false, true);
-        let smollm = gguf
-            .content
-            .metadata
-            .get("tokenizer.ggml.pre")
-            .and_then(|v| v.to_string().ok())
-            .is_some_and(|p| p == "smollm");
+        let smollm = check_pre(gguf, pretokenizer)? == Some("smollm");
         let pre = if pretokenizer == Pretokenizer::LlamaCpp && smollm {
             PreTokenizerWrapper::Sequence(Sequence::new(vec![
                 PreTokenizerWrapper::Digits(Digits::new(true)),
@@ -266,6 +266,33 @@ impl LlamaTokenizer {
         Ok(enc.get_ids().to_vec())
     }
 
+    /// Token ids of a training example made of `prompt` then `completion` (the serving
+    /// feedback, a prompt-completion dataset row): the BOS token when the file's
+    /// `add_bos_token` says so, the prompt's ids and the completion's ids, each text tokenized
+    /// on its own without special tokens (the prompt's ids are those generation starts from,
+    /// [`Self::encode`]`(prompt)` less the BOS), then the EOS token when `add_eos_token` says
+    /// so. One BOS at the start and at most one EOS at the end, never between the two parts.
+    /// (TRL's `SFTTrainer` appends `eos_token` to every completion whatever the flag; here the
+    /// file's flag decides, as for [`Self::encode`].)
+    ///
+    /// Errors: a tokenizer failure (naming the part).
+    pub fn encode_prompt_completion(&self, prompt: &str, completion: &str) -> Result<Vec<u32>> {
+        let special = self.encode_with("", true)?; // the BOS / EOS the flags add
+        let mut ids = Vec::new();
+        if self.add_bos_token {
+            ids.extend(special.first());
+        }
+        ids.extend(self.encode_with(prompt, false).context("the prompt")?);
+        ids.extend(
+            self.encode_with(completion, false)
+                .context("the completion")?,
+        );
+        if self.add_eos_token {
+            ids.extend(special.last());
+        }
+        Ok(ids)
+    }
+
     /// Token ids of the start of `text`: at least `min_tokens` of them (or all of `text`),
     /// tokenizing only as much as that needs. Returns the ids and how many bytes of `text`
     /// they cover. The text is cut only before a line break that follows a non-space
@@ -365,6 +392,42 @@ impl LlamaTokenizer {
             })
             .map_err(|e| anyhow!("rendering the chat template: {e}"))
     }
+}
+
+/// The `tokenizer.ggml.pre` values wick implements exactly: `gpt2` (GPT-2's regex, the
+/// `ByteLevel` pre-tokenizer) and `smollm` ([`Pretokenizer::Transformers`]: GPT-2's regex as
+/// transformers' GGUF loader builds it; [`Pretokenizer::LlamaCpp`]: digits split apart first,
+/// as llama.cpp and SmolLM2's tokenizer.json do). Others (Llama 3's `llama-bpe`, Qwen2's
+/// `qwen2`, ...) split text differently, so their files are refused rather than tokenized
+/// into ids the model was not trained on.
+pub const PRE_TOKENIZERS: &[&str] = &["gpt2", "smollm"];
+
+/// The file's `tokenizer.ggml.pre` (`None` when absent) if wick implements it for
+/// `pretokenizer`; an error naming the key, its value, the file and what to do otherwise.
+fn check_pre(gguf: &Gguf, pretokenizer: Pretokenizer) -> Result<Option<&str>> {
+    let key = "tokenizer.ggml.pre";
+    let file = gguf.path().display();
+    let pre = match gguf.content.metadata.get(key) {
+        None if pretokenizer == Pretokenizer::LlamaCpp => bail!(
+            "{file}: no {key}; llama.cpp then pre-tokenizes with its \"default\" regexes, which \
+             wick does not implement; use the transformers pre-tokenization (GPT-2's regex, \
+             LlamaTokenizer::from_gguf) or a file converted with a {key} of {PRE_TOKENIZERS:?}"
+        ),
+        None => return Ok(None),
+        Some(v) => v
+            .to_string()
+            .with_context(|| format!("{file}: {key} must be a string"))?,
+    };
+    if !PRE_TOKENIZERS.contains(&pre.as_str()) {
+        bail!(
+            "{file}: {key} = {pre:?} is not implemented: wick pre-tokenizes {PRE_TOKENIZERS:?} \
+             exactly, and {pre:?} splits text differently (Llama 3's \"llama-bpe\" groups \
+             digits by three, Qwen2's \"qwen2\" splits digits apart), so its ids would not be \
+             the ones the model was trained on; use a model with one of those pre-tokenizers \
+             (SmolLM2)"
+        );
+    }
+    Ok(Some(pre.as_str()))
 }
 
 /// The first byte offset at or after `at` where `text` may be cut and each part tokenized on

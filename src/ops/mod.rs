@@ -116,7 +116,7 @@ pub use residual_block::{
     attention_block, mlp_block, pre_norm_stack, AttentionParams, Half, Layer, MlpParams, NormParams,
 };
 pub use rms_norm::{rms_norm, rms_norm_with_dtype};
-pub use rotary::{rotary_qkv, rotary_tables};
+pub use rotary::{rotary_qkv, rotary_tables, rotary_tables_from_inv_freq};
 pub use softmax::{causal_softmax_last_dim, key_padding_softmax_last_dim, softmax_last_dim};
 pub use swiglu::swiglu;
 

@@ -46,18 +46,42 @@ pub fn rotary_tables(
     if !base.is_finite() || base <= 0.0 {
         bail!("rotary_tables: base must be finite and positive (Llama: 10000, SmolLM2: 100000), found {base}")
     }
+    let inv_freq: Vec<f64> = (0..head_dim / 2)
+        .map(|i| base.powf(-((2 * i) as f64) / head_dim as f64))
+        .collect();
+    rotary_tables_from_inv_freq(&inv_freq, seq_len, start, device)
+}
+
+/// The rotary tables `(cos, sin)` for positions `start..start + seq_len` and the given inverse
+/// frequencies (one per rotated pair, `head_dim / 2` of them), each `(seq_len,
+/// inv_freq.len())` f32, contiguous, on `device`: `cos[t, i] = cos((start + t) *
+/// inv_freq[i])`, likewise `sin`, the angles in f64 and rounded once to f32. [`rotary_tables`]
+/// is this with `inv_freq[i] = base^(-2i / head_dim)`; a scaled RoPE (transformers'
+/// `rope_scaling`, e.g. `LlamaConfig::rope_inv_freq`) passes its rescaled frequencies.
+///
+/// Errors: `inv_freq` empty or holding a value that is not finite and positive,
+/// `start + seq_len` overflowing.
+pub fn rotary_tables_from_inv_freq(
+    inv_freq: &[f64],
+    seq_len: usize,
+    start: usize,
+    device: &Device,
+) -> Result<(Tensor, Tensor)> {
+    if inv_freq.is_empty() {
+        bail!("rotary_tables: no inverse frequencies (head_dim / 2 of them are needed)")
+    }
+    if let Some(f) = inv_freq.iter().find(|f| !(f.is_finite() && **f > 0.0)) {
+        bail!("rotary_tables: inverse frequency {f} must be finite and positive (check the RoPE base and scaling)")
+    }
     if start.checked_add(seq_len).is_none() {
         bail!("rotary_tables: positions start + seq_len = {start} + {seq_len} overflow")
     }
-    let half = head_dim / 2;
-    let inv_freq: Vec<f64> = (0..half)
-        .map(|i| base.powf(-((2 * i) as f64) / head_dim as f64))
-        .collect();
+    let half = inv_freq.len();
     let mut cos = Vec::with_capacity(seq_len * half);
     let mut sin = Vec::with_capacity(seq_len * half);
     for t in 0..seq_len {
         let pos = (start + t) as f64;
-        for f in &inv_freq {
+        for f in inv_freq {
             let (s, c) = (pos * f).sin_cos();
             cos.push(c as f32);
             sin.push(s as f32);
