@@ -62,8 +62,8 @@ impl Gguf {
     /// `llama`); the head is tied when the file has no `output.weight`. RoPE scaling is read
     /// as llama.cpp applies it: a linear factor from `llama.rope.scaling.factor` (or the older
     /// `llama.rope.scale_linear`) unless `llama.rope.scaling.type` is `none` (then the factor
-    /// is ignored, as llama.cpp ignores it), and Llama 3's scaling from the `rope_freqs.weight` tensor
-    /// ([`RopeScaling::Llama3`]). Every other `llama.*` key that changes the computation is
+    /// is ignored, as llama.cpp ignores it), and Llama 3's scaling from the `rope_freqs.weight`
+    /// tensor ([`RopeScaling::Llama3`]). Every other `llama.*` key that changes the computation is
     /// refused ([`GGUF_LLAMA_KEYS`] lists those read).
     ///
     /// Errors: another architecture, a missing or mistyped key (named), a `llama.*` key wick

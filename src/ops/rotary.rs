@@ -71,7 +71,10 @@ pub fn rotary_tables_from_inv_freq(
         bail!("rotary_tables: no inverse frequencies (head_dim / 2 of them are needed)")
     }
     if let Some(f) = inv_freq.iter().find(|f| !(f.is_finite() && **f > 0.0)) {
-        bail!("rotary_tables: inverse frequency {f} must be finite and positive (check the RoPE base and scaling)")
+        bail!(
+            "rotary_tables: inverse frequency {f} must be finite and positive (check the RoPE \
+             base and scaling)"
+        )
     }
     if start.checked_add(seq_len).is_none() {
         bail!("rotary_tables: positions start + seq_len = {start} + {seq_len} overflow")
