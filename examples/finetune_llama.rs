@@ -3,24 +3,28 @@
 //!
 //! ```text
 //! scripts/fetch_smollm2.sh && scripts/fetch_shakespeare.sh
-//! # the real model on 2 CPU cores, about two minutes
-//! cargo run --release --example finetune_llama -- --lora 16 --steps 10 --context 64 --batch 2
+//! # the real model on 2 CPU cores, about two minutes (the README's measured command)
+//! cargo run --release --example finetune_llama -- --lora 16 --steps 20 --context 64 --batch 4
 //! cargo run --release --features cuda --example finetune_llama -- --device cuda --full
 //! cargo run --release --features cuda --example finetune_llama -- --device cuda --lora 16 --save --save-merged
 //! ```
 //! The text (data/shakespeare/input.txt) is cut at the line break nearest 90% of its bytes:
-//! training windows come from the part before, validation windows from the part after. Only
-//! as many tokens of each part as the run can use are tokenized (every window distinct), with
-//! the GGUF's own tokenizer; batches are random windows of `--context` tokens. Prints the
-//! validation loss and a greedy continuation of a fixed prompt before and after, ms/step,
-//! tokens/s and peak memory (CUDA), and a `RESULT {json}` line; a progress bar on a terminal.
+//! training windows come from the part before, validation windows from the part after. Of
+//! each part only as many tokens as the run's windows span are tokenized (steps x batch x
+//! (context + 1) for training; the windows are random, so they may overlap), with the GGUF's
+//! own tokenizer; a resumed run tokenizes exactly the checkpointing run's training tokens, so
+//! it draws the same windows whatever its `--steps`. Batches are random windows of `--context`
+//! tokens. Prints the validation loss and a greedy continuation of a fixed prompt before and
+//! after, ms/step, tokens/s ([`wick::throughput`]: warm-up and checkpoint saves excluded) and
+//! peak memory (CUDA), and a `RESULT {json}` line; a progress bar on a terminal.
 //!
 //! `--save [DIR]` writes the LoRA adapters (PEFT's layout) or, with `--full`, the weights as an
 //! HF folder; `--save-merged [DIR]` writes the LoRA-merged model as an HF folder; both default
 //! under `runs/` (ignored by git), and HF folders carry `tokenizer.json` and
 //! `tokenizer_config.json` (with the chat template) for transformers. `--save-every N` writes a
-//! checkpoint every N steps into `--checkpoint-dir`; `--resume` continues the newest one; Ctrl-C
-//! saves a checkpoint there and exits with status 130.
+//! checkpoint every N steps into `--checkpoint-dir`; `--resume` continues the newest one after
+//! checking its run's flags against this run's; Ctrl-C, during training or after it (final
+//! validation, generation, saves), saves a checkpoint there and exits with status 130.
 //!
 //! `--tiny` swaps the model for a random 2-block config (CPU smoke runs: its losses and text are
 //! noise); `--random-weights` keeps the GGUF's config with random weights (timing runs from a
@@ -40,6 +44,7 @@ use wick::models::llama_io::{self, Gguf};
 use wick::models::llama_tokenizer::{safe_cut, LlamaTokenizer};
 use wick::models::{FineTune, KvCache, Llama, LlamaConfig, LlamaWeights};
 use wick::optim::LrSchedule;
+use wick::throughput::{Throughput, Unit};
 use wick::{Engine, EngineConfig, ParamStore, Precision};
 
 /// Positions of the `--tiny` model (its rotary tables): `--context` above this is refused.
@@ -75,9 +80,9 @@ struct Args {
     /// Recompute each block's activations in the backward.
     #[arg(long)]
     checkpointing: bool,
-    /// fp32, bf16-mixed or 16-mixed.
+    /// Precision: "32" (fp32), "bf16-mixed" or "16-mixed".
     #[arg(long, default_value = "bf16-mixed")]
-    precision: String,
+    precision: Precision,
     /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     device: String,
@@ -251,55 +256,181 @@ struct Split {
 
 /// Training and validation tokens: with `--windows`, the whole text split at 90% of its
 /// tokens (torch_llama.py's split); else the text cut at the line break nearest 90% of its
-/// bytes, and of each part only the tokens `train_need` / `val_need` ask for.
+/// bytes, and of each part only the tokens `train_need` / `val_need` ask for. `keep_train`
+/// (a resumed run: the checkpointing run's count) keeps exactly that many training tokens, so
+/// that the random windows are drawn from the same pool whatever `--steps` is now.
 fn split_text(
     tok: &LlamaTokenizer,
     text: &str,
     whole: bool,
     train_need: usize,
     val_need: usize,
+    keep_train: Option<usize>,
 ) -> Result<Split> {
-    if whole {
+    let split = if whole {
         let ids = tok.encode(text)?;
         let n_train = (0.9 * ids.len() as f64) as usize; // torch_llama.py: int(0.9 * len(ids))
         let what = format!("whole text {} tokens, split at token {n_train}", ids.len());
         let (train, val) = ids.split_at(n_train);
-        return Ok(Split {
+        Split {
             train: train.to_vec(),
             val: val.to_vec(),
             what,
-        });
+        }
+    } else {
+        // the first place at or after 90% where a cut leaves the tokens as the whole text's
+        let cut = safe_cut(text, text.len() * 9 / 10);
+        let need = keep_train.unwrap_or(train_need);
+        let (mut train, used_train) = tok.encode_prefix(&text[..cut], need)?;
+        if keep_train.is_some() {
+            train.truncate(need);
+        }
+        let (val, used_val) = tok.encode_prefix(&text[cut..], val_need)?;
+        Split {
+            what: format!(
+                "train: {} tokens of bytes 0-{used_train}, validation: {} tokens of bytes \
+                 {cut}-{} (of {} bytes)",
+                train.len(),
+                val.len(),
+                cut + used_val,
+                text.len()
+            ),
+            train,
+            val,
+        }
+    };
+    if let Some(n) = keep_train {
+        ensure!(
+            split.train.len() == n,
+            "--resume: the checkpoint's run trained on {n} tokens of its text, this text gives \
+             {}; pass the original run's --text",
+            split.train.len()
+        );
     }
-    // the first place at or after 90% where a cut leaves the tokens as the whole text's
-    let cut = safe_cut(text, text.len() * 9 / 10);
-    let (train, used_train) = tok.encode_prefix(&text[..cut], train_need)?;
-    let (val, used_val) = tok.encode_prefix(&text[cut..], val_need)?;
-    Ok(Split {
-        what: format!(
-            "train: {} tokens of bytes 0-{used_train}, validation: {} tokens of bytes \
-             {cut}-{} (of {} bytes)",
-            train.len(),
-            val.len(),
-            cut + used_val,
-            text.len()
-        ),
-        train,
-        val,
+    Ok(split)
+}
+
+/// The flags that set the model, its trainable parameters and the data a run draws.
+struct Plan {
+    fine_tune: FineTune,
+    /// `full` or `lora{rank}`.
+    mode: String,
+    lr: f64,
+    weight_decay: f64,
+    /// `--warmup-steps` + `--steps`.
+    total_steps: usize,
+}
+
+fn plan(a: &Args) -> Result<Plan> {
+    ensure!(
+        a.context >= 2,
+        "--context {} is too short: a window needs at least 2 tokens",
+        a.context
+    );
+    let rank = a.lora.unwrap_or(16);
+    let fine_tune = if a.full {
+        FineTune::Full
+    } else {
+        let l = LoraConfig {
+            r: rank,
+            alpha: a.alpha.unwrap_or(2.0 * rank as f64),
+            use_rslora: false,
+            dropout: a.lora_dropout,
+            target_modules: a.targets.split(',').map(|s| s.trim().to_string()).collect(),
+        };
+        l.validate()?;
+        FineTune::Lora(l)
+    };
+    Ok(Plan {
+        fine_tune,
+        mode: if a.full {
+            "full".to_string()
+        } else {
+            format!("lora{rank}")
+        },
+        lr: a.lr.unwrap_or(if a.full { 5e-5 } else { 1e-3 }),
+        weight_decay: a.weight_decay.unwrap_or(if a.full { 0.1 } else { 0.0 }),
+        total_steps: a.warmup_steps + a.steps,
     })
 }
 
 /// What a checkpoint records about its run; `--resume` refuses a run whose flags differ.
-fn run_fingerprint(a: &Args, mode: &str, precision: Precision) -> serde_json::Value {
+fn run_fingerprint(a: &Args, plan: &Plan) -> serde_json::Value {
+    let lora = match &plan.fine_tune {
+        FineTune::Lora(l) => serde_json::json!({
+            "alpha": l.alpha, "dropout": l.dropout, "target_modules": l.target_modules,
+        }),
+        FineTune::Full => serde_json::Value::Null,
+    };
     serde_json::json!({
-        "mode": mode,
+        "mode": plan.mode,
+        "lora": lora,
         "model": if a.tiny { "tiny".to_string() } else if a.random_weights {
             "random-weights".to_string() } else { a.gguf.display().to_string() },
-        "precision": precision.name(),
+        "precision": a.precision.name(),
         "context": a.context,
         "batch": a.batch,
         "seed": a.seed,
         "windows": a.windows.as_ref().map(|p| p.display().to_string()),
     })
+}
+
+/// The checkpoint `--resume` continues, checked against this run's flags before anything is
+/// loaded.
+struct Prior {
+    path: PathBuf,
+    step: usize,
+    /// The training tokens the checkpointing run drew its windows from (absent in checkpoints
+    /// of older builds).
+    train_tokens: Option<usize>,
+}
+
+/// With `--resume`, the newest checkpoint's `trainer_state.json`: refused when its run's flags
+/// differ from this run's or it already reaches `total_steps`.
+fn check_resume(
+    a: &Args,
+    ckpt: &Checkpointer,
+    fingerprint: &serde_json::Value,
+    total_steps: usize,
+) -> Result<Option<Prior>> {
+    if !a.resume {
+        return Ok(None);
+    }
+    let Some(path) = ckpt.latest().context("--resume")? else {
+        bail!(
+            "nothing to resume: no checkpoint in {} (drop --resume to start fresh, or pass \
+             the run's --checkpoint-dir)",
+            a.checkpoint_dir.display()
+        );
+    };
+    let state = checkpoint::read_state(&path).context("--resume")?;
+    let theirs = &state.extra["run"];
+    let differ: Vec<String> = fingerprint
+        .as_object()
+        .into_iter()
+        .flatten()
+        .filter(|(k, v)| theirs.get(k.as_str()) != Some(v))
+        .map(|(k, v)| format!("{k} {} (this run: {v})", theirs[k.as_str()]))
+        .collect();
+    ensure!(
+        differ.is_empty(),
+        "--resume: {} was made by a different run: {}; pass the original run's flags",
+        path.display(),
+        differ.join(", ")
+    );
+    let step = state.step as usize;
+    ensure!(
+        step < total_steps,
+        "--resume: {} is at step {step}, which already reaches --warmup-steps + --steps = \
+         {total_steps}; raise --steps to train further",
+        path.display()
+    );
+    let train_tokens = state.extra["train_tokens"].as_u64().map(|n| n as usize);
+    Ok(Some(Prior {
+        path,
+        step,
+        train_tokens,
+    }))
 }
 
 /// `DIR` of `--save DIR`, or `default` for a bare `--save`.
@@ -319,46 +450,21 @@ fn save_hf_folder(
     tok.save_pretrained(dir, positions)
 }
 
-fn main() -> Result<()> {
-    // wick reports through `tracing` (checkpoint warnings): show warnings and errors on stderr
-    tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::WARN)
-        .with_writer(std::io::stderr)
-        .without_time()
-        .with_target(false)
-        .init();
-    let a = Args::parse();
-    ensure!(
-        a.context >= 2,
-        "--context {} is too short: a window needs at least 2 tokens",
-        a.context
-    );
-    let precision: Precision = a.precision.parse()?;
-    let dev = wick::device_from_flag(&a.device)?;
-    let rank = a.lora.unwrap_or(16);
-    let fine_tune = if a.full {
-        FineTune::Full
-    } else {
-        let l = LoraConfig {
-            r: rank,
-            alpha: a.alpha.unwrap_or(2.0 * rank as f64),
-            use_rslora: false,
-            dropout: a.lora_dropout,
-            target_modules: a.targets.split(',').map(|s| s.trim().to_string()).collect(),
-        };
-        l.validate()?;
-        FineTune::Lora(l)
-    };
-    let mode = if a.full {
-        "full".to_string()
-    } else {
-        format!("lora{rank}")
-    };
-    let lr = a.lr.unwrap_or(if a.full { 5e-5 } else { 1e-3 });
-    let wd = a.weight_decay.unwrap_or(if a.full { 0.1 } else { 0.0 });
-    let total_steps = a.warmup_steps + a.steps;
+/// The model's weights, its tokenizer and the tokenized text.
+struct Loaded {
+    weights: LlamaWeights,
+    tok: LlamaTokenizer,
+    /// The model's positions (the longest `--context`).
+    positions: usize,
+    split: Split,
+    load_s: f64,
+    tokenize_s: f64,
+}
 
-    // model, tokenizer, data
+/// Opens the GGUF, builds the weights `--tiny` / `--random-weights` ask for, and tokenizes the
+/// text: as many training tokens as the run's windows span (`keep_train` of a resumed run:
+/// exactly the checkpointing run's count), and as many validation tokens as its batches span.
+fn load_model_and_data(a: &Args, total_steps: usize, keep_train: Option<usize>) -> Result<Loaded> {
     let t0 = Instant::now();
     let gguf = Gguf::open(&a.gguf).with_context(|| {
         format!(
@@ -403,7 +509,7 @@ fn main() -> Result<()> {
         )
     })?;
     let t1 = Instant::now();
-    // every window distinct: steps x batch windows of context + 1 tokens
+    // the tokens the windows can reach: steps x batch windows of context + 1 tokens
     let window = a.context + 1;
     let split = split_text(
         &tok,
@@ -411,10 +517,10 @@ fn main() -> Result<()> {
         a.windows.is_some(),
         (total_steps * a.batch * window).max(window + 1),
         (a.val_batches * a.batch * window).max(window + 1),
+        keep_train,
     )?;
     let tokenize_s = t1.elapsed().as_secs_f64();
-    let (train, val) = (&split.train[..], &split.val[..]);
-    for (part, ids) in [("training", train), ("validation", val)] {
+    for (part, ids) in [("training", &split.train), ("validation", &split.val)] {
         if ids.len() < a.context + 2 {
             bail!(
                 "{}: the {part} part has {} tokens, fewer than --context {} + 2; use a longer \
@@ -425,147 +531,152 @@ fn main() -> Result<()> {
             );
         }
     }
-    let fixed = match &a.windows {
-        Some(p) => {
-            let mode = a
-                .windows_mode
-                .clone()
-                .unwrap_or(if a.full { "full" } else { "lora" }.into());
-            let w = read_windows(p, &mode, train.len())?;
-            let fits = |l: &[Vec<usize>], len: usize| {
-                l.iter().flatten().all(|&s| s + a.context < len)
-                    && l.iter().all(|b| b.len() == a.batch)
-            };
-            ensure!(
-                w.train.len() >= total_steps
-                    && fits(&w.train, train.len())
-                    && fits(&w.val, val.len()),
-                "{}: the windows do not fit --batch {} --context {} and {total_steps} steps",
-                p.display(),
-                a.batch,
-                a.context
-            );
-            Some(w)
-        }
-        None => None,
+    Ok(Loaded {
+        weights,
+        tok,
+        positions,
+        split,
+        load_s,
+        tokenize_s,
+    })
+}
+
+/// The `--windows` file's windows, checked against the run's batch, context and steps.
+fn fixed_windows(a: &Args, split: &Split, total_steps: usize) -> Result<Option<Windows>> {
+    let Some(p) = &a.windows else {
+        return Ok(None);
     };
-    let mut vrng = StdRng::seed_from_u64(a.seed + 1);
-    let val_batches = match &fixed {
+    let mode = a
+        .windows_mode
+        .clone()
+        .unwrap_or(if a.full { "full" } else { "lora" }.into());
+    let w = read_windows(p, &mode, split.train.len())?;
+    let fits = |l: &[Vec<usize>], len: usize| {
+        l.iter().flatten().all(|&s| s + a.context < len) && l.iter().all(|b| b.len() == a.batch)
+    };
+    ensure!(
+        w.train.len() >= total_steps
+            && fits(&w.train, split.train.len())
+            && fits(&w.val, split.val.len()),
+        "{}: the windows do not fit --batch {} --context {} and {total_steps} steps",
+        p.display(),
+        a.batch,
+        a.context
+    );
+    Ok(Some(w))
+}
+
+/// Validation batches: the `--windows` file's, or `--val-batches` random ones (fixed seed).
+fn val_batches(
+    a: &Args,
+    val: &[u32],
+    fixed: Option<&Windows>,
+    dev: &Device,
+) -> Result<Vec<(Tensor, Tensor)>> {
+    match fixed {
         Some(w) => w
             .val
             .iter()
-            .map(|s| windows(val, s, a.context, &dev))
-            .collect::<Result<Vec<_>>>()?,
-        None => (0..a.val_batches)
-            .map(|_| {
-                let s = random_starts(&mut vrng, val.len(), a.context, a.batch);
-                windows(val, &s, a.context, &dev)
-            })
-            .collect::<Result<Vec<_>>>()?,
-    };
+            .map(|s| windows(val, s, a.context, dev))
+            .collect(),
+        None => {
+            let mut rng = StdRng::seed_from_u64(a.seed + 1);
+            (0..a.val_batches)
+                .map(|_| {
+                    let s = random_starts(&mut rng, val.len(), a.context, a.batch);
+                    windows(val, &s, a.context, dev)
+                })
+                .collect()
+        }
+    }
+}
 
-    let store = ParamStore::new(precision, dev.clone(), a.seed);
-    let mut model = Llama::new(&store, &weights, &fine_tune)?;
-    drop(weights);
-    model.set_checkpointing(a.checkpointing)?;
-    store.set_weight_decay("*", true)?;
-    let trainable = store.num_elements();
-    let what = match (a.tiny, a.random_weights, a.full) {
+/// The header line: the model, its trainable parameters, frozen bytes and precision.
+fn header(a: &Args, plan: &Plan, model: &Llama, trainable: usize, dev: &Device) -> String {
+    let mode = &plan.mode;
+    let what = match (a.tiny, a.random_weights, &plan.fine_tune) {
         (true, _, _) => format!(
             "random tiny Llama ({mode}; random weights, SmolLM2's tokenizer): a smoke run, its \
              losses and greedy text are noise"
         ),
         (_, true, _) => format!("SmolLM2-135M config with random weights ({mode}, timing run)"),
-        (_, _, true) => "SmolLM2-135M-Instruct, full fine-tune".to_string(),
-        _ => format!("SmolLM2-135M-Instruct, LoRA r{rank}"),
+        (_, _, FineTune::Full) => "SmolLM2-135M-Instruct, full fine-tune".to_string(),
+        (_, _, FineTune::Lora(l)) => format!("SmolLM2-135M-Instruct, LoRA r{}", l.r),
     };
-    println!(
-        "{what}: {} blocks, {} trainable parameters, frozen base {:.1} MB, {}",
+    format!(
+        "{what}: {} blocks, {trainable} trainable parameters, frozen base {:.1} MB, {}",
         model.config().num_hidden_layers,
-        trainable,
         model.frozen_bytes() as f64 / 1e6,
-        wick::perf::precision_on_device(precision, &dev),
-    );
-    println!(
-        "text {}: {}; loaded in {load_s:.1} s, tokenized in {tokenize_s:.1} s",
-        a.text.display(),
-        split.what
-    );
+        wick::perf::precision_on_device(a.precision, dev),
+    )
+}
 
-    let mut ec = EngineConfig::adamw(lr);
+/// AdamW (beta2 0.95, the PyTorch reference's), a constant learning rate, `--clip`.
+fn build_engine(a: &Args, plan: &Plan, store: &ParamStore) -> Result<Engine> {
+    let mut ec = EngineConfig::adamw(plan.lr);
     if let wick::engine::OptimizerConfig::AdamW(o) = &mut ec.optimizer {
         o.beta2 = 0.95;
-        o.weight_decay = wd;
+        o.weight_decay = plan.weight_decay;
     }
-    ec.schedule = LrSchedule::Constant { lr };
+    ec.schedule = LrSchedule::Constant { lr: plan.lr };
     ec.max_grad_norm = (a.clip > 0.0).then_some(a.clip);
-    let mut engine = Engine::new(store.clone(), ec)?;
+    Engine::new(store.clone(), ec)
+}
 
-    // checkpoints: --resume, then --save-every and Ctrl-C
-    let ckpt = Checkpointer::new(&a.checkpoint_dir, a.keep_last);
-    let fingerprint = run_fingerprint(&a, &mode, precision);
-    if a.resume {
-        let Some(resumed) = ckpt.resume(&mut engine).context("--resume")? else {
-            bail!(
-                "nothing to resume: no checkpoint in {} (drop --resume to start fresh, or pass \
-                 the run's --checkpoint-dir)",
-                a.checkpoint_dir.display()
-            );
-        };
-        let path = &resumed.path;
-        for n in &resumed.notices {
-            println!("note: {n}");
-        }
-        let theirs = &resumed.extra["run"];
-        let differ: Vec<String> = fingerprint
-            .as_object()
-            .into_iter()
-            .flatten()
-            .filter(|(k, v)| theirs.get(k.as_str()) != Some(v))
-            .map(|(k, v)| format!("{k} {} (this run: {v})", theirs[k.as_str()]))
-            .collect();
-        ensure!(
-            differ.is_empty(),
-            "--resume: {} was made by a different run: {}; pass the original run's flags",
-            path.display(),
-            differ.join(", ")
-        );
-        ensure!(
-            (engine.boundaries() as usize) < total_steps,
-            "--resume: {} is at step {}, which already reaches --warmup-steps + --steps = \
-             {total_steps}; raise --steps to train further",
-            path.display(),
-            engine.boundaries()
-        );
-        println!(
-            "resumed from {} at step {}",
-            path.display(),
-            engine.boundaries()
-        );
+/// Loads the checkpoint [`check_resume`] checked into `engine`, and prints its notices.
+fn resume(a: &Args, ckpt: &Checkpointer, engine: &mut Engine, prior: &Prior) -> Result<()> {
+    let resumed = ckpt.resume(engine).context("--resume")?;
+    let path = resumed.as_ref().map(|r| r.path.clone());
+    ensure!(
+        path.as_ref() == Some(&prior.path) && engine.boundaries() as usize == prior.step,
+        "--resume: {} changed while this run started (another run writing to {}?)",
+        prior.path.display(),
+        a.checkpoint_dir.display()
+    );
+    for n in resumed.iter().flat_map(|r| &r.notices) {
+        println!("note: {n}");
     }
-    checkpoint::install_interrupt_handler()?;
-    let start = engine.boundaries() as usize;
+    println!(
+        "resumed from {} at step {}",
+        prior.path.display(),
+        prior.step
+    );
+    Ok(())
+}
 
-    let prompt = tok.encode(PROMPT)?;
-    let noise = if a.tiny {
-        " (random tiny model: noise)"
-    } else {
-        ""
-    };
-    let greedy = |m: &Llama| -> Result<String> {
-        tok.decode(&m.generate(&prompt, a.max_new_tokens, 0.0, 0)?)
-    };
-    let val_before = val_loss(&model, &val_batches)?;
-    let greedy_before = greedy(&model)?;
-    println!("validation loss at step {start}: {val_before:.4}");
-    println!("greedy at step {start}{noise}: {greedy_before:?}");
+/// What the training loop leaves for the report.
+struct Trained {
+    /// `(step, loss)` at the log points.
+    losses: Vec<(usize, f32)>,
+    throughput: Throughput,
+    ms_per_step: f64,
+    /// The checkpoint saved at the last step, if `--save-every` saved one.
+    final_checkpoint: Option<PathBuf>,
+}
 
+/// Everything the training loop needs besides the flags.
+struct Loop<'a> {
+    model: &'a Llama,
+    engine: &'a mut Engine,
+    ckpt: &'a Checkpointer,
+    /// The `extra` JSON of every checkpoint.
+    extra: &'a serde_json::Value,
+    train: &'a [u32],
+    fixed: Option<&'a Windows>,
+    dev: &'a Device,
+}
+
+/// Steps `engine.boundaries()..total_steps`: logs the loss every `--log-every` steps, saves
+/// checkpoints every `--save-every` steps, and on Ctrl-C saves one and exits with status 130.
+/// The throughput counts the steps after `--warmup-steps`, less the time of checkpoint saves.
+fn train_loop(a: &Args, l: Loop, total_steps: usize) -> Result<Trained> {
+    let start = l.engine.boundaries() as usize;
     // the batches: drawn in step order (a resumed run replays the draws of the steps done)
     let mut rng = StdRng::seed_from_u64(a.seed);
     let mut draw = |step: usize| -> Vec<usize> {
-        match &fixed {
+        match l.fixed {
             Some(w) => w.train[step].clone(),
-            None => random_starts(&mut rng, train.len(), a.context, a.batch),
+            None => random_starts(&mut rng, l.train.len(), a.context, a.batch),
         }
     };
     for s in 0..start {
@@ -578,18 +689,20 @@ fn main() -> Result<()> {
         )
         .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    wick::cuda::reset_peak_memory(&dev)?;
-    // timed: the steps after --warmup-steps that this process runs
+    wick::cuda::reset_peak_memory(l.dev)?;
+    // timed: the steps after --warmup-steps that this process runs, less checkpoint saves
     let first_timed = start.max(a.warmup_steps);
     let mut timer: Option<Instant> = None;
+    let mut save_secs = 0.0;
+    let mut final_checkpoint = None;
     let mut losses: Vec<(usize, f32)> = Vec::new();
     for s in start..total_steps {
         if s == first_timed {
-            dev.synchronize()?;
+            l.dev.synchronize()?;
             timer = Some(Instant::now());
         }
-        let (x, y) = windows(train, &draw(s), a.context, &dev)?;
-        let r = engine.step(|_| model.loss(&x, &y))?;
+        let (x, y) = windows(l.train, &draw(s), a.context, l.dev)?;
+        let r = l.engine.step(|_| l.model.loss(&x, &y))?;
         let step = s + 1;
         bar.inc(1);
         // reading the loss waits for the step: only at the log points
@@ -614,7 +727,11 @@ fn main() -> Result<()> {
         let interrupted = checkpoint::interrupted();
         let periodic = a.save_every > 0 && (step % a.save_every == 0 || step == total_steps);
         if periodic || interrupted {
-            let path = ckpt.save(&engine, serde_json::json!({ "run": fingerprint }))?;
+            // the step's own work is timed, the save is not
+            l.dev.synchronize()?;
+            let t = Instant::now();
+            let path = l.ckpt.save(l.engine, l.extra.clone())?;
+            save_secs += t.elapsed().as_secs_f64();
             bar.suspend(|| println!("saved checkpoint {}", path.display()));
             if interrupted {
                 bar.finish_and_clear();
@@ -624,40 +741,72 @@ fn main() -> Result<()> {
                 );
                 std::process::exit(checkpoint::INTERRUPTED_EXIT_CODE);
             }
+            if step == total_steps {
+                final_checkpoint = Some(path);
+            }
         }
     }
     bar.finish_and_clear();
-    dev.synchronize()?;
+    l.dev.synchronize()?;
     let timed_steps = total_steps - first_timed;
-    let secs = timer.map_or(0.0, |t| t.elapsed().as_secs_f64());
-    let ms = secs * 1e3 / timed_steps.max(1) as f64;
-    let tokens_per_s = (timed_steps * a.batch * a.context) as f64 / secs;
-    let basis = format!(
-        "trained tokens / wall-clock s, steps {}-{total_steps}",
-        first_timed + 1
-    );
-    let peak = wick::cuda::peak_memory_gb(&dev);
-    let val_after = val_loss(&model, &val_batches)?;
-    let greedy_after = greedy(&model)?;
-    println!("validation loss after {total_steps} steps: {val_after:.4}");
-    println!("greedy after{noise}: {greedy_after:?}");
-    println!(
-        "{ms:.2} ms/step, {tokens_per_s:.0} tokens/s ({basis}), peak memory {}",
-        peak.map_or("n/a (CPU)".into(), |g| format!("{g:.2} GB"))
-    );
-
-    if let Some(dir) = out_dir(
-        &a.save,
-        if a.full {
-            "runs/finetune_llama/model"
-        } else {
-            "runs/finetune_llama/adapter"
+    let secs = timer.map_or(0.0, |t| t.elapsed().as_secs_f64()) - save_secs;
+    Ok(Trained {
+        losses,
+        throughput: Throughput {
+            items: (timed_steps * a.batch * a.context) as u64,
+            unit: Unit::Tokens,
+            secs: secs.max(0.0),
+            steps: (first_timed as u64 + 1, total_steps as u64),
+            excluded: "warm-up and checkpoint saves",
         },
-    ) {
+        ms_per_step: secs.max(0.0) * 1e3 / timed_steps.max(1) as f64,
+        final_checkpoint,
+    })
+}
+
+/// Ctrl-C after the training loop (final validation, generation, saves): saves the trained
+/// state as a checkpoint (unless the last step's checkpoint holds it) and exits with 130.
+fn exit_if_interrupted(
+    engine: &Engine,
+    ckpt: &Checkpointer,
+    extra: &serde_json::Value,
+    final_checkpoint: Option<&Path>,
+) -> Result<()> {
+    if !checkpoint::interrupted() {
+        return Ok(());
+    }
+    let path = match final_checkpoint {
+        Some(p) => p.to_path_buf(),
+        None => ckpt.save(engine, extra.clone())?,
+    };
+    println!(
+        "interrupted after training: the trained state is in {} (--resume with a larger \
+         --steps trains further)",
+        path.display()
+    );
+    std::process::exit(checkpoint::INTERRUPTED_EXIT_CODE);
+}
+
+/// `--save`, `--save-merged` and `--export-logits`, each after a Ctrl-C check.
+fn save_outputs(
+    a: &Args,
+    model: &Llama,
+    store: &ParamStore,
+    tok: &LlamaTokenizer,
+    positions: usize,
+    prompt: &[u32],
+    interrupted: &dyn Fn() -> Result<()>,
+) -> Result<()> {
+    let default = if a.full {
+        "runs/finetune_llama/model"
+    } else {
+        "runs/finetune_llama/adapter"
+    };
+    if let Some(dir) = out_dir(&a.save, default) {
         match model.lora() {
             Some(l) => {
                 lora::save_adapter_tensors(
-                    model.adapter_masters(&store)?,
+                    model.adapter_masters(store)?,
                     l,
                     "SmolLM2-135M-Instruct",
                     &dir,
@@ -665,30 +814,128 @@ fn main() -> Result<()> {
                 // as PEFT's trainers do: AutoTokenizer.from_pretrained(adapter folder) works
                 tok.save_pretrained(&dir, positions)?;
             }
-            None => save_hf_folder(&model.merged_weights(&store)?, &tok, &dir, positions)?,
+            None => save_hf_folder(&model.merged_weights(store)?, tok, &dir, positions)?,
         }
         println!("saved to {}", dir.display());
+        interrupted()?;
     }
     if let Some(dir) = out_dir(&a.save_merged, "runs/finetune_llama/merged") {
-        save_hf_folder(&model.merged_weights(&store)?, &tok, &dir, positions)?;
+        save_hf_folder(&model.merged_weights(store)?, tok, &dir, positions)?;
         println!("saved the merged model to {}", dir.display());
+        interrupted()?;
     }
     if let Some(f) = &a.export_logits {
-        let s = logits_summary(&model, &prompt, &dev)?;
+        let s = logits_summary(model, prompt, model.device())?;
         wick::checkpoint::write_file_atomic(f, serde_json::to_string(&s)?.as_bytes())?;
     }
-    let result = serde_json::json!({
-        "mode": mode, "tiny": a.tiny,
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    wick::cli::init_logging();
+    let a = Args::parse();
+    let plan = plan(&a)?;
+    let total_steps = plan.total_steps;
+    let precision = a.precision;
+    let dev = wick::device_from_flag(&a.device)?;
+    // checkpoints: --resume is checked against this run's flags before anything is loaded
+    let ckpt = Checkpointer::new(&a.checkpoint_dir, a.keep_last);
+    let fingerprint = run_fingerprint(&a, &plan);
+    let prior = check_resume(&a, &ckpt, &fingerprint, total_steps)?;
+
+    let Loaded {
+        weights,
+        tok,
+        positions,
+        split,
+        load_s,
+        tokenize_s,
+    } = load_model_and_data(&a, total_steps, prior.as_ref().and_then(|p| p.train_tokens))?;
+    let (train, val) = (&split.train[..], &split.val[..]);
+    let fixed = fixed_windows(&a, &split, total_steps)?;
+    let val_batches = val_batches(&a, val, fixed.as_ref(), &dev)?;
+
+    let store = ParamStore::new(precision, dev.clone(), a.seed);
+    let mut model = Llama::new(&store, &weights, &plan.fine_tune)?;
+    drop(weights);
+    model.set_checkpointing(a.checkpointing)?;
+    store.set_weight_decay("*", true)?;
+    let trainable = store.num_elements();
+    println!("{}", header(&a, &plan, &model, trainable, &dev));
+    println!(
+        "text {}: {}; loaded in {load_s:.1} s, tokenized in {tokenize_s:.1} s",
+        a.text.display(),
+        split.what
+    );
+
+    let mut engine = build_engine(&a, &plan, &store)?;
+    if let Some(p) = &prior {
+        resume(&a, &ckpt, &mut engine, p)?;
+    }
+    let start = engine.boundaries() as usize;
+    let extra = serde_json::json!({ "run": fingerprint, "train_tokens": train.len() });
+
+    let prompt = tok.encode(PROMPT)?;
+    let noise = if a.tiny {
+        " (random tiny model: noise)"
+    } else {
+        ""
+    };
+    let greedy = |m: &Llama| -> Result<String> {
+        tok.decode(&m.generate(&prompt, a.max_new_tokens, 0.0, 0)?)
+    };
+    let val_before = val_loss(&model, &val_batches)?;
+    let greedy_before = greedy(&model)?;
+    println!("validation loss at step {start}: {val_before:.4}");
+    println!("greedy at step {start}{noise}: {greedy_before:?}");
+
+    // Ctrl-C from here on saves a checkpoint and exits with 130
+    checkpoint::install_interrupt_handler()?;
+    let l = Loop {
+        model: &model,
+        engine: &mut engine,
+        ckpt: &ckpt,
+        extra: &extra,
+        train,
+        fixed: fixed.as_ref(),
+        dev: &dev,
+    };
+    let trained = train_loop(&a, l, total_steps)?;
+    let interrupted =
+        || exit_if_interrupted(&engine, &ckpt, &extra, trained.final_checkpoint.as_deref());
+    interrupted()?;
+    let peak = wick::cuda::peak_memory_gb(&dev);
+    let val_after = val_loss(&model, &val_batches)?;
+    interrupted()?;
+    let greedy_after = greedy(&model)?;
+    interrupted()?;
+    println!("validation loss after {total_steps} steps: {val_after:.4}");
+    println!("greedy after{noise}: {greedy_after:?}");
+    println!(
+        "{:.2} ms/step, {}, peak memory {}",
+        trained.ms_per_step,
+        trained.throughput,
+        peak.map_or("n/a (CPU)".into(), |g| format!("{g:.2} GB"))
+    );
+    save_outputs(&a, &model, &store, &tok, positions, &prompt, &interrupted)?;
+
+    let mut result = serde_json::json!({
+        "mode": plan.mode, "tiny": a.tiny,
         "checkpointing": a.checkpointing, "precision": precision.name(),
         "batch": a.batch, "context": a.context, "steps": a.steps, "warmup_steps": a.warmup_steps,
         "resumed_at": start, "train_tokens": train.len(), "val_tokens": val.len(),
         "trainable": trainable, "frozen_bytes": model.frozen_bytes(),
-        "ms_per_step": ms, "tokens_per_s": tokens_per_s, "tokens_per_s_basis": basis,
+        "ms_per_step": trained.ms_per_step,
         "peak_GB": peak,
         "val_loss_before": val_before, "val_loss_after": val_after,
-        "last_train_loss": losses.last().map(|l| l.1), "train_losses": losses,
+        "last_train_loss": trained.losses.last().map(|l| l.1), "train_losses": trained.losses,
         "greedy_before": greedy_before, "greedy_after": greedy_after,
     });
+    if let (Some(r), serde_json::Value::Object(t)) =
+        (result.as_object_mut(), trained.throughput.json())
+    {
+        r.extend(t);
+    }
     println!("RESULT {result}");
     Ok(())
 }

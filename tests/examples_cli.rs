@@ -753,7 +753,7 @@ fn finetune_llama_runs_tiny_full_and_real_lora_on_the_cpu() {
         "validation loss at step 0",
         "greedy at step 0",
         "greedy after",
-        "tokens/s (trained tokens / wall-clock s, steps 1-2)",
+        "tokens/s (trained tokens / wall-clock s of steps 1-2; warm-up and checkpoint saves excluded)",
     ] {
         assert!(out.contains(want), "{want:?} missing from\n{out}");
     }

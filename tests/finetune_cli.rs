@@ -8,8 +8,8 @@
 
 mod common;
 
-use common::example;
-use std::path::{Path, PathBuf};
+use common::{example, tmp};
+use std::path::Path;
 use std::process::{Command, Output};
 use wick::models::llama_io::Gguf;
 use wick::models::llama_tokenizer::{safe_cut, LlamaTokenizer};
@@ -40,13 +40,6 @@ fn text(o: &Output) -> (String, String) {
 /// Items `range` of the JSON array `v`.
 fn slice(v: &serde_json::Value, range: std::ops::Range<usize>) -> serde_json::Value {
     v.as_array().unwrap()[range].to_vec().into()
-}
-
-fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("wick-finetune-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
 }
 
 /// The `RESULT {json}` line of a run that succeeded.
@@ -92,59 +85,77 @@ fn tiny_args(steps: usize, ckpt: &Path) -> Vec<String> {
     v
 }
 
+/// Flag errors name the flag and its range: clap's (exit 2) before anything runs, the checks
+/// that need the model (exit 1) before training.
 #[test]
 fn flag_errors_name_the_flag_and_its_range() {
-    for (args, want) in [
+    for (args, code, want) in [
         (
             &["--lr", "-1"][..],
+            2,
             "'--lr <LR>': must be a finite number > 0",
         ),
         (
             &["--clip", "-1"],
+            2,
             "'--clip <CLIP>': must be a finite number >= 0",
         ),
         (
             &["--steps", "-1"],
+            2,
             "'--steps <STEPS>': must be a whole number >= 1",
         ),
         (
             &["--steps", "0"],
+            2,
             "'--steps <STEPS>': must be a whole number >= 1",
         ),
         (
             &["--batch", "0"],
+            2,
             "'--batch <BATCH>': must be a whole number >= 1",
         ),
         (
             &["--lora", "0"],
+            2,
             "'--lora <LORA>': must be a whole number >= 1",
         ),
         (
             &["--lora-dropout", "1"],
+            2,
             "'--lora-dropout <LORA_DROPOUT>': must be in [0, 1)",
         ),
         (
             &["--weight-decay", "-0.1"],
+            2,
             "'--weight-decay <WEIGHT_DECAY>': must be a finite number >= 0",
         ),
         (
+            &["--precision", "fp64"],
+            2,
+            "'--precision <PRECISION>': unknown precision \"fp64\"",
+        ),
+        (
             &["--tiny", "--context", "100000"],
+            1,
             "--context 100000 exceeds the 512 positions of the --tiny model",
         ),
         // SmolLM2's llama.context_length is 8192
         (
             &["--context", "8193"],
+            1,
             "--context 8193 exceeds the 8192 positions of",
         ),
-        (&["--tiny", "--context", "1"], "--context 1 is too short"),
+        (&["--tiny", "--context", "1"], 1, "--context 1 is too short"),
         (
             &["--gguf", "/nonexistent.gguf"],
+            1,
             "run scripts/fetch_smollm2.sh",
         ),
     ] {
         let o = run(args);
         let (out, err) = text(&o);
-        assert!(!o.status.success(), "{args:?} ran:\n{out}");
+        assert_eq!(o.status.code(), Some(code), "{args:?}:\n{out}\n{err}");
         assert!(err.contains(want), "{args:?}: {want:?} missing from\n{err}");
         assert!(!out.contains("tokens/s"), "{args:?} trained:\n{out}");
     }
@@ -155,7 +166,7 @@ fn flag_errors_name_the_flag_and_its_range() {
 /// for bit. A resume with other flags, past the end, or without a checkpoint is refused.
 #[test]
 fn tiny_run_resumes_from_its_checkpoint_exactly() {
-    let d = tmp("resume");
+    let d = tmp("finetune-resume");
     let (ck, ck_whole) = (d.join("ck"), d.join("ck-whole"));
     let whole = result(&run(&tiny_args(6, &ck_whole)));
     assert!(wick::checkpoint::latest(&ck_whole).unwrap().is_none());
@@ -191,6 +202,18 @@ fn tiny_run_resumes_from_its_checkpoint_exactly() {
         err.contains("made by a different run") && err.contains("seed 0 (this run: 5)"),
         "{err}"
     );
+    // another mode is refused by its flags before the model is built, not by the parameters
+    let lora: Vec<String> = resume
+        .iter()
+        .map(|s| s.replace("--full", "--lora=4"))
+        .collect();
+    let (out, err) = text(&run(&lora));
+    assert!(
+        err.contains("made by a different run")
+            && err.contains(r#"mode "full" (this run: "lora4")"#),
+        "{err}"
+    );
+    assert!(!out.contains("trainable parameters"), "{out}");
     let mut done = tiny_args(3, &ck);
     done.push("--resume".into());
     let err = text(&run(&done)).1;
@@ -205,15 +228,14 @@ fn tiny_run_resumes_from_its_checkpoint_exactly() {
     std::fs::remove_dir_all(&d).unwrap();
 }
 
+/// Runs finetune_llama with `args`, sends it SIGINT once a stdout line starts with `after`,
+/// and returns the lines before and after that one (included in the first) and the exit status.
 #[cfg(unix)]
-#[test]
-fn ctrl_c_saves_a_checkpoint_and_exits_130() {
+fn interrupt_after(args: &[String], after: &str) -> (Vec<String>, Vec<String>, Option<i32>) {
     use std::io::{BufRead, BufReader};
     use std::process::Stdio;
-    let d = tmp("sigint");
-    let ck = d.join("ck");
     let mut child = Command::new(example("finetune_llama"))
-        .args(tiny_args(100_000, &ck))
+        .args(args)
         .current_dir(root())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -223,7 +245,7 @@ fn ctrl_c_saves_a_checkpoint_and_exits_130() {
     let mut seen = Vec::new();
     for line in lines.by_ref() {
         let line = line.unwrap();
-        let go = line.starts_with("step ");
+        let go = line.starts_with(after);
         seen.push(line);
         if go {
             break;
@@ -235,8 +257,16 @@ fn ctrl_c_saves_a_checkpoint_and_exits_130() {
         0
     );
     let rest: Vec<String> = lines.map(|l| l.unwrap()).collect();
-    let status = child.wait().unwrap();
-    assert_eq!(status.code(), Some(130), "{seen:?} {rest:?}");
+    (seen, rest, child.wait().unwrap().code())
+}
+
+#[cfg(unix)]
+#[test]
+fn ctrl_c_saves_a_checkpoint_and_exits_130() {
+    let d = tmp("finetune-sigint");
+    let ck = d.join("ck");
+    let (seen, rest, code) = interrupt_after(&tiny_args(100_000, &ck), "step ");
+    assert_eq!(code, Some(130), "{seen:?} {rest:?}");
     assert!(
         rest.iter().any(|l| l.starts_with("interrupted: saved")),
         "{rest:?}"
@@ -249,13 +279,88 @@ fn ctrl_c_saves_a_checkpoint_and_exits_130() {
     std::fs::remove_dir_all(&d).unwrap();
 }
 
+/// Ctrl-C after the last step (here during the final validation of 40 batches) is not
+/// swallowed: the trained state is saved as a checkpoint at the last step and the run exits
+/// with 130 instead of finishing.
+#[cfg(unix)]
+#[test]
+fn ctrl_c_after_training_saves_and_exits_130() {
+    let d = tmp("finetune-sigint-final");
+    let ck = d.join("ck");
+    let mut args = tiny_args(1, &ck);
+    let v = args.iter().position(|s| s == "--val-batches").unwrap();
+    args[v + 1] = "40".into();
+    let (seen, rest, code) = interrupt_after(&args, "step    1/1");
+    assert_eq!(code, Some(130), "{seen:?} {rest:?}");
+    assert!(rest.iter().all(|l| !l.starts_with("RESULT")), "{rest:?}");
+    assert!(
+        rest.iter().any(|l| l.starts_with("interrupted")),
+        "{rest:?}"
+    );
+    let saved = wick::checkpoint::latest(&ck)
+        .unwrap()
+        .expect("a checkpoint");
+    assert_eq!(wick::checkpoint::read_state(&saved).unwrap().step, 1);
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+/// A resumed run draws its windows from the checkpointing run's tokens even when its larger
+/// `--steps` would tokenize more: 1 step (one 64 KB piece of text) resumed with `--steps 400`
+/// (400 x 2 x 33 tokens: more than that piece) keeps the first run's token count, and its
+/// step 2 has the loss of an uninterrupted 2-step run.
+#[cfg(unix)]
+#[test]
+fn resume_with_more_steps_keeps_the_runs_tokens() {
+    let d = tmp("finetune-resume-tokens");
+    let ck = d.join("ck");
+    let two = result(&run(&tiny_args(2, &d.join("ck-two"))));
+    let small = two["train_tokens"].as_u64().unwrap() as usize;
+    // a fresh --steps 400 run tokenizes more (the case this test is about)
+    let tok = LlamaTokenizer::from_gguf(&Gguf::open(&root().join(GGUF)).unwrap()).unwrap();
+    let text = std::fs::read_to_string(root().join(TEXT)).unwrap();
+    let cut = safe_cut(&text, text.len() * 9 / 10);
+    let big = tok
+        .encode_prefix(&text[..cut], 400 * 2 * 33)
+        .unwrap()
+        .0
+        .len();
+    assert!(
+        big > small,
+        "{big} <= {small}: no larger tokenization to test"
+    );
+
+    let mut first = tiny_args(1, &ck);
+    first.extend(["--save-every".into(), "1".into()]);
+    assert_eq!(result(&run(&first))["train_tokens"], small);
+    let mut resume = tiny_args(400, &ck);
+    resume.push("--resume".into());
+    let (seen, rest, code) = interrupt_after(&resume, "step    2/400");
+    assert_eq!(code, Some(130), "{seen:?} {rest:?}");
+    let header = format!("train: {small} tokens of");
+    assert!(
+        seen.iter().any(|l| l.contains(&header)),
+        "{header}: {seen:?}"
+    );
+    let want = format!(
+        "loss {:.4} ",
+        two["train_losses"][1][1].as_f64().unwrap() as f32
+    );
+    let step2 = seen.last().unwrap();
+    assert!(step2.contains(&want), "{want:?} in {step2:?}");
+    let saved = wick::checkpoint::latest(&ck).unwrap().unwrap();
+    let state = wick::checkpoint::read_state(&saved).unwrap();
+    assert!(state.step >= 2, "{}", state.step);
+    assert_eq!(state.extra["train_tokens"], small);
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
 /// The merged HF folder of a tiny run carries the tokenizer: `tokenizer.json` loaded back with
 /// the `tokenizers` crate gives transformers' ids on the fixture texts (made by
 /// scripts/smollm2_fixture.py with transformers' GGUF tokenizer), and `tokenizer_config.json`
 /// names the GGUF's special tokens and chat template.
 #[test]
 fn merged_folder_carries_a_tokenizer_transformers_reads() {
-    let d = tmp("merged");
+    let d = tmp("finetune-merged");
     let merged = d.join("merged");
     let mut args = tiny_args(1, &d.join("ck"));
     args.extend(["--save-merged".into(), merged.display().to_string()]);
