@@ -1,5 +1,6 @@
 //! The tokenizer and chat template stored in a Llama GGUF file, as a `tokenizers` crate
-//! tokenizer (byte-level BPE) and a `minijinja` template.
+//! tokenizer (byte-level BPE, or Gemma's SentencePiece vocabulary through
+//! [`super::spm_tokenizer`]) and a `minijinja` template.
 //!
 //! GGUF keeps the vocabulary (`tokenizer.ggml.tokens`, in GPT-2's byte-to-unicode alphabet),
 //! the merges (`tokenizer.ggml.merges`, `"a b"` strings in rank order), the token types
@@ -72,8 +73,13 @@ impl LlamaTokenizer {
     /// Builds the tokenizer from the metadata of `gguf`, pre-tokenizing as transformers does
     /// ([`Pretokenizer::Transformers`]).
     ///
-    /// Errors: a tokenizer model other than `gpt2` (byte-level BPE), a pre-tokenizer
-    /// (`tokenizer.ggml.pre`) wick does not implement (see [`PRE_TOKENIZERS`]), missing or
+    /// A `tokenizer.ggml.model` of `gpt2` is byte-level BPE; `llama` is Gemma's SentencePiece
+    /// vocabulary ([`super::spm_tokenizer`]: no merges in the file, `tokenizer.ggml.pre`
+    /// unused, a BOS added when the file has no `add_bos_token`).
+    ///
+    /// Errors: a tokenizer model other than `gpt2` or `llama`, a `llama` vocabulary of an
+    /// architecture other than Gemma's (see [`super::spm_tokenizer::build`]), a byte-level
+    /// pre-tokenizer (`tokenizer.ggml.pre`) wick does not implement (see [`PRE_TOKENIZERS`]), missing or
     /// mistyped vocabulary, merges or token types (named), a merge that is not two tokens.
     pub fn from_gguf(gguf: &Gguf) -> Result<Self> {
         Self::from_gguf_with(gguf, Pretokenizer::Transformers)
@@ -85,9 +91,24 @@ impl LlamaTokenizer {
     ///
     /// Errors: those of [`Self::from_gguf`].
     pub fn from_gguf_with(gguf: &Gguf, pretokenizer: Pretokenizer) -> Result<Self> {
-        let model = gguf.meta("tokenizer.ggml.model")?.to_string()?;
-        if model != "gpt2" {
-            bail!("tokenizer model {model:?} is not supported; wick reads byte-level BPE (\"gpt2\") GGUF tokenizers");
+        let file = gguf.path().display();
+        let model = gguf
+            .meta("tokenizer.ggml.model")?
+            .to_string()
+            .with_context(|| format!("{file}: tokenizer.ggml.model must be a string"))?;
+        if model != "gpt2" && model != "llama" {
+            bail!(
+                "{file}: tokenizer.ggml.model = {model:?} is not supported; wick reads byte-level \
+                 BPE (\"gpt2\") and Gemma's SentencePiece (\"llama\") GGUF tokenizers"
+            );
+        }
+        let spm = model == "llama";
+        if spm && pretokenizer == Pretokenizer::LlamaCpp {
+            bail!(
+                "{file}: Pretokenizer::LlamaCpp is not implemented for a SentencePiece \
+                 (tokenizer.ggml.model = \"llama\") vocabulary: llama.cpp merges by score, \
+                 wick builds transformers' merges; use LlamaTokenizer::from_gguf"
+            );
         }
         let strings = |key: &str| -> Result<Vec<String>> {
             gguf.meta(key)?
@@ -98,15 +119,6 @@ impl LlamaTokenizer {
                 .with_context(|| format!("{key} must be a list of strings"))
         };
         let tokens = strings("tokenizer.ggml.tokens")?;
-        let merges = strings("tokenizer.ggml.merges")?
-            .into_iter()
-            .enumerate()
-            .map(|(i, m)| {
-                m.split_once(' ')
-                    .map(|(a, b)| (a.to_string(), b.to_string()))
-                    .ok_or_else(|| anyhow!("merge {i} ({m:?}) is not two tokens"))
-            })
-            .collect::<Result<Vec<_>>>()?;
         let types: Vec<i32> = match gguf.content.metadata.get("tokenizer.ggml.token_type") {
             Some(v) => v
                 .to_vec()?
@@ -115,28 +127,16 @@ impl LlamaTokenizer {
                 .collect::<candle_core::Result<_>>()?,
             None => vec![1; tokens.len()],
         };
-        let vocab: tokenizers::models::bpe::Vocab = tokens
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.clone(), i as u32))
-            .collect();
-        let bpe = BPE::builder()
-            .vocab_and_merges(vocab, merges)
-            .build()
-            .map_err(|e| anyhow!("building the BPE model: {e}"))?;
-        let mut tokenizer = Tokenizer::new(bpe);
-        let byte_level = ByteLevel::new(false, false, true);
-        let smollm = check_pre(gguf, pretokenizer)? == Some("smollm");
-        let pre = if pretokenizer == Pretokenizer::LlamaCpp && smollm {
-            PreTokenizerWrapper::Sequence(Sequence::new(vec![
-                PreTokenizerWrapper::Digits(Digits::new(true)),
-                PreTokenizerWrapper::ByteLevel(byte_level),
-            ]))
+        let mut tokenizer = if spm {
+            super::spm_tokenizer::build(gguf, &tokens)?
         } else {
-            PreTokenizerWrapper::ByteLevel(byte_level)
+            byte_level(
+                gguf,
+                &tokens,
+                strings("tokenizer.ggml.merges")?,
+                pretokenizer,
+            )?
         };
-        tokenizer.with_pre_tokenizer(Some(pre));
-        tokenizer.with_decoder(Some(ByteLevelDecoder::default()));
         let special: Vec<AddedToken> = tokens
             .iter()
             .zip(&types)
@@ -152,23 +152,24 @@ impl LlamaTokenizer {
         let user: Vec<AddedToken> = tokens
             .iter()
             .zip(&types)
-            .filter(|(_, &t)| t == 4)
+            .filter(|(s, &t)| t == 4 && (!spm || tokenizer.token_to_id(s).is_some()))
             .map(|(s, _)| AddedToken::from(s.clone(), false).normalized(false))
             .collect();
         tokenizer
             .add_tokens(user)
             .map_err(|e| anyhow!("adding the user-defined tokens: {e}"))?;
-        let flag = |key: &str| -> Result<bool> {
+        let flag = |key: &str, default: bool| -> Result<bool> {
             match gguf.content.metadata.get(key) {
                 Some(v) => v
                     .to_bool()
                     .with_context(|| format!("{key} must be a boolean")),
-                None => Ok(false),
+                None => Ok(default),
             }
         };
+        // a SentencePiece file without the flag gets a BOS, as llama.cpp and transformers add
         let (add_bos_token, add_eos_token) = (
-            flag("tokenizer.ggml.add_bos_token")?,
-            flag("tokenizer.ggml.add_eos_token")?,
+            flag("tokenizer.ggml.add_bos_token", spm)?,
+            flag("tokenizer.ggml.add_eos_token", false)?,
         );
         let token_text = |key: &str| {
             gguf.content
@@ -392,6 +393,48 @@ impl LlamaTokenizer {
             })
             .map_err(|e| anyhow!("rendering the chat template: {e}"))
     }
+}
+
+/// The byte-level BPE (`tokenizer.ggml.model = "gpt2"`) of `tokens` and `merges` (`"a b"`
+/// strings in rank order), pre-tokenized as `pretokenizer` says; no added tokens yet.
+fn byte_level(
+    gguf: &Gguf,
+    tokens: &[String],
+    merges: Vec<String>,
+    pretokenizer: Pretokenizer,
+) -> Result<Tokenizer> {
+    let merges = merges
+        .into_iter()
+        .enumerate()
+        .map(|(i, m)| {
+            m.split_once(' ')
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .ok_or_else(|| anyhow!("merge {i} ({m:?}) is not two tokens"))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let vocab: tokenizers::models::bpe::Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect();
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .build()
+        .map_err(|e| anyhow!("building the BPE model: {e}"))?;
+    let mut tokenizer = Tokenizer::new(bpe);
+    let byte_level = ByteLevel::new(false, false, true);
+    let smollm = check_pre(gguf, pretokenizer)? == Some("smollm");
+    let pre = if pretokenizer == Pretokenizer::LlamaCpp && smollm {
+        PreTokenizerWrapper::Sequence(Sequence::new(vec![
+            PreTokenizerWrapper::Digits(Digits::new(true)),
+            PreTokenizerWrapper::ByteLevel(byte_level),
+        ]))
+    } else {
+        PreTokenizerWrapper::ByteLevel(byte_level)
+    };
+    tokenizer.with_pre_tokenizer(Some(pre));
+    tokenizer.with_decoder(Some(ByteLevelDecoder::default()));
+    Ok(tokenizer)
 }
 
 /// The `tokenizer.ggml.pre` values wick implements exactly: `gpt2` (GPT-2's regex, the

@@ -9,7 +9,8 @@
 //! - [`llama`]: a Llama-family decoder ([`Llama`]) with transformers' names, full or LoRA
 //!   fine-tuning and a KV cache; [`llama_io`] reads GGUF and HF safetensors and writes HF
 //!   folders, [`llama_tokenizer`] the GGUF's byte-level BPE tokenizer and chat template
-//!   (SmolLM2-135M in `examples/finetune_llama.rs`).
+//!   (SmolLM2-135M in `examples/finetune_llama.rs`), [`spm_tokenizer`] Gemma's SentencePiece
+//!   vocabulary from GGUF (Gemma 3 270M, scripts/fetch_gemma3.sh).
 
 pub mod bert;
 pub mod bert_io;
@@ -18,6 +19,7 @@ pub mod llama;
 pub mod llama_config;
 pub mod llama_io;
 pub mod llama_tokenizer;
+pub mod spm_tokenizer;
 mod sampling;
 
 pub use bert::{Bert, BertConfig};
