@@ -1,8 +1,7 @@
 //! wick's GGUF tokenizer on Gemma 3 270M's SentencePiece vocabulary (`tokenizer.ggml.model =
 //! "llama"`) against transformers' (tests/fixtures/gemma3_270m_reference.json, made by
 //! scripts/gemma3_fixture.py), on the file scripts/fetch_gemma3.sh assembles (`.ci/run` calls
-//! it). Without data/gemma3 the tests say so and pass, unless WICK_REQUIRE_DATA is set (then
-//! they fail).
+//! it); without data/gemma3 they fail, naming the script, as the other tests on fetched data do.
 
 mod common;
 use anyhow::Result;
@@ -13,31 +12,24 @@ use std::sync::OnceLock;
 use wick::models::llama_io::Gguf;
 use wick::models::llama_tokenizer::{LlamaTokenizer, Pretokenizer};
 
-/// The GGUF, or `None` (with a message) when it is missing and WICK_REQUIRE_DATA is unset.
-fn gguf_path() -> Option<PathBuf> {
+/// The GGUF (scripts/fetch_gemma3.sh).
+fn gguf_path() -> PathBuf {
     let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("data/gemma3/gemma-3-270m-q4_k_m.gguf");
-    if p.exists() {
-        return Some(p);
-    }
     assert!(
-        std::env::var_os("WICK_REQUIRE_DATA").is_none(),
-        "{} is missing and WICK_REQUIRE_DATA is set: run scripts/fetch_gemma3.sh",
+        p.exists(),
+        "{} is missing: run scripts/fetch_gemma3.sh first",
         p.display()
     );
-    eprintln!(
-        "skipping: {} is missing (run scripts/fetch_gemma3.sh; set WICK_REQUIRE_DATA=1 to fail instead)",
-        p.display()
-    );
-    None
+    p
 }
 
 /// The tokenizer, built once per test binary.
-fn tokenizer() -> Option<&'static LlamaTokenizer> {
+fn tokenizer() -> &'static LlamaTokenizer {
     static T: OnceLock<LlamaTokenizer> = OnceLock::new();
-    let p = gguf_path()?;
-    Some(T.get_or_init(|| {
-        LlamaTokenizer::from_gguf(&Gguf::open(&p).expect("opening the GGUF")).expect("tokenizer")
-    }))
+    T.get_or_init(|| {
+        LlamaTokenizer::from_gguf(&Gguf::open(&gguf_path()).expect("opening the GGUF"))
+            .expect("tokenizer")
+    })
 }
 
 fn fixture() -> serde_json::Value {
@@ -55,9 +47,7 @@ fn ids_of(v: &serde_json::Value) -> Vec<u32> {
 
 #[test]
 fn ids_and_decoding_equal_transformers() -> Result<()> {
-    let Some(tok) = tokenizer() else {
-        return Ok(());
-    };
+    let tok = tokenizer();
     let fx = fixture();
     assert_eq!(fx["add_bos_token"], true);
     assert!(tok.add_bos_token && !tok.add_eos_token);
@@ -96,9 +86,7 @@ fn ids_and_decoding_equal_transformers() -> Result<()> {
 /// falls back to its UTF-8 bytes.
 #[test]
 fn pieces_are_atomic_and_bytes_fall_back() -> Result<()> {
-    let Some(tok) = tokenizer() else {
-        return Ok(());
-    };
+    let tok = tokenizer();
     let t = &tok.tokenizer;
     let id = |s: &str| {
         t.token_to_id(s)
@@ -125,8 +113,8 @@ fn pieces_are_atomic_and_bytes_fall_back() -> Result<()> {
 }
 
 /// Gemma's tokenizer metadata written as a tensor-less GGUF, with `edit` applied.
-fn edited(name: &str, edit: impl FnOnce(&mut Vec<(String, gguf_file::Value)>)) -> Option<Gguf> {
-    let src = Gguf::open(&gguf_path()?).unwrap();
+fn edited(name: &str, edit: impl FnOnce(&mut Vec<(String, gguf_file::Value)>)) -> Gguf {
+    let src = Gguf::open(&gguf_path()).unwrap();
     let mut meta: Vec<(String, gguf_file::Value)> = src
         .content
         .metadata
@@ -139,7 +127,7 @@ fn edited(name: &str, edit: impl FnOnce(&mut Vec<(String, gguf_file::Value)>)) -
     let path = tmp(&format!("gemma3-{name}")).join(name);
     let refs: Vec<(&str, &gguf_file::Value)> = meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
     gguf_file::write(&mut std::fs::File::create(&path).unwrap(), &refs, &[]).unwrap();
-    Some(Gguf::open(&path).unwrap())
+    Gguf::open(&path).unwrap()
 }
 
 fn set(meta: &mut Vec<(String, gguf_file::Value)>, key: &str, v: gguf_file::Value) {
@@ -150,18 +138,15 @@ fn set(meta: &mut Vec<(String, gguf_file::Value)>, key: &str, v: gguf_file::Valu
 #[test]
 fn add_bos_token_is_read_and_defaults_to_true() -> Result<()> {
     use gguf_file::Value as V;
-    let Some(off) = edited("nobos.gguf", |m| {
+    let off = edited("nobos.gguf", |m| {
         set(m, "tokenizer.ggml.add_bos_token", V::Bool(false))
-    }) else {
-        return Ok(());
-    };
+    });
     let tok = LlamaTokenizer::from_gguf(&off)?;
     assert!(!tok.add_bos_token);
     assert_eq!(tok.encode("To be")?, [2021, 577]);
     let absent = edited("nokey.gguf", |m| {
         m.retain(|(k, _)| k != "tokenizer.ggml.add_bos_token")
-    })
-    .unwrap();
+    });
     assert_eq!(
         LlamaTokenizer::from_gguf(&absent)?.encode("To be")?,
         [2, 2021, 577]
@@ -193,14 +178,12 @@ fn unimplemented_sentencepiece_variants_are_refused() {
         ),
     ];
     for (name, key, value, says) in cases {
-        let Some(g) = edited(name, |m| set(m, key, value)) else {
-            return;
-        };
+        let g = edited(name, |m| set(m, key, value));
         let err = LlamaTokenizer::from_gguf(&g).err().expect("refused");
         let msg = format!("{err:#}");
         assert!(msg.contains(says) && msg.contains(name), "{msg}");
     }
-    let g = edited("plain.gguf", |_| {}).unwrap();
+    let g = edited("plain.gguf", |_| {});
     let err = LlamaTokenizer::from_gguf_with(&g, Pretokenizer::LlamaCpp)
         .err()
         .expect("refused");
