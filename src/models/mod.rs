@@ -19,8 +19,8 @@ pub mod llama;
 pub mod llama_config;
 pub mod llama_io;
 pub mod llama_tokenizer;
-pub mod spm_tokenizer;
 mod sampling;
+pub mod spm_tokenizer;
 
 pub use bert::{Bert, BertConfig};
 pub use gpt::{Gpt, GptConfig};
