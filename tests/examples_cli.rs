@@ -397,44 +397,22 @@ fn char_gpt_reports_one_ms_per_step_and_logs_step_zero() {
 #[cfg(unix)]
 #[test]
 fn mnist_ctrl_c_saves_and_exits_130() {
-    use std::io::{BufRead, BufReader};
-    use std::process::Stdio;
     let d = tmp("mnist-sigint");
     let data = d.join("data");
     std::fs::create_dir_all(&data).unwrap();
     tiny_mnist(&data, 512, 64);
     let ck = d.join("ckpt");
-    let mut child = Command::new(example("mnist"))
-        .args([
-            "--data-dir",
-            data.to_str().unwrap(),
-            "--save-dir",
-            ck.to_str().unwrap(),
-        ])
-        .args(["--batch-size", "8", "--epochs", "1000"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut cmd = Command::new(example("mnist"));
+    cmd.args([
+        "--data-dir",
+        data.to_str().unwrap(),
+        "--save-dir",
+        ck.to_str().unwrap(),
+    ])
+    .args(["--batch-size", "8", "--epochs", "1000"]);
     // the run header, then the first epoch's line: training is under way
-    let mut seen = Vec::new();
-    for line in lines.by_ref() {
-        let line = line.unwrap();
-        let go = line.starts_with("epoch 0:");
-        seen.push(line);
-        if go {
-            break;
-        }
-    }
-    // SAFETY: kill(2) on our own child's pid.
-    assert_eq!(
-        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) },
-        0
-    );
-    let rest: Vec<String> = lines.map(|l| l.unwrap()).collect();
-    let status = child.wait().unwrap();
-    assert_eq!(status.code(), Some(130), "{seen:?} {rest:?}");
+    let (seen, rest, code) = common::interrupt_after(cmd, "epoch 0:");
+    assert_eq!(code, Some(130), "{seen:?} {rest:?}");
     assert!(
         rest.iter().any(|l| l.starts_with("interrupted: saved")),
         "{rest:?}"

@@ -232,32 +232,9 @@ fn tiny_run_resumes_from_its_checkpoint_exactly() {
 /// and returns the lines before and after that one (included in the first) and the exit status.
 #[cfg(unix)]
 fn interrupt_after(args: &[String], after: &str) -> (Vec<String>, Vec<String>, Option<i32>) {
-    use std::io::{BufRead, BufReader};
-    use std::process::Stdio;
-    let mut child = Command::new(example("finetune_llama"))
-        .args(args)
-        .current_dir(root())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let mut seen = Vec::new();
-    for line in lines.by_ref() {
-        let line = line.unwrap();
-        let go = line.starts_with(after);
-        seen.push(line);
-        if go {
-            break;
-        }
-    }
-    // SAFETY: kill(2) on our own child's pid.
-    assert_eq!(
-        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) },
-        0
-    );
-    let rest: Vec<String> = lines.map(|l| l.unwrap()).collect();
-    (seen, rest, child.wait().unwrap().code())
+    let mut cmd = Command::new(example("finetune_llama"));
+    cmd.args(args).current_dir(root());
+    common::interrupt_after(cmd, after)
 }
 
 #[cfg(unix)]

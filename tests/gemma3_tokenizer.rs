@@ -14,13 +14,7 @@ use wick::models::llama_tokenizer::{LlamaTokenizer, Pretokenizer};
 
 /// The GGUF (scripts/fetch_gemma3.sh).
 fn gguf_path() -> PathBuf {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("data/gemma3/gemma-3-270m-q4_k_m.gguf");
-    assert!(
-        p.exists(),
-        "{} is missing: run scripts/fetch_gemma3.sh first",
-        p.display()
-    );
-    p
+    common::data_file("gemma3/gemma-3-270m-q4_k_m.gguf", "scripts/fetch_gemma3.sh")
 }
 
 /// The tokenizer, built once per test binary.

@@ -18,14 +18,10 @@ use wick::models::{FineTune, KvCache, Llama, LlamaConfig, LlamaWeights};
 use wick::{Engine, EngineConfig, ParamStore, Precision};
 
 fn gguf_path() -> PathBuf {
-    let p =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("data/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(
-        p.exists(),
-        "{} is missing: run scripts/fetch_smollm2.sh first",
-        p.display()
-    );
-    p
+    common::data_file(
+        "smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        "scripts/fetch_smollm2.sh",
+    )
 }
 
 /// The GGUF's weights, read once per test binary (f32, CPU).
@@ -626,21 +622,8 @@ fn lora_training_saves_peft_adapters_and_merges() -> Result<()> {
     let d = max_abs(&ours, &theirs);
     assert!(d < 0.1, "merged model's logits differ by {d}");
 
-    let ct_cfg: candle_transformers::models::llama::LlamaConfig =
-        serde_json::from_str(&std::fs::read_to_string(out.join("config.json"))?)?;
-    let ct_cfg = ct_cfg.into_config(false);
-    let vb = unsafe {
-        candle_nn::VarBuilder::from_mmaped_safetensors(
-            &[out.join("model.safetensors")],
-            DType::F32,
-            &Device::Cpu,
-        )?
-    };
-    let ct = candle_transformers::models::llama::Llama::load(vb, &ct_cfg)?;
-    let mut cache =
-        candle_transformers::models::llama::Cache::new(false, DType::F32, &ct_cfg, &Device::Cpu)?;
     let row = ids.narrow(0, 0, 1)?;
-    let theirs = ct.forward(&row, 0, &mut cache)?; // (1, V) last position
+    let theirs = common::candle_transformers_llama_last_logits(&out, &row)?; // (1, V)
     let mine = reloaded.forward_cached(&row, &mut KvCache::default())?;
     let mine = mine.narrow(1, 15, 1)?.squeeze(1)?;
     let d = max_abs(&theirs, &mine);

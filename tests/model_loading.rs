@@ -136,20 +136,7 @@ fn llama3_rope_scaling_in_config_json_matches_candle_transformers() -> Result<()
 
     let t = 48;
     let ours = logits(&w, &ids(t)).narrow(1, t - 1, 1)?.squeeze(1)?;
-    let ct_cfg: candle_transformers::models::llama::LlamaConfig =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json"))?)?;
-    let ct_cfg = ct_cfg.into_config(false);
-    let vb = unsafe {
-        candle_nn::VarBuilder::from_mmaped_safetensors(
-            &[dir.join("model.safetensors")],
-            DType::F32,
-            &Device::Cpu,
-        )?
-    };
-    let ct = candle_transformers::models::llama::Llama::load(vb, &ct_cfg)?;
-    let mut cache =
-        candle_transformers::models::llama::Cache::new(false, DType::F32, &ct_cfg, &Device::Cpu)?;
-    let theirs = ct.forward(&ids(t), 0, &mut cache)?; // (1, V), last position
+    let theirs = common::candle_transformers_llama_last_logits(&dir, &ids(t))?; // (1, V)
     let d = max_abs(&ours, &theirs);
     assert!(d < 1e-4, "wick and candle-transformers differ by {d}");
     // the scaling matters here: the unscaled model is far from both
@@ -555,14 +542,10 @@ fn gguf_metadata_that_changes_the_math_is_implemented_or_refused() -> Result<()>
 }
 
 fn smollm2_gguf() -> PathBuf {
-    let p =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("data/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(
-        p.exists(),
-        "{} is missing: run scripts/fetch_smollm2.sh first",
-        p.display()
-    );
-    p
+    common::data_file(
+        "smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        "scripts/fetch_smollm2.sh",
+    )
 }
 
 /// SmolLM2's tokenizer and general metadata (no tensors), for [`tokenizer_gguf`] to edit.

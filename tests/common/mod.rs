@@ -167,3 +167,66 @@ pub fn assert_sink_matches_per_op(
     }
     Ok(out)
 }
+
+/// `data/<rel>` of this checkout, which `script` fetches; a missing file fails the test,
+/// naming the script (CI fetches every data set first).
+pub fn data_file(rel: &str, script: &str) -> PathBuf {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("data").join(rel);
+    assert!(p.exists(), "{} is missing: run {script} first", p.display());
+    p
+}
+
+/// Runs `cmd` with its stdout piped, reads its lines until one starts with `after`, sends it
+/// SIGINT (Ctrl-C) and reads the rest: (lines up to and with `after`, lines after it, exit
+/// code).
+#[cfg(unix)]
+pub fn interrupt_after(
+    mut cmd: std::process::Command,
+    after: &str,
+) -> (Vec<String>, Vec<String>, Option<i32>) {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut seen = Vec::new();
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        let go = line.starts_with(after);
+        seen.push(line);
+        if go {
+            break;
+        }
+    }
+    // SAFETY: kill(2) on our own child's pid.
+    assert_eq!(
+        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) },
+        0
+    );
+    let rest: Vec<String> = lines.map(|l| l.unwrap()).collect();
+    (seen, rest, child.wait().unwrap().code())
+}
+
+/// candle-transformers' Llama (the reference implementation) loaded from an HF folder
+/// (`config.json`, `model.safetensors`) in f32 on the CPU: the logits of `ids` `(1, T)` at the
+/// last position, `(1, V)`.
+pub fn candle_transformers_llama_last_logits(dir: &Path, ids: &Tensor) -> anyhow::Result<Tensor> {
+    use candle_transformers::models::llama;
+    let cfg: llama::LlamaConfig =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json"))?)?;
+    let cfg = cfg.into_config(false);
+    // SAFETY: the file is not modified while mapped (a test's own folder).
+    let vb = unsafe {
+        candle_nn::VarBuilder::from_mmaped_safetensors(
+            &[dir.join("model.safetensors")],
+            candle_core::DType::F32,
+            &Device::Cpu,
+        )?
+    };
+    let model = llama::Llama::load(vb, &cfg)?;
+    let mut cache = llama::Cache::new(false, candle_core::DType::F32, &cfg, &Device::Cpu)?;
+    Ok(model.forward(ids, 0, &mut cache)?)
+}
