@@ -40,9 +40,9 @@ use std::time::Instant;
 use wick::checkpoint::{self, Checkpointer};
 use wick::cli::{dropout, non_negative_f64, non_negative_usize, positive_f64, positive_usize};
 use wick::lora::{self, LoraConfig};
-use wick::models::llama_io::{self, Gguf};
-use wick::models::llama_tokenizer::{safe_cut, LlamaTokenizer};
-use wick::models::{FineTune, KvCache, Llama, LlamaConfig, LlamaWeights};
+use wick::models::files::{self, Gguf};
+use wick::models::tokenizer::{safe_cut, TextTokenizer};
+use wick::models::{FineTune, KvCache, Decoder, DecoderConfig, DecoderWeights};
 use wick::optim::LrSchedule;
 use wick::throughput::{Throughput, Unit};
 use wick::{Engine, EngineConfig, ParamStore, Precision};
@@ -212,7 +212,7 @@ fn random_starts(rng: &mut StdRng, len: usize, t: usize, n: usize) -> Vec<usize>
     (0..n).map(|_| rng.random_range(0..len - t - 1)).collect()
 }
 
-fn val_loss(model: &Llama, batches: &[(Tensor, Tensor)]) -> Result<f64> {
+fn val_loss(model: &Decoder, batches: &[(Tensor, Tensor)]) -> Result<f64> {
     let mut total = 0.0;
     for (x, y) in batches {
         total += model.loss(x, y)?.detach().to_scalar::<f32>()? as f64;
@@ -221,7 +221,7 @@ fn val_loss(model: &Llama, batches: &[(Tensor, Tensor)]) -> Result<f64> {
 }
 
 /// The summary of the prompt's logits that scripts/smollm2_fixture.py compares.
-fn logits_summary(model: &Llama, prompt: &[u32], dev: &Device) -> Result<serde_json::Value> {
+fn logits_summary(model: &Decoder, prompt: &[u32], dev: &Device) -> Result<serde_json::Value> {
     let x = Tensor::from_slice(prompt, (1, prompt.len()), dev)?;
     let logits = model
         .forward_cached(&x, &mut KvCache::default())?
@@ -260,7 +260,7 @@ struct Split {
 /// (a resumed run: the checkpointing run's count) keeps exactly that many training tokens, so
 /// that the random windows are drawn from the same pool whatever `--steps` is now.
 fn split_text(
-    tok: &LlamaTokenizer,
+    tok: &TextTokenizer,
     text: &str,
     whole: bool,
     train_need: usize,
@@ -441,19 +441,19 @@ fn out_dir(flag: &Option<Option<PathBuf>>, default: &str) -> Option<PathBuf> {
 
 /// Writes an HF folder: the weights and config, then the tokenizer files.
 fn save_hf_folder(
-    weights: &LlamaWeights,
-    tok: &LlamaTokenizer,
+    weights: &DecoderWeights,
+    tok: &TextTokenizer,
     dir: &Path,
     positions: usize,
 ) -> Result<()> {
-    llama_io::save_pretrained(weights, dir)?;
+    files::save_pretrained(weights, dir)?;
     tok.save_pretrained(dir, positions)
 }
 
 /// The model's weights, its tokenizer and the tokenized text.
 struct Loaded {
-    weights: LlamaWeights,
-    tok: LlamaTokenizer,
+    weights: DecoderWeights,
+    tok: TextTokenizer,
     /// The model's positions (the longest `--context`).
     positions: usize,
     split: Split,
@@ -489,14 +489,14 @@ fn load_model_and_data(a: &Args, total_steps: usize, keep_train: Option<usize>) 
             format!("{} (llama.context_length)", a.gguf.display())
         }
     );
-    let tok = LlamaTokenizer::from_gguf(&gguf)?;
+    let tok = TextTokenizer::from_gguf(&gguf)?;
     let weights = if a.tiny {
-        let mut c = LlamaConfig::tiny(gguf_config.vocab_size);
+        let mut c = DecoderConfig::tiny(gguf_config.vocab_size);
         c.max_position_embeddings = TINY_POSITIONS;
         c.eos_token_id = gguf_config.eos_token_id;
-        LlamaWeights::random(c, a.seed)?
+        DecoderWeights::random(c, a.seed)?
     } else if a.random_weights {
-        LlamaWeights::random(gguf_config, a.seed)?
+        DecoderWeights::random(gguf_config, a.seed)?
     } else {
         let mut g = gguf;
         g.weights()?
@@ -592,7 +592,7 @@ fn val_batches(
 }
 
 /// The header line: the model, its trainable parameters, frozen bytes and precision.
-fn header(a: &Args, plan: &Plan, model: &Llama, trainable: usize, dev: &Device) -> String {
+fn header(a: &Args, plan: &Plan, model: &Decoder, trainable: usize, dev: &Device) -> String {
     let mode = &plan.mode;
     let what = match (a.tiny, a.random_weights, &plan.fine_tune) {
         (true, _, _) => format!(
@@ -656,7 +656,7 @@ struct Trained {
 
 /// Everything the training loop needs besides the flags.
 struct Loop<'a> {
-    model: &'a Llama,
+    model: &'a Decoder,
     engine: &'a mut Engine,
     ckpt: &'a Checkpointer,
     /// The `extra` JSON of every checkpoint.
@@ -790,9 +790,9 @@ fn exit_if_interrupted(
 /// `--save`, `--save-merged` and `--export-logits`, each after a Ctrl-C check.
 fn save_outputs(
     a: &Args,
-    model: &Llama,
+    model: &Decoder,
     store: &ParamStore,
-    tok: &LlamaTokenizer,
+    tok: &TextTokenizer,
     positions: usize,
     prompt: &[u32],
     interrupted: &dyn Fn() -> Result<()>,
@@ -856,7 +856,7 @@ fn main() -> Result<()> {
     let val_batches = val_batches(&a, val, fixed.as_ref(), &dev)?;
 
     let store = ParamStore::new(precision, dev.clone(), a.seed);
-    let mut model = Llama::new(&store, &weights, &plan.fine_tune)?;
+    let mut model = Decoder::new(&store, &weights, &plan.fine_tune)?;
     drop(weights);
     model.set_checkpointing(a.checkpointing)?;
     store.set_weight_decay("*", true)?;
@@ -881,7 +881,7 @@ fn main() -> Result<()> {
     } else {
         ""
     };
-    let greedy = |m: &Llama| -> Result<String> {
+    let greedy = |m: &Decoder| -> Result<String> {
         tok.decode(&m.generate(&prompt, a.max_new_tokens, 0.0, 0)?)
     };
     let val_before = val_loss(&model, &val_batches)?;

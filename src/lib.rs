@@ -29,7 +29,7 @@
 //! [`cuda`] (the kernels' launchers and the multi-tensor planning), [`engine`] (one training
 //! step), [`coverage`] (which parameters received no gradient, and
 //! why), [`data`] (loader, sampler, datasets), [`trainer`] (the fit loop), [`checkpoint`],
-//! [`profile`] and [`timing`] (per-phase timing), [`plot`], [`perf`], [`models`] (GPT, BERT, Llama),
+//! [`profile`] and [`timing`] (per-phase timing), [`plot`], [`perf`], [`models`] (GPT, BERT, the shared decoder),
 //! [`dist`] (data parallelism, behind the engine's [`dist::GradSync`] seam), [`serve`]
 //! (published inference snapshots, a bounded feedback queue and an online trainer thread, for
 //! services that keep learning), [`doctor`] and [`bench`](mod@bench) (behind the `wick`

@@ -318,8 +318,8 @@ pub const PEFT_PREFIX: &str = "base_model.model.";
 
 /// Writes adapter tensors by wick's per-module names (`{module}.lora_A.weight`, any float
 /// dtype and device, stored as they are: e.g. the fp32 masters from
-/// [`crate::models::Llama::adapter_masters`], or a served snapshot's
-/// [`crate::models::Llama::adapter_tensors`]) to `dir/adapter_model.safetensors` with PEFT's
+/// [`crate::models::Decoder::adapter_masters`], or a served snapshot's
+/// [`crate::models::Decoder::adapter_tensors`]) to `dir/adapter_model.safetensors` with PEFT's
 /// names (`base_model.model.{module}.lora_A.weight`) and `dir/adapter_config.json` (PEFT's
 /// LoRA fields, `task_type` `CAUSAL_LM`), each atomically. `base_model` names the base model
 /// in the config (`base_model_name_or_path`).

@@ -740,7 +740,7 @@ fn finetune_llama_runs_tiny_full_and_real_lora_on_the_cpu() {
     let (cfg, tensors) = wick::lora::load_adapters(&adapters).unwrap();
     assert_eq!(cfg.r, 4);
     assert_eq!(tensors.len(), 30 * 7 * 2);
-    let back = wick::models::llama_io::read_safetensors(&merged).unwrap();
+    let back = wick::models::files::read_safetensors(&merged).unwrap();
     assert_eq!(back.config.num_hidden_layers, 30);
     std::fs::remove_dir_all(&dir).unwrap();
 }

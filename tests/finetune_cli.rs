@@ -11,8 +11,8 @@ mod common;
 use common::{example, tmp};
 use std::path::Path;
 use std::process::{Command, Output};
-use wick::models::llama_io::Gguf;
-use wick::models::llama_tokenizer::{safe_cut, LlamaTokenizer};
+use wick::models::files::Gguf;
+use wick::models::tokenizer::{safe_cut, TextTokenizer};
 
 const GGUF: &str = "data/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
 const TEXT: &str = "data/shakespeare/input.txt";
@@ -293,7 +293,7 @@ fn resume_with_more_steps_keeps_the_runs_tokens() {
     let two = result(&run(&tiny_args(2, &d.join("ck-two"))));
     let small = two["train_tokens"].as_u64().unwrap() as usize;
     // a fresh --steps 400 run tokenizes more (the case this test is about)
-    let tok = LlamaTokenizer::from_gguf(&Gguf::open(&root().join(GGUF)).unwrap()).unwrap();
+    let tok = TextTokenizer::from_gguf(&Gguf::open(&root().join(GGUF)).unwrap()).unwrap();
     let text = std::fs::read_to_string(root().join(TEXT)).unwrap();
     let cut = safe_cut(&text, text.len() * 9 / 10);
     let big = tok
@@ -402,7 +402,7 @@ fn merged_folder_carries_a_tokenizer_transformers_reads() {
 /// the ids of the whole text (the example's train/validation split tokenizes each part alone).
 #[test]
 fn partial_tokenization_equals_the_whole_texts() {
-    let tok = LlamaTokenizer::from_gguf(&Gguf::open(&root().join(GGUF)).unwrap()).unwrap();
+    let tok = TextTokenizer::from_gguf(&Gguf::open(&root().join(GGUF)).unwrap()).unwrap();
     let text = std::fs::read_to_string(root().join(TEXT)).unwrap();
     let all = tok.encode(&text).unwrap();
     let cut = safe_cut(&text, text.len() * 9 / 10);

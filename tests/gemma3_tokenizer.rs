@@ -9,8 +9,8 @@ use candle_core::quantized::gguf_file;
 use common::tmp;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
-use wick::models::llama_io::Gguf;
-use wick::models::llama_tokenizer::{LlamaTokenizer, Pretokenizer};
+use wick::models::files::Gguf;
+use wick::models::tokenizer::{TextTokenizer, Pretokenizer};
 
 /// The GGUF (scripts/fetch_gemma3.sh).
 fn gguf_path() -> PathBuf {
@@ -18,10 +18,10 @@ fn gguf_path() -> PathBuf {
 }
 
 /// The tokenizer, built once per test binary.
-fn tokenizer() -> &'static LlamaTokenizer {
-    static T: OnceLock<LlamaTokenizer> = OnceLock::new();
+fn tokenizer() -> &'static TextTokenizer {
+    static T: OnceLock<TextTokenizer> = OnceLock::new();
     T.get_or_init(|| {
-        LlamaTokenizer::from_gguf(&Gguf::open(&gguf_path()).expect("opening the GGUF"))
+        TextTokenizer::from_gguf(&Gguf::open(&gguf_path()).expect("opening the GGUF"))
             .expect("tokenizer")
     })
 }
@@ -135,14 +135,14 @@ fn add_bos_token_is_read_and_defaults_to_true() -> Result<()> {
     let off = edited("nobos.gguf", |m| {
         set(m, "tokenizer.ggml.add_bos_token", V::Bool(false))
     });
-    let tok = LlamaTokenizer::from_gguf(&off)?;
+    let tok = TextTokenizer::from_gguf(&off)?;
     assert!(!tok.add_bos_token);
     assert_eq!(tok.encode("To be")?, [2021, 577]);
     let absent = edited("nokey.gguf", |m| {
         m.retain(|(k, _)| k != "tokenizer.ggml.add_bos_token")
     });
     assert_eq!(
-        LlamaTokenizer::from_gguf(&absent)?.encode("To be")?,
+        TextTokenizer::from_gguf(&absent)?.encode("To be")?,
         [2, 2021, 577]
     );
     Ok(())
@@ -173,12 +173,12 @@ fn unimplemented_sentencepiece_variants_are_refused() {
     ];
     for (name, key, value, says) in cases {
         let g = edited(name, |m| set(m, key, value));
-        let err = LlamaTokenizer::from_gguf(&g).err().expect("refused");
+        let err = TextTokenizer::from_gguf(&g).err().expect("refused");
         let msg = format!("{err:#}");
         assert!(msg.contains(says) && msg.contains(name), "{msg}");
     }
     let g = edited("plain.gguf", |_| {});
-    let err = LlamaTokenizer::from_gguf_with(&g, Pretokenizer::LlamaCpp)
+    let err = TextTokenizer::from_gguf_with(&g, Pretokenizer::LlamaCpp)
         .err()
         .expect("refused");
     assert!(

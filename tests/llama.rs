@@ -12,9 +12,9 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use wick::lora::{self, LoraConfig};
-use wick::models::llama_io::{self, Gguf};
-use wick::models::llama_tokenizer::{ChatMessage, LlamaTokenizer, Pretokenizer};
-use wick::models::{FineTune, KvCache, Llama, LlamaConfig, LlamaWeights};
+use wick::models::files::{self, Gguf};
+use wick::models::tokenizer::{ChatMessage, TextTokenizer, Pretokenizer};
+use wick::models::{FineTune, KvCache, Decoder, DecoderConfig, DecoderWeights};
 use wick::{Engine, EngineConfig, ParamStore, Precision};
 
 fn gguf_path() -> PathBuf {
@@ -25,9 +25,9 @@ fn gguf_path() -> PathBuf {
 }
 
 /// The GGUF's weights, read once per test binary (f32, CPU).
-fn smollm2() -> &'static LlamaWeights {
-    static W: OnceLock<LlamaWeights> = OnceLock::new();
-    W.get_or_init(|| llama_io::read_gguf(&gguf_path()).expect("reading the GGUF"))
+fn smollm2() -> &'static DecoderWeights {
+    static W: OnceLock<DecoderWeights> = OnceLock::new();
+    W.get_or_init(|| files::read_gguf(&gguf_path()).expect("reading the GGUF"))
 }
 
 fn fixture() -> serde_json::Value {
@@ -43,9 +43,9 @@ fn ids_of(v: &serde_json::Value) -> Vec<u32> {
         .collect()
 }
 
-fn model(weights: &LlamaWeights, precision: Precision, ft: &FineTune) -> (ParamStore, Llama) {
+fn model(weights: &DecoderWeights, precision: Precision, ft: &FineTune) -> (ParamStore, Decoder) {
     let store = ParamStore::new(precision, Device::Cpu, 7);
-    let m = Llama::new(&store, weights, ft).expect("model");
+    let m = Decoder::new(&store, weights, ft).expect("model");
     (store, m)
 }
 
@@ -69,16 +69,16 @@ fn gguf_config_is_smollm2_135m() {
     assert!(c.tie_word_embeddings);
     assert_eq!(
         (c.bos_token_id, c.eos_token_id.clone()),
-        (Some(1), Some(wick::models::llama_config::TokenIds::One(2)))
+        (Some(1), Some(wick::models::config::TokenIds::One(2)))
     );
     assert_eq!(w.tensors.len(), 1 + 30 * 9 + 1);
     let params: usize = w.tensors.values().map(Tensor::elem_count).sum();
     assert_eq!(params, 134_515_008); // SmolLM2-135M's count (tied head counted once)
     assert_eq!(
-        llama_io::hf_name("blk.7.attn_output.weight").as_deref(),
+        files::hf_name("blk.7.attn_output.weight").as_deref(),
         Some("model.layers.7.self_attn.o_proj.weight")
     );
-    assert_eq!(llama_io::hf_name("blk.7.attn_sinks"), None);
+    assert_eq!(files::hf_name("blk.7.attn_sinks"), None);
 }
 
 #[test]
@@ -89,16 +89,16 @@ fn rotary_row_permutation_is_llama_cpp_s() {
         .unwrap()
         .reshape((4, 2))
         .unwrap();
-    let gguf = llama_io::permute_rotary_rows(&hf, 1).unwrap();
+    let gguf = files::permute_rotary_rows(&hf, 1).unwrap();
     assert_eq!(
         gguf.to_vec2::<f32>().unwrap(),
         vec![vec![0., 1.], vec![4., 5.], vec![2., 3.], vec![6., 7.]]
     );
     let w = Tensor::randn(0f32, 1., (3 * 64, 5), &Device::Cpu).unwrap();
     let back =
-        llama_io::unpermute_rotary_rows(&llama_io::permute_rotary_rows(&w, 3).unwrap(), 3).unwrap();
+        files::unpermute_rotary_rows(&files::permute_rotary_rows(&w, 3).unwrap(), 3).unwrap();
     assert_eq!(max_abs(&w, &back), 0.0);
-    assert!(llama_io::unpermute_rotary_rows(&w, 5).is_err());
+    assert!(files::unpermute_rotary_rows(&w, 5).is_err());
 }
 
 /// candle-transformers' quantized_llama on the same GGUF, every weight dequantized to f32.
@@ -117,7 +117,7 @@ fn quantized_reference() -> candle_transformers::models::quantized_llama::ModelW
 
 /// The prompt of ../shared/reference/torch_llama.py, tokenized by the GGUF's tokenizer.
 fn prompt() -> Vec<u32> {
-    let tok = LlamaTokenizer::from_gguf(&Gguf::open(&gguf_path()).unwrap()).unwrap();
+    let tok = TextTokenizer::from_gguf(&Gguf::open(&gguf_path()).unwrap()).unwrap();
     tok.encode("ROMEO:\nO, she doth teach the torches to burn bright!")
         .unwrap()
 }
@@ -164,7 +164,7 @@ fn logits_and_greedy_tokens_match_candle_quantized_llama() {
 #[test]
 fn logits_and_tokenizer_match_transformers_fixture() {
     let fx = fixture();
-    let tok = LlamaTokenizer::from_gguf(&Gguf::open(&gguf_path()).unwrap()).unwrap();
+    let tok = TextTokenizer::from_gguf(&Gguf::open(&gguf_path()).unwrap()).unwrap();
     for (text, ids) in fx["texts"]
         .as_array()
         .unwrap()
@@ -196,7 +196,7 @@ fn logits_and_tokenizer_match_transformers_fixture() {
     // llama.cpp's pre-tokenization splits digits first: a newline run before a digit is one
     // piece there, while GPT-2's regex leaves the last newline to the text after it
     let g = Gguf::open(&gguf_path()).unwrap();
-    let cpp = LlamaTokenizer::from_gguf_with(&g, Pretokenizer::LlamaCpp).unwrap();
+    let cpp = TextTokenizer::from_gguf_with(&g, Pretokenizer::LlamaCpp).unwrap();
     let t = "ACT I\n\n\n1";
     let (a, b) = (tok.encode(t).unwrap(), cpp.encode(t).unwrap());
     assert_ne!(a, b, "{a:?}");
@@ -242,8 +242,8 @@ fn logits_and_tokenizer_match_transformers_fixture() {
     assert_eq!(greedy, ids_of(&fx["greedy16"]));
 }
 
-fn tiny() -> LlamaWeights {
-    LlamaWeights::random(LlamaConfig::tiny(96), 3).unwrap()
+fn tiny() -> DecoderWeights {
+    DecoderWeights::random(DecoderConfig::tiny(96), 3).unwrap()
 }
 
 fn batch(b: usize, t: usize, seed: u64) -> (Tensor, Tensor) {
@@ -285,7 +285,7 @@ fn kv_cache_decoding_equals_the_full_forward() {
 /// The decoder as plain candle ops (no fused op): the independent reference for gradients.
 /// `adapters`: LoRA `(A, B)` by module name, scaled by `scaling`.
 fn composed_loss(
-    cfg: &LlamaConfig,
+    cfg: &DecoderConfig,
     w: &HashMap<String, Tensor>,
     adapters: &HashMap<String, (Tensor, Tensor)>,
     scaling: f64,
@@ -569,7 +569,7 @@ fn lora_training_saves_peft_adapters_and_merges() -> Result<()> {
     let weights = tiny();
     let cfg = LoraConfig::all_linear(4, 8.0);
     let store = ParamStore::new(Precision::Bf16Mixed, Device::Cpu, 11);
-    let m = Llama::new(&store, &weights, &FineTune::Lora(cfg.clone()))?;
+    let m = Decoder::new(&store, &weights, &FineTune::Lora(cfg.clone()))?;
     assert_eq!(
         m.frozen_bytes(),
         weights
@@ -613,8 +613,8 @@ fn lora_training_saves_peft_adapters_and_merges() -> Result<()> {
     // merged weights: an HF folder that candle-transformers' llama and wick both read back
     let merged = m.merged_weights(&store)?;
     let out = tempdir("merged");
-    llama_io::save_pretrained(&merged, &out)?;
-    let back = llama_io::read_safetensors(&out)?;
+    files::save_pretrained(&merged, &out)?;
+    let back = files::read_safetensors(&out)?;
     let (_s, reloaded) = model(&back, Precision::Fp32, &FineTune::Full);
     let ours = m.forward_cached(&ids, &mut KvCache::default())?;
     let theirs = reloaded.forward_cached(&ids, &mut KvCache::default())?;
@@ -666,7 +666,7 @@ fn bad_weights_name_every_tensor_and_shape() {
     let store = ParamStore::new(Precision::Fp32, Device::Cpu, 0);
     let err = format!(
         "{:#}",
-        Llama::new(&store, &w, &FineTune::Full).err().unwrap()
+        Decoder::new(&store, &w, &FineTune::Full).err().unwrap()
     );
     for needle in [
         "missing model.layers.1.mlp.up_proj.weight",
@@ -681,7 +681,7 @@ fn bad_weights_name_every_tensor_and_shape() {
         target_modules: vec!["nothing".into()],
         ..LoraConfig::all_linear(2, 4.0)
     };
-    assert!(Llama::new(&store, &tiny(), &FineTune::Lora(bad)).is_err());
+    assert!(Decoder::new(&store, &tiny(), &FineTune::Lora(bad)).is_err());
 }
 
 /// The decoder on CUDA against the same decoder on the CPU: a config with head width 64 (the
@@ -691,11 +691,11 @@ fn bad_weights_name_every_tensor_and_shape() {
 #[test]
 fn cuda_loss_and_gradients_match_the_cpu() {
     let dev = Device::new_cuda(0).unwrap();
-    let mut cfg = LlamaConfig::tiny(96);
+    let mut cfg = DecoderConfig::tiny(96);
     cfg.hidden_size = 256;
     cfg.intermediate_size = 384;
     cfg.max_position_embeddings = 128;
-    let weights = LlamaWeights::random(cfg, 9).unwrap();
+    let weights = DecoderWeights::random(cfg, 9).unwrap();
     let (ids, targets) = batch(2, 80, 6);
     let lora = FineTune::Lora(LoraConfig::all_linear(8, 16.0));
     for precision in [Precision::Fp32, Precision::Bf16Mixed] {
@@ -703,7 +703,7 @@ fn cuda_loss_and_gradients_match_the_cpu() {
             for ckpt in [false, true] {
                 let run = |device: &Device| {
                     let store = ParamStore::new(precision, device.clone(), 1);
-                    let mut m = Llama::new(&store, &weights, &ft).unwrap();
+                    let mut m = Decoder::new(&store, &weights, &ft).unwrap();
                     m.set_checkpointing(ckpt).unwrap();
                     if matches!(ft, FineTune::Lora(_)) {
                         for p in store.params().iter().filter(|p| p.name.contains("lora_B")) {

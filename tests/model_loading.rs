@@ -15,10 +15,10 @@ use std::collections::HashMap;
 use std::f64::consts::PI;
 use std::path::{Path, PathBuf};
 use wick::lora::{self, LoraConfig};
-use wick::models::llama_config::RopeScaling;
-use wick::models::llama_io::{self, Gguf};
-use wick::models::llama_tokenizer::LlamaTokenizer;
-use wick::models::{FineTune, KvCache, Llama, LlamaConfig, LlamaWeights};
+use wick::models::config::RopeScaling;
+use wick::models::files::{self, Gguf};
+use wick::models::tokenizer::TextTokenizer;
+use wick::models::{FineTune, KvCache, Decoder, DecoderConfig, DecoderWeights};
 use wick::{ParamStore, Precision};
 
 fn tempdir(tag: &str) -> PathBuf {
@@ -29,16 +29,16 @@ fn tempdir(tag: &str) -> PathBuf {
 }
 
 /// The tiny config (head width 16, RoPE base 10000) with 256 positions.
-fn tiny_config() -> LlamaConfig {
-    LlamaConfig {
+fn tiny_config() -> DecoderConfig {
+    DecoderConfig {
         max_position_embeddings: 256,
-        ..LlamaConfig::tiny(96)
+        ..DecoderConfig::tiny(96)
     }
 }
 
 /// Random tiny weights, q and k scaled up so that attention is sharp and positions matter.
-fn tiny_weights() -> LlamaWeights {
-    let mut w = LlamaWeights::random(tiny_config(), 5).unwrap();
+fn tiny_weights() -> DecoderWeights {
+    let mut w = DecoderWeights::random(tiny_config(), 5).unwrap();
     for (name, t) in w.tensors.iter_mut() {
         if name.ends_with("q_proj.weight") || name.ends_with("k_proj.weight") {
             *t = (&*t * 4.0).unwrap();
@@ -53,7 +53,7 @@ fn hf_folder(
     edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>),
 ) -> PathBuf {
     let dir = tempdir(tag);
-    llama_io::save_pretrained(&tiny_weights(), &dir).unwrap();
+    files::save_pretrained(&tiny_weights(), &dir).unwrap();
     let path = dir.join("config.json");
     let mut json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
@@ -68,9 +68,9 @@ fn ids(t: usize) -> Tensor {
 }
 
 /// wick's logits `(1, T, V)` of `ids` for `weights` (f32, CPU).
-fn logits(weights: &LlamaWeights, ids: &Tensor) -> Tensor {
+fn logits(weights: &DecoderWeights, ids: &Tensor) -> Tensor {
     let store = ParamStore::new(Precision::Fp32, Device::Cpu, 0);
-    let m = Llama::new(&store, weights, &FineTune::Full).unwrap();
+    let m = Decoder::new(&store, weights, &FineTune::Full).unwrap();
     m.forward_cached(ids, &mut KvCache::default()).unwrap()
 }
 
@@ -111,7 +111,7 @@ fn llama3_rope_scaling_in_config_json_matches_candle_transformers() -> Result<()
     let dir = hf_folder("llama3", |c| {
         c.insert("rope_scaling".into(), llama3_json(64));
     });
-    let w = llama_io::read_safetensors(&dir)?;
+    let w = files::read_safetensors(&dir)?;
     assert_eq!(
         w.config.rope_scaling,
         Some(RopeScaling::Llama3 {
@@ -160,7 +160,7 @@ fn linear_rope_scaling_divides_positions() -> Result<()> {
             serde_json::json!({"type": "linear", "factor": 4.0}),
         );
     });
-    let w = llama_io::read_safetensors(&dir)?;
+    let w = files::read_safetensors(&dir)?;
     assert_eq!(
         w.config.rope_scaling,
         Some(RopeScaling::Linear { factor: 4.0 })
@@ -244,7 +244,7 @@ fn config_json_keys_that_change_the_math_are_refused() {
             c.insert(key.into(), value.clone());
         });
         let path = dir.join("config.json");
-        let err = format!("{:#}", LlamaConfig::from_json_file(&path).unwrap_err());
+        let err = format!("{:#}", DecoderConfig::from_json_file(&path).unwrap_err());
         assert!(
             err.contains(needle),
             "{key} = {value}: {needle:?} not in {err}"
@@ -254,7 +254,7 @@ fn config_json_keys_that_change_the_math_are_refused() {
             err.contains(&path.display().to_string()),
             "file not named: {err}"
         );
-        assert!(llama_io::read_safetensors(&dir).is_err());
+        assert!(files::read_safetensors(&dir).is_err());
     }
 }
 
@@ -295,7 +295,7 @@ fn real_config_json_key_sets_are_accepted() {
                 c.insert(k.clone(), v.clone());
             }
         });
-        let c = LlamaConfig::from_json_file(&dir.join("config.json"))
+        let c = DecoderConfig::from_json_file(&dir.join("config.json"))
             .unwrap_or_else(|e| panic!("{name}: {e:#}"));
         assert_eq!(c.rope_scaling.is_some(), name == "llama32", "{name}");
     }
@@ -306,7 +306,7 @@ fn real_config_json_key_sets_are_accepted() {
         p["rope_theta"] = 20000.0.into();
         c.insert("rope_parameters".into(), p);
     });
-    let c = LlamaConfig::from_json_file(&dir.join("config.json")).unwrap();
+    let c = DecoderConfig::from_json_file(&dir.join("config.json")).unwrap();
     assert_eq!(c.rope_theta, 20000.0);
     assert!(matches!(
         c.rope_scaling,
@@ -319,14 +319,14 @@ fn real_config_json_key_sets_are_accepted() {
     let dir = hf_folder("window", |c| {
         c.insert("sliding_window".into(), 256.into());
     });
-    assert!(LlamaConfig::from_json_file(&dir.join("config.json")).is_ok());
+    assert!(DecoderConfig::from_json_file(&dir.join("config.json")).is_ok());
 }
 
 /// Writes a GGUF file of the tiny weights as llama.cpp's converter lays it out (GGUF names,
 /// q/k rows permuted, f32), with `extra` metadata and tensors.
 fn write_gguf(
     path: &Path,
-    weights: &LlamaWeights,
+    weights: &DecoderWeights,
     extra_meta: Vec<(&str, gguf_file::Value)>,
     extra_tensors: Vec<(&str, Tensor)>,
 ) {
@@ -381,14 +381,14 @@ fn write_gguf(
                 ]
                 .map(|p| format!("blk.{i}.{p}.weight"))
             }))
-            .filter_map(|g| llama_io::hf_name(&g).map(|h| (h, g)))
+            .filter_map(|g| files::hf_name(&g).map(|h| (h, g)))
             .collect();
     for (hf, t) in &weights.tensors {
         let mut t = t.clone();
         if hf.ends_with("q_proj.weight") {
-            t = llama_io::permute_rotary_rows(&t, c.num_attention_heads).unwrap();
+            t = files::permute_rotary_rows(&t, c.num_attention_heads).unwrap();
         } else if hf.ends_with("k_proj.weight") {
-            t = llama_io::permute_rotary_rows(&t, c.num_key_value_heads).unwrap();
+            t = files::permute_rotary_rows(&t, c.num_key_value_heads).unwrap();
         }
         tensors.push((
             gguf_names[hf].clone(),
@@ -436,7 +436,7 @@ fn gguf_rope_freqs_tensor_is_applied_as_llama3_scaling() -> Result<()> {
     let path = dir.join("llama3.gguf");
     let rope = Tensor::new(ff.as_slice(), &Device::Cpu)?;
     write_gguf(&path, &w, vec![], vec![("rope_freqs.weight", rope)]);
-    let back = llama_io::read_gguf(&path)?;
+    let back = files::read_gguf(&path)?;
     assert_eq!(
         back.config.rope_scaling,
         Some(RopeScaling::Llama3 {
@@ -462,14 +462,14 @@ fn gguf_rope_freqs_tensor_is_applied_as_llama3_scaling() -> Result<()> {
     }
     // and it saves as an HF folder whose config.json says llama3
     let out = dir.join("hf");
-    llama_io::save_pretrained(&back, &out)?;
+    files::save_pretrained(&back, &out)?;
     let cfg: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("config.json"))?)?;
     assert_eq!(cfg["rope_scaling"]["rope_type"], "llama3");
     assert_eq!(cfg["rope_scaling"]["factor"], 32.0);
     let d = max_abs(
         &logits(&back, &ids(20)),
-        &logits(&llama_io::read_safetensors(&out)?, &ids(20)),
+        &logits(&files::read_safetensors(&out)?, &ids(20)),
     );
     assert!(d < 1e-5, "GGUF and saved folder differ by {d}");
 
@@ -481,7 +481,7 @@ fn gguf_rope_freqs_tensor_is_applied_as_llama3_scaling() -> Result<()> {
         vec![],
         vec![("rope_freqs.weight", Tensor::new(&[2f32; 8], &Device::Cpu)?)],
     );
-    let err = format!("{:#}", llama_io::read_gguf(&bad).unwrap_err());
+    let err = format!("{:#}", files::read_gguf(&bad).unwrap_err());
     assert!(
         err.contains("rope_freqs.weight") && err.contains("bad.gguf"),
         "{err}"
@@ -489,7 +489,7 @@ fn gguf_rope_freqs_tensor_is_applied_as_llama3_scaling() -> Result<()> {
     // a plain file still reads, and its logits are the weights'
     let plain = dir.join("plain.gguf");
     write_gguf(&plain, &w, vec![], vec![]);
-    let p = llama_io::read_gguf(&plain)?;
+    let p = files::read_gguf(&plain)?;
     assert_eq!(p.config.rope_scaling, None);
     assert!(max_abs(&logits(&p, &ids(20)), &logits(&w, &ids(20))) < 1e-5);
     Ok(())
@@ -512,7 +512,7 @@ fn gguf_metadata_that_changes_the_math_is_implemented_or_refused() -> Result<()>
         vec![],
     );
     assert_eq!(
-        llama_io::read_gguf(&path)?.config.rope_scaling,
+        files::read_gguf(&path)?.config.rope_scaling,
         Some(RopeScaling::Linear { factor: 4.0 })
     );
     let cases: Vec<(&str, V)> = vec![
@@ -531,7 +531,7 @@ fn gguf_metadata_that_changes_the_math_is_implemented_or_refused() -> Result<()>
             extra.push(("llama.expert_used_count", V::U32(2)));
         }
         write_gguf(&path, &w, extra, vec![]);
-        let err = format!("{:#}", llama_io::read_gguf(&path).unwrap_err());
+        let err = format!("{:#}", files::read_gguf(&path).unwrap_err());
         assert!(err.contains(key), "{key}: not named in {err}");
         assert!(
             err.contains(&path.display().to_string()),
@@ -574,7 +574,7 @@ fn tokenizer_gguf(dir: &Path, name: &str, meta: &[(String, gguf_file::Value)]) -
 #[test]
 fn gguf_user_defined_tokens_are_atomic_and_add_bos_token_is_honoured() -> Result<()> {
     use gguf_file::Value as V;
-    let base = LlamaTokenizer::from_gguf(&Gguf::open(&smollm2_gguf())?)?;
+    let base = TextTokenizer::from_gguf(&Gguf::open(&smollm2_gguf())?)?;
     assert!(!base.add_bos_token);
     let mut meta = smollm2_tokenizer_meta();
     let think_id = 49152u32;
@@ -596,7 +596,7 @@ fn gguf_user_defined_tokens_are_atomic_and_add_bos_token_is_honoured() -> Result
         }
     }
     let dir = tempdir("tokenizer");
-    let tok = LlamaTokenizer::from_gguf(&tokenizer_gguf(&dir, "tok.gguf", &meta))?;
+    let tok = TextTokenizer::from_gguf(&tokenizer_gguf(&dir, "tok.gguf", &meta))?;
     assert!(tok.add_bos_token && !tok.add_eos_token);
     let bos = 1u32; // tokenizer.ggml.bos_token_id
     assert_eq!(tok.bos_token.as_deref(), Some("<|im_start|>"));
@@ -630,7 +630,7 @@ fn gguf_user_defined_tokens_are_atomic_and_add_bos_token_is_honoured() -> Result
 #[test]
 fn prompt_completion_pairs_get_one_bos_at_the_start() -> Result<()> {
     use gguf_file::Value as V;
-    let base = LlamaTokenizer::from_gguf(&Gguf::open(&smollm2_gguf())?)?;
+    let base = TextTokenizer::from_gguf(&Gguf::open(&smollm2_gguf())?)?;
     let (prompt, completion) = ("The capital of Wick is", " Candleburg, by the sea.");
     let (p, c) = (base.encode(prompt)?, base.encode(completion)?);
     let (bos, eos) = (1u32, 2u32); // tokenizer.ggml.bos_token_id / eos_token_id
@@ -656,7 +656,7 @@ fn prompt_completion_pairs_get_one_bos_at_the_start() -> Result<()> {
         {
             meta.push(("tokenizer.ggml.add_eos_token".into(), V::Bool(add_eos)));
         }
-        let tok = LlamaTokenizer::from_gguf(&tokenizer_gguf(&dir, name, &meta))?;
+        let tok = TextTokenizer::from_gguf(&tokenizer_gguf(&dir, name, &meta))?;
         assert!(tok.add_bos_token && tok.add_eos_token == add_eos);
         let mut want = vec![bos];
         want.extend(&p);
@@ -682,12 +682,12 @@ fn prompt_completion_pairs_get_one_bos_at_the_start() -> Result<()> {
 #[test]
 fn gguf_pre_tokenizers_are_implemented_or_refused() -> Result<()> {
     use gguf_file::Value as V;
-    use wick::models::llama_tokenizer::Pretokenizer;
+    use wick::models::tokenizer::Pretokenizer;
     let smollm = Gguf::open(&smollm2_gguf())?;
     // a space run before a digit: GPT-2's regex keeps " 7" together, the digit split does not
     let text = "x  7 apples and 1234 pears";
-    let transformers = LlamaTokenizer::from_gguf(&smollm)?.encode(text)?;
-    let digits = LlamaTokenizer::from_gguf_with(&smollm, Pretokenizer::LlamaCpp)?.encode(text)?;
+    let transformers = TextTokenizer::from_gguf(&smollm)?.encode(text)?;
+    let digits = TextTokenizer::from_gguf_with(&smollm, Pretokenizer::LlamaCpp)?.encode(text)?;
     assert_ne!(transformers, digits);
     let dir = tempdir("pre");
     let with_pre = |name: &str, pre: Option<&str>| {
@@ -702,7 +702,7 @@ fn gguf_pre_tokenizers_are_implemented_or_refused() -> Result<()> {
     let gpt2 = with_pre("gpt2.gguf", Some("gpt2"));
     for mode in [Pretokenizer::Transformers, Pretokenizer::LlamaCpp] {
         assert_eq!(
-            LlamaTokenizer::from_gguf_with(&gpt2, mode)?.encode(text)?,
+            TextTokenizer::from_gguf_with(&gpt2, mode)?.encode(text)?,
             transformers,
             "{mode:?}"
         );
@@ -710,12 +710,12 @@ fn gguf_pre_tokenizers_are_implemented_or_refused() -> Result<()> {
     // absent: transformers' loader (GPT-2's regex); llama.cpp would use its "default"
     let absent = with_pre("absent.gguf", None);
     assert_eq!(
-        LlamaTokenizer::from_gguf(&absent)?.encode(text)?,
+        TextTokenizer::from_gguf(&absent)?.encode(text)?,
         transformers
     );
     let err = format!(
         "{:#}",
-        LlamaTokenizer::from_gguf_with(&absent, Pretokenizer::LlamaCpp)
+        TextTokenizer::from_gguf_with(&absent, Pretokenizer::LlamaCpp)
             .err()
             .unwrap()
     );
@@ -729,7 +729,7 @@ fn gguf_pre_tokenizers_are_implemented_or_refused() -> Result<()> {
         for mode in [Pretokenizer::Transformers, Pretokenizer::LlamaCpp] {
             let err = format!(
                 "{:#}",
-                LlamaTokenizer::from_gguf_with(&g, mode).err().unwrap()
+                TextTokenizer::from_gguf_with(&g, mode).err().unwrap()
             );
             assert!(
                 err.contains("tokenizer.ggml.pre")
@@ -746,13 +746,13 @@ fn gguf_pre_tokenizers_are_implemented_or_refused() -> Result<()> {
 /// stops at any of its ids; one id stays one id; anything else is refused naming the key.
 #[test]
 fn eos_token_id_lists_load_stop_generation_and_save_as_read() -> Result<()> {
-    use wick::models::llama_config::TokenIds;
+    use wick::models::config::TokenIds;
     // greedy ids of the tiny model without an EOS
     let w = tiny_weights();
     let prompt = [5u32, 17, 3];
     let free = {
         let store = ParamStore::new(Precision::Fp32, Device::Cpu, 0);
-        Llama::new(&store, &w, &FineTune::Full)?.generate(&prompt, 6, 0.0, 0)?
+        Decoder::new(&store, &w, &FineTune::Full)?.generate(&prompt, 6, 0.0, 0)?
     };
     assert_eq!(free.len(), 6);
     let stop = free[2];
@@ -760,16 +760,16 @@ fn eos_token_id_lists_load_stop_generation_and_save_as_read() -> Result<()> {
     let dir = hf_folder("eos-list", |c| {
         c.insert("eos_token_id".into(), serde_json::json!([95, stop, 94]));
     });
-    let back = llama_io::read_safetensors(&dir)?;
+    let back = files::read_safetensors(&dir)?;
     assert_eq!(
         back.config.eos_token_id,
         Some(TokenIds::Many(vec![95, stop, 94]))
     );
     let store = ParamStore::new(Precision::Fp32, Device::Cpu, 0);
-    let got = Llama::new(&store, &back, &FineTune::Full)?.generate(&prompt, 6, 0.0, 0)?;
+    let got = Decoder::new(&store, &back, &FineTune::Full)?.generate(&prompt, 6, 0.0, 0)?;
     assert_eq!(got, free[..=first].to_vec(), "stops after {stop}");
     let out = dir.join("saved");
-    llama_io::save_pretrained(&back, &out)?;
+    files::save_pretrained(&back, &out)?;
     let saved: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("config.json"))?)?;
     assert_eq!(saved["eos_token_id"], serde_json::json!([95, stop, 94]));
@@ -777,7 +777,7 @@ fn eos_token_id_lists_load_stop_generation_and_save_as_read() -> Result<()> {
     let one = hf_folder("eos-one", |c| {
         c.insert("eos_token_id".into(), 2.into());
     });
-    let c = LlamaConfig::from_json_file(&one.join("config.json"))?;
+    let c = DecoderConfig::from_json_file(&one.join("config.json"))?;
     assert_eq!(c.eos_token_id, Some(TokenIds::One(2)));
     assert_eq!(serde_json::to_value(&c)?["eos_token_id"], 2);
     for bad in [serde_json::json!("2"), serde_json::json!([2, -1])] {
@@ -786,7 +786,7 @@ fn eos_token_id_lists_load_stop_generation_and_save_as_read() -> Result<()> {
         });
         let err = format!(
             "{:#}",
-            LlamaConfig::from_json_file(&d.join("config.json")).unwrap_err()
+            DecoderConfig::from_json_file(&d.join("config.json")).unwrap_err()
         );
         assert!(err.contains("eos_token_id"), "{bad}: {err}");
     }
@@ -801,7 +801,7 @@ fn rope_parameters_are_read_at_deserialization_and_conflicts_refused() -> Result
     let with = |edit: &dyn Fn(&mut serde_json::Map<String, serde_json::Value>)| {
         let mut v = base.clone();
         edit(v.as_object_mut().unwrap());
-        serde_json::from_value::<LlamaConfig>(v)
+        serde_json::from_value::<DecoderConfig>(v)
     };
     let mut params = llama3_json(64);
     params["rope_theta"] = 20000.0.into();
@@ -825,7 +825,7 @@ fn rope_parameters_are_read_at_deserialization_and_conflicts_refused() -> Result
     let saved = serde_json::to_value(&c)?;
     assert_eq!(saved["rope_theta"], 20000.0);
     assert_eq!(saved["rope_scaling"]["rope_type"], "llama3");
-    assert_eq!(serde_json::from_value::<LlamaConfig>(saved)?, c);
+    assert_eq!(serde_json::from_value::<DecoderConfig>(saved)?, c);
     // the default type with a theta; the same theta beside it is fine
     let c = with(&|m| {
         m.insert("rope_theta".into(), 500000.0.into());
@@ -874,7 +874,7 @@ fn gguf_rope_scaling_type_none_ignores_the_factor() -> Result<()> {
     let read = |name: &str, meta: Vec<(&str, V)>| {
         let path = dir.join(name);
         write_gguf(&path, &w, meta, vec![]);
-        llama_io::read_gguf(&path).unwrap()
+        files::read_gguf(&path).unwrap()
     };
     let none = read(
         "none.gguf",
@@ -992,7 +992,7 @@ fn peft_use_rslora_scales_by_alpha_over_sqrt_r() -> Result<()> {
         ..LoraConfig::all_linear(4, 8.0)
     };
     let store = ParamStore::new(Precision::Fp32, Device::Cpu, 3);
-    let m = Llama::new(&store, &w, &FineTune::Lora(l))?;
+    let m = Decoder::new(&store, &w, &FineTune::Lora(l))?;
     for p in store.params().iter().filter(|p| p.name.contains("lora_B")) {
         let n = p.master.shape().elem_count() as u32;
         let v = (Tensor::arange(0u32, n, &Device::Cpu)?

@@ -3,7 +3,7 @@
 //! Compile-time checks: this file does not build if one of them stops being so.
 
 use wick::data::{DataLoader, TensorDataset};
-use wick::models::{Bert, Gpt, KvCache, Llama, LlamaWeights};
+use wick::models::{Bert, Gpt, KvCache, Decoder, DecoderWeights};
 use wick::optim::{AdamW, Sgd};
 use wick::serve::{FeedbackReceiver, FeedbackSender, OnlineStats, ParamSnapshot, Published};
 use wick::{Engine, ParamStore};
@@ -22,13 +22,13 @@ fn library_types_are_send_and_sync_where_shared() {
     send::<KvCache>();
     // shared between request handlers and the trainer
     send_sync::<ParamStore>();
-    send_sync::<Llama>();
+    send_sync::<Decoder>();
     send_sync::<Gpt>();
     send_sync::<Bert>();
-    send_sync::<LlamaWeights>();
+    send_sync::<DecoderWeights>();
     send_sync::<ParamSnapshot>();
-    send_sync::<Published<Llama>>();
+    send_sync::<Published<Decoder>>();
     send_sync::<FeedbackSender<Vec<f32>>>();
     send_sync::<OnlineStats>();
-    send_sync::<wick::models::llama_tokenizer::LlamaTokenizer>();
+    send_sync::<wick::models::tokenizer::TextTokenizer>();
 }

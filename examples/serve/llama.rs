@@ -27,9 +27,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Instant;
 use wick::lora::{self, LoraConfig};
-use wick::models::llama_io::Gguf;
-use wick::models::llama_tokenizer::LlamaTokenizer;
-use wick::models::{FineTune, Llama, LlamaConfig, LlamaWeights};
+use wick::models::files::Gguf;
+use wick::models::tokenizer::TextTokenizer;
+use wick::models::{FineTune, Decoder, DecoderConfig, DecoderWeights};
 use wick::serve::{FeedbackSender, OnlineLearner, Published, QueueError};
 use wick::{Engine, ParamStore};
 
@@ -40,13 +40,13 @@ pub struct Example {
 }
 
 pub struct Learner {
-    model: Llama,
+    model: Decoder,
     dev: Device,
 }
 
 impl OnlineLearner for Learner {
     type Example = Example;
-    type Snapshot = Arc<Llama>;
+    type Snapshot = Arc<Decoder>;
 
     /// One sequence per micro-batch (no padding), weighted by its token count; the last one
     /// closes the accumulation window: one optimizer step per batch.
@@ -69,23 +69,23 @@ impl OnlineLearner for Learner {
         Ok((loss_sum / weight_sum) as f32)
     }
 
-    fn snapshot(&self, _engine: &Engine) -> Result<Arc<Llama>> {
+    fn snapshot(&self, _engine: &Engine) -> Result<Arc<Decoder>> {
         Ok(Arc::new(self.model.snapshot()?))
     }
 }
 
 /// A loaded named adapter.
 struct Named {
-    model: Arc<Llama>,
+    model: Arc<Decoder>,
     version: u64,
 }
 
 #[derive(Clone)]
 pub struct LlamaState {
-    pub published: Arc<Published<Arc<Llama>>>,
+    pub published: Arc<Published<Arc<Decoder>>>,
     named: Arc<RwLock<HashMap<String, Named>>>,
     loads: Arc<AtomicU64>,
-    tok: Arc<LlamaTokenizer>,
+    tok: Arc<TextTokenizer>,
     lora: LoraConfig,
     adapters_dir: std::path::PathBuf,
     max_tokens_limit: usize,
@@ -126,7 +126,7 @@ struct FeedbackRequest {
 }
 
 /// The model, adapter name and version a request runs on.
-fn resolve(s: &LlamaState, adapter: Option<&str>) -> Result<(Arc<Llama>, String, u64), ApiError> {
+fn resolve(s: &LlamaState, adapter: Option<&str>) -> Result<(Arc<Decoder>, String, u64), ApiError> {
     match adapter {
         None | Some("live") => {
             let v = s.published.load();
@@ -222,7 +222,7 @@ async fn completions(
 #[allow(clippy::too_many_arguments)]
 fn stream(
     s: LlamaState,
-    model: Arc<Llama>,
+    model: Arc<Decoder>,
     prompt: Vec<u32>,
     adapter: String,
     version: u64,
@@ -457,18 +457,18 @@ pub fn build(
 ) -> Result<(Engine, Learner, LlamaState)> {
     let gguf = Gguf::open(&a.gguf)
         .with_context(|| format!("{} (run scripts/fetch_smollm2.sh)", a.gguf.display()))?;
-    let tok = LlamaTokenizer::from_gguf(&gguf)?;
+    let tok = TextTokenizer::from_gguf(&gguf)?;
     let weights = if a.tiny {
-        let mut c = LlamaConfig::tiny(gguf.config()?.vocab_size);
+        let mut c = DecoderConfig::tiny(gguf.config()?.vocab_size);
         c.eos_token_id = gguf.config()?.eos_token_id;
-        LlamaWeights::random(c, a.seed)?
+        DecoderWeights::random(c, a.seed)?
     } else {
         let mut g = gguf;
         g.weights()?
     };
     let lora = LoraConfig::all_linear(a.lora_rank, 2.0 * a.lora_rank as f64);
     let store = ParamStore::new(a.precision, dev.clone(), a.seed);
-    let model = Llama::new(&store, &weights, &FineTune::Lora(lora.clone()))?;
+    let model = Decoder::new(&store, &weights, &FineTune::Lora(lora.clone()))?;
     drop(weights);
     let mut config = crate::engine_config(a);
     config.accumulation_steps = a.train_batch.max(1);

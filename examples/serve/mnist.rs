@@ -258,7 +258,7 @@ fn refuse_gguf(init: &std::path::Path) -> Result<()> {
     anyhow::ensure!(
         !is_gguf,
         "--init {}: this is a GGUF file (llama.cpp's format); --init takes the \
-         model.safetensors of an examples/mnist.rs checkpoint. To serve a GGUF Llama, use \
+         model.safetensors of an examples/mnist.rs checkpoint. To serve a GGUF Decoder, use \
          --model llama --gguf {}",
         init.display(),
         init.display()

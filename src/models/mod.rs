@@ -6,23 +6,25 @@
 //! - [`bert`]: a BERT encoder ([`Bert`]) with transformers' parameter names, a mean-pooling
 //!   classification head; [`bert_io`] loads and saves pretrained safetensors
 //!   (all-MiniLM-L6-v2 in `examples/finetune_bert.rs`).
-//! - [`llama`]: a Llama-family decoder ([`Llama`]) with transformers' names, full or LoRA
-//!   fine-tuning and a KV cache; [`llama_io`] reads GGUF and HF safetensors and writes HF
-//!   folders, [`llama_tokenizer`] the GGUF's byte-level BPE tokenizer and chat template
-//!   (SmolLM2-135M in `examples/finetune_llama.rs`), [`spm_tokenizer`] Gemma's SentencePiece
-//!   vocabulary from GGUF (Gemma 3 270M, scripts/fetch_gemma3.sh).
+//! - [`decoder`]: the shared decoder ([`Decoder`]) of the Llama, Mistral, Qwen2, Qwen3 and
+//!   Gemma 3 families ([`family`]: each a config plus switches over one block), with
+//!   transformers' names, full or LoRA fine-tuning and a KV cache; [`config`] its
+//!   `config.json`, [`files`] reads GGUF and HF safetensors and writes HF folders,
+//!   [`tokenizer`] the GGUF's byte-level BPE tokenizer and chat template (SmolLM2-135M in
+//!   `examples/finetune_llama.rs`), [`spm_tokenizer`] Gemma's SentencePiece vocabulary from
+//!   GGUF (Gemma 3 270M, scripts/fetch_gemma3.sh).
 
 pub mod bert;
 pub mod bert_io;
+pub mod config;
+pub mod decoder;
+pub mod files;
 pub mod gpt;
-pub mod llama;
-pub mod llama_config;
-pub mod llama_io;
-pub mod llama_tokenizer;
 mod sampling;
 pub mod spm_tokenizer;
+pub mod tokenizer;
 
 pub use bert::{Bert, BertConfig};
 pub use gpt::{Gpt, GptConfig};
-pub use llama::{FineTune, KvCache, Llama, LlamaWeights};
-pub use llama_config::LlamaConfig;
+pub use config::DecoderConfig;
+pub use decoder::{Decoder, DecoderWeights, FineTune, KvCache};

@@ -12,11 +12,11 @@
 //! `tokenizer.ggml.add_space_prefix` is false), unknown characters fall back to their UTF-8
 //! bytes, and decoding maps `"▁"` back to spaces and fuses the byte tokens.
 //!
-//! [`super::llama_tokenizer::LlamaTokenizer::from_gguf`] calls [`build`] and then adds the
+//! [`super::tokenizer::TextTokenizer::from_gguf`] calls [`build`] and then adds the
 //! control and user-defined tokens, the BOS/EOS post-processor and the chat template as for
 //! byte-level files.
 
-use super::llama_io::Gguf;
+use super::files::Gguf;
 use anyhow::{anyhow, bail, Context, Result};
 use tokenizers::decoders::byte_fallback::ByteFallback;
 use tokenizers::decoders::fuse::Fuse;

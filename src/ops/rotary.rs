@@ -44,7 +44,7 @@ pub fn rotary_tables(
         bail!("rotary_tables: head_dim must be even and positive, found {head_dim}")
     }
     if !base.is_finite() || base <= 0.0 {
-        bail!("rotary_tables: base must be finite and positive (Llama: 10000, SmolLM2: 100000), found {base}")
+        bail!("rotary_tables: base must be finite and positive (Llama 2: 10000, SmolLM2: 100000), found {base}")
     }
     let inv_freq: Vec<f64> = (0..head_dim / 2)
         .map(|i| base.powf(-((2 * i) as f64) / head_dim as f64))
@@ -57,7 +57,7 @@ pub fn rotary_tables(
 /// inv_freq.len())` f32, contiguous, on `device`: `cos[t, i] = cos((start + t) *
 /// inv_freq[i])`, likewise `sin`, the angles in f64 and rounded once to f32. [`rotary_tables`]
 /// is this with `inv_freq[i] = base^(-2i / head_dim)`; a scaled RoPE (transformers'
-/// `rope_scaling`, e.g. `LlamaConfig::rope_inv_freq`) passes its rescaled frequencies.
+/// `rope_scaling`, e.g. `DecoderConfig::rope_inv_freq`) passes its rescaled frequencies.
 ///
 /// Errors: `inv_freq` empty or holding a value that is not finite and positive,
 /// `start + seq_len` overflowing.

@@ -13,7 +13,7 @@
 //! A request loads the current [`Published`] snapshot once (`Arc` clone, lock-free) and
 //! computes its whole answer from it, so it never sees half an update and never waits for the
 //! trainer. The trainer only ever writes its own working weights; a snapshot is a deep copy
-//! ([`snapshot::copy_params`], [`crate::models::Llama::snapshot`]) made between steps.
+//! ([`snapshot::copy_params`], [`crate::models::Decoder::snapshot`]) made between steps.
 //!
 //! Nothing here holds global state: a process may run several services side by side.
 

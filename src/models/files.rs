@@ -1,6 +1,6 @@
 //! Pretrained Llama weights in and out: GGUF files (llama.cpp's format, through candle-core's
 //! `quantized::gguf_file`, every tensor dequantized to f32) and HF folders (`config.json` plus
-//! `*.safetensors`, transformers' names), both into [`LlamaWeights`]; [`save_pretrained`]
+//! `*.safetensors`, transformers' names), both into [`DecoderWeights`]; [`save_pretrained`]
 //! writes an HF folder that transformers' and candle-transformers' `llama` load.
 //!
 //! GGUF differs from HF in two ways, both undone here: tensor names (`blk.3.attn_q.weight` is
@@ -9,8 +9,8 @@
 //! from the `rotate_half` pairing `(i, i + D/2)` to the interleaved pairing `(2i, 2i + 1)` its
 //! RoPE kernel uses ([`unpermute_rotary_rows`]).
 
-use super::llama::LlamaWeights;
-use super::llama_config::{LlamaConfig, RopeScaling, TokenIds, EMBED, FINAL_NORM, HEAD};
+use super::decoder::DecoderWeights;
+use super::config::{DecoderConfig, RopeScaling, TokenIds, EMBED, FINAL_NORM, HEAD};
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device, Tensor};
@@ -58,7 +58,7 @@ impl Gguf {
         Ok(self.meta(key)?.to_u32().with_context(|| key.to_string())? as usize)
     }
 
-    /// The model's [`LlamaConfig`] from the `llama.*` metadata (`general.architecture` must be
+    /// The model's [`DecoderConfig`] from the `llama.*` metadata (`general.architecture` must be
     /// `llama`); the head is tied when the file has no `output.weight`. RoPE scaling is read
     /// as llama.cpp applies it: a linear factor from `llama.rope.scaling.factor` (or the older
     /// `llama.rope.scale_linear`) unless `llama.rope.scaling.type` is `none` (then the factor
@@ -70,7 +70,7 @@ impl Gguf {
     /// does not implement (named, with its value), a RoPE scaling type other than `none` /
     /// `linear`, a sliding window shorter than the context, `rope_freqs.weight` factors that
     /// are not Llama 3's scaling.
-    pub fn config(&self) -> Result<LlamaConfig> {
+    pub fn config(&self) -> Result<DecoderConfig> {
         let arch = self.meta("general.architecture")?.to_string()?;
         if arch != "llama" {
             bail!(
@@ -98,7 +98,7 @@ impl Gguf {
             None => self.meta("tokenizer.ggml.tokens")?.to_vec()?.len(),
         };
         let opt_u32 = |k: &str| self.content.metadata.get(k).and_then(|v| v.to_u32().ok());
-        let mut config = LlamaConfig {
+        let mut config = DecoderConfig {
             vocab_size: vocab,
             hidden_size: self.meta_usize("llama.embedding_length")?,
             intermediate_size: self.meta_usize("llama.feed_forward_length")?,
@@ -132,7 +132,7 @@ impl Gguf {
     }
 
     /// The checks of the `llama.*` keys beyond the sizes, and the RoPE scaling.
-    fn rope_scaling(&self, config: &LlamaConfig) -> Result<Option<RopeScaling>> {
+    fn rope_scaling(&self, config: &DecoderConfig) -> Result<Option<RopeScaling>> {
         let d = config.head_dim();
         let get = |k: &str| self.content.metadata.get(k);
         for k in [
@@ -232,7 +232,7 @@ impl Gguf {
             high_freq_factor: 4.0,
             original_max_position_embeddings: original,
         };
-        let plain = LlamaConfig {
+        let plain = DecoderConfig {
             rope_scaling: None,
             ..config.clone()
         }
@@ -258,8 +258,8 @@ impl Gguf {
     /// the q/k rows put back in HF order.
     ///
     /// Errors: a tensor name wick does not know (named), unreadable data, or weights that do
-    /// not fit the config ([`LlamaWeights::check`]).
-    pub fn weights(&mut self) -> Result<LlamaWeights> {
+    /// not fit the config ([`DecoderWeights::check`]).
+    pub fn weights(&mut self) -> Result<DecoderWeights> {
         let config = self.config()?;
         let mut names: Vec<String> = self.content.tensor_infos.keys().cloned().collect();
         names.sort();
@@ -288,7 +288,7 @@ impl Gguf {
             }
             tensors.insert(hf, t.to_dtype(DType::F32)?);
         }
-        let w = LlamaWeights { config, tensors };
+        let w = DecoderWeights { config, tensors };
         w.check()
             .with_context(|| format!("the tensors of {}", self.path.display()))?;
         Ok(w)
@@ -324,7 +324,7 @@ pub const GGUF_LLAMA_KEYS: &[&str] = &[
 ];
 
 /// Reads a GGUF file's config and weights ([`Gguf::weights`]).
-pub fn read_gguf(path: &Path) -> Result<LlamaWeights> {
+pub fn read_gguf(path: &Path) -> Result<DecoderWeights> {
     Gguf::open(path)?.weights()
 }
 
@@ -393,8 +393,8 @@ pub fn permute_rotary_rows(w: &Tensor, n_heads: usize) -> Result<Tensor> {
 ///
 /// Errors: a missing or invalid config, no safetensors file, unreadable files, weights that do
 /// not fit the config (every problem named).
-pub fn read_safetensors(dir: &Path) -> Result<LlamaWeights> {
-    let config = LlamaConfig::from_json_file(&dir.join("config.json"))?;
+pub fn read_safetensors(dir: &Path) -> Result<DecoderWeights> {
+    let config = DecoderConfig::from_json_file(&dir.join("config.json"))?;
     let mut files: Vec<_> = std::fs::read_dir(dir)
         .with_context(|| format!("listing {}", dir.display()))?
         .filter_map(|e| e.ok().map(|e| e.path()))
@@ -424,7 +424,7 @@ pub fn read_safetensors(dir: &Path) -> Result<LlamaWeights> {
             }
         }
     }
-    let w = LlamaWeights { config, tensors };
+    let w = DecoderWeights { config, tensors };
     w.check()
         .with_context(|| format!("the checkpoint in {}", dir.display()))?;
     Ok(w)
@@ -435,7 +435,7 @@ pub fn read_safetensors(dir: &Path) -> Result<LlamaWeights> {
 /// atomically.
 ///
 /// Errors: weights that do not fit their config, an I/O failure (naming the file).
-pub fn save_pretrained(weights: &LlamaWeights, dir: &Path) -> Result<()> {
+pub fn save_pretrained(weights: &DecoderWeights, dir: &Path) -> Result<()> {
     weights.check()?;
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let mut tensors: Vec<(String, Tensor)> = weights

@@ -14,11 +14,11 @@
 //! residual stream is f32; the GEMMs run in the compute dtype; the norms, RoPE, softmax and
 //! SwiGLU compute in f32 ([`crate::precision`]). RoPE is transformers' `rotate_half` form
 //! (pairs `(i, i + D/2)`); GGUF files store q/k rows permuted for llama.cpp's interleaved form,
-//! which [`super::llama_io`] undoes on load.
+//! which [`super::files`] undoes on load.
 //!
-//! Inference ([`Llama::forward_cached`], [`Llama::generate`]) keeps a KV cache per block.
+//! Inference ([`Decoder::forward_cached`], [`Decoder::generate`]) keeps a KV cache per block.
 
-use super::llama_config::{LlamaConfig, EMBED, FINAL_NORM, HEAD};
+use super::config::{DecoderConfig, EMBED, FINAL_NORM, HEAD};
 use crate::lora::{LoraAdapter, LoraConfig};
 use crate::ops::{self, Half, Layer, NormParams};
 use crate::params::{ParamStore, Role};
@@ -30,21 +30,21 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 /// A decoder's configuration and tensors by HF name (f32 or any float dtype, on any device),
-/// as read from a GGUF or safetensors file ([`super::llama_io`]) or drawn at random.
+/// as read from a GGUF or safetensors file ([`super::files`]) or drawn at random.
 #[derive(Debug, Clone)]
-pub struct LlamaWeights {
+pub struct DecoderWeights {
     /// The model's sizes.
-    pub config: LlamaConfig,
-    /// Tensors by HF name: exactly those of [`LlamaConfig::tensor_shapes`].
+    pub config: DecoderConfig,
+    /// Tensors by HF name: exactly those of [`DecoderConfig::tensor_shapes`].
     pub tensors: HashMap<String, Tensor>,
 }
 
-impl LlamaWeights {
+impl DecoderWeights {
     /// Random weights as transformers initialises a fresh `LlamaForCausalLM`: linears and the
     /// token table `N(0, 0.02)`, norm gains 1. f32 on the CPU; `seed` fixes them.
     ///
     /// Errors: an invalid config.
-    pub fn random(config: LlamaConfig, seed: u64) -> Result<Self> {
+    pub fn random(config: DecoderConfig, seed: u64) -> Result<Self> {
         config.validate()?;
         use rand_distr::{Distribution, Normal};
         let mut rng = StdRng::seed_from_u64(seed);
@@ -110,7 +110,7 @@ impl LlamaWeights {
     }
 }
 
-/// How [`Llama::new`] makes the model trainable.
+/// How [`Decoder::new`] makes the model trainable.
 #[derive(Debug, Clone, PartialEq)]
 pub enum FineTune {
     /// Every tensor is a store parameter: an fp32 master (and a compute-dtype working copy for
@@ -329,9 +329,9 @@ impl Block {
     }
 }
 
-/// The decoder. Build it with [`Llama::new`] from [`LlamaWeights`].
-pub struct Llama {
-    config: LlamaConfig,
+/// The decoder. Build it with [`Decoder::new`] from [`DecoderWeights`].
+pub struct Decoder {
+    config: DecoderConfig,
     precision: Precision,
     device: Device,
     /// The token table `(V, C)`: an fp32 master (full) or a compute-dtype constant (LoRA).
@@ -354,7 +354,7 @@ pub struct Llama {
 const QKV: [&str; 3] = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"];
 const GATE_UP: [&str; 2] = ["mlp.gate_proj", "mlp.up_proj"];
 
-impl Llama {
+impl Decoder {
     /// Builds the decoder on `store` from `weights` (checked first: names and shapes).
     ///
     /// - [`FineTune::Full`]: every tensor becomes a store parameter with the HF name (norm
@@ -367,7 +367,7 @@ impl Llama {
     ///
     /// Errors: weights that do not fit their config (every problem named); a name already in
     /// the store; an invalid LoRA config or one that targets no module of the model.
-    pub fn new(store: &ParamStore, weights: &LlamaWeights, fine_tune: &FineTune) -> Result<Self> {
+    pub fn new(store: &ParamStore, weights: &DecoderWeights, fine_tune: &FineTune) -> Result<Self> {
         weights.check()?;
         let config = weights.config.clone();
         let precision = store.precision();
@@ -483,7 +483,7 @@ impl Llama {
     }
 
     /// The configuration.
-    pub fn config(&self) -> &LlamaConfig {
+    pub fn config(&self) -> &DecoderConfig {
         &self.config
     }
 
@@ -529,11 +529,11 @@ impl Llama {
     fn check_ids(&self, ids: &Tensor, what: &str) -> Result<(usize, usize)> {
         let (b, t) = match ids.dims() {
             &[b, t] if b > 0 && t > 0 => (b, t),
-            d => bail!("Llama::{what}: ids must be (B, T) with B, T >= 1, found shape {d:?}"),
+            d => bail!("Decoder::{what}: ids must be (B, T) with B, T >= 1, found shape {d:?}"),
         };
         if !matches!(ids.dtype(), DType::U32 | DType::I64 | DType::U8) {
             bail!(
-                "Llama::{what}: ids must be integer token ids (u32), found {:?}",
+                "Decoder::{what}: ids must be integer token ids (u32), found {:?}",
                 ids.dtype()
             );
         }
@@ -569,14 +569,14 @@ impl Llama {
         let (b, t) = self.check_ids(ids, "loss")?;
         if targets.dims() != ids.dims() {
             bail!(
-                "Llama::loss: targets have shape {:?} but ids have {:?}; both must be (B, T)",
+                "Decoder::loss: targets have shape {:?} but ids have {:?}; both must be (B, T)",
                 targets.dims(),
                 ids.dims()
             );
         }
         if t > self.config.max_position_embeddings {
             bail!(
-                "Llama::loss: sequence length {t} exceeds max_position_embeddings {}",
+                "Decoder::loss: sequence length {t} exceeds max_position_embeddings {}",
                 self.config.max_position_embeddings
             );
         }
@@ -637,7 +637,7 @@ impl Llama {
         }
         if cache.layers.len() != self.blocks.len() || (cache.len > 0 && cache.batch != b) {
             bail!(
-                "Llama::forward_cached: the cache holds {} block(s) of batch {}, the model has {} \
+                "Decoder::forward_cached: the cache holds {} block(s) of batch {}, the model has {} \
                  block(s) and the ids batch {b}; use a fresh KvCache",
                 cache.layers.len(),
                 cache.batch,
@@ -647,7 +647,7 @@ impl Llama {
         let start = cache.len;
         if start + t > self.config.max_position_embeddings {
             bail!(
-                "Llama::forward_cached: positions {start}..{} exceed max_position_embeddings {}",
+                "Decoder::forward_cached: positions {start}..{} exceed max_position_embeddings {}",
                 start + t,
                 self.config.max_position_embeddings
             );
@@ -707,11 +707,11 @@ impl Llama {
         self.generate_with(prompt, max_new_tokens, temperature, seed, |_| true)
     }
 
-    /// [`Llama::generate`] that hands each new id to `on_token` as soon as it is drawn (e.g.
+    /// [`Decoder::generate`] that hands each new id to `on_token` as soon as it is drawn (e.g.
     /// to stream it); generation stops early when `on_token` returns false (the id is kept).
     /// The KV cache lives for this call only, so every id comes from this model's weights.
     ///
-    /// Errors: as [`Llama::generate`].
+    /// Errors: as [`Decoder::generate`].
     pub fn generate_with(
         &self,
         prompt: &[u32],
@@ -748,14 +748,14 @@ impl Llama {
     /// adapters only. Take it between optimizer steps, on the thread that trains.
     ///
     /// Errors: a failed copy (out of device memory).
-    pub fn snapshot(&self) -> Result<Llama> {
+    pub fn snapshot(&self) -> Result<Decoder> {
         let copy = |t: &Tensor| -> Result<Tensor> { Ok(t.copy()?.detach()) };
         self.rebuild(&|_, t| copy(t))
     }
 
     /// The adapters' tensors by parameter name (`{module}.lora_A.weight` `(r, in)`,
     /// `{module}.lora_B.weight` `(out, r)`), as the forward reads them (compute dtype); empty
-    /// in full fine-tuning. Shared handles: copy them (or take a [`Llama::snapshot`] first)
+    /// in full fine-tuning. Shared handles: copy them (or take a [`Decoder::snapshot`] first)
     /// to keep a version.
     pub fn adapter_tensors(&self) -> Vec<(String, Tensor)> {
         let mut out = Vec::new();
@@ -767,7 +767,7 @@ impl Llama {
     }
 
     /// The adapters' fp32 masters from `store` (the store the model was built on) by wick's
-    /// per-module names, as [`Llama::adapter_tensors`] names them: views of the stacked store
+    /// per-module names, as [`Decoder::adapter_tensors`] names them: views of the stacked store
     /// parameters (`{prefix}.{q_proj,k_proj,v_proj}.lora_A.weight`, see
     /// [`crate::lora::LoraAdapter::new_stacked`]), for
     /// [`crate::lora::save_adapter_tensors`]. Empty in full fine-tuning.
@@ -809,9 +809,9 @@ impl Llama {
     ///
     /// Errors: not a LoRA model; an adapter of the model missing from `tensors`, a shape that
     /// differs, or a tensor that is not an adapter of the model (every problem named).
-    pub fn with_adapters(&self, tensors: &HashMap<String, Tensor>) -> Result<Llama> {
+    pub fn with_adapters(&self, tensors: &HashMap<String, Tensor>) -> Result<Decoder> {
         if self.lora.is_none() {
-            bail!("Llama::with_adapters: the model was built without LoRA (FineTune::Full)");
+            bail!("Decoder::with_adapters: the model was built without LoRA (FineTune::Full)");
         }
         let mut problems = Vec::new();
         let mine: HashMap<String, Tensor> = self.adapter_tensors().into_iter().collect();
@@ -852,7 +852,7 @@ impl Llama {
     /// A copy of the model's structure with each tensor passed through `f(name, t)`: `name`
     /// is the adapter parameter's name for LoRA tensors, `None` for the others. Frozen base
     /// tensors (LoRA mode) are never passed to `f`: they are shared.
-    fn rebuild(&self, f: &dyn Fn(Option<&str>, &Tensor) -> Result<Tensor>) -> Result<Llama> {
+    fn rebuild(&self, f: &dyn Fn(Option<&str>, &Tensor) -> Result<Tensor>) -> Result<Decoder> {
         let lora = self.lora.is_some();
         let base = |t: &Tensor| -> Result<Tensor> {
             if lora {
@@ -923,7 +923,7 @@ impl Llama {
                 dims: b.dims,
             }));
         }
-        Ok(Llama {
+        Ok(Decoder {
             config: self.config.clone(),
             precision: self.precision,
             device: self.device.clone(),
@@ -941,11 +941,11 @@ impl Llama {
 
     /// The model's current weights by HF name, f32 on the CPU, with every LoRA update merged
     /// into its base weight (`W + (alpha/r) B A`, PEFT's `merge_and_unload`): what
-    /// [`super::llama_io::save_pretrained`] writes. In full fine-tuning these are the store's
+    /// [`super::files::save_pretrained`] writes. In full fine-tuning these are the store's
     /// fp32 masters; in LoRA mode the frozen base as held (compute dtype, widened to f32).
     ///
     /// Errors: a full-mode tensor missing from `store` (another store than the model's).
-    pub fn merged_weights(&self, store: &ParamStore) -> Result<LlamaWeights> {
+    pub fn merged_weights(&self, store: &ParamStore) -> Result<DecoderWeights> {
         let mut tensors = HashMap::new();
         for (name, _) in self.config.tensor_shapes() {
             let t = match self.frozen.get(&name) {
@@ -965,7 +965,7 @@ impl Llama {
                 tensors.insert(name, merged);
             }
         }
-        Ok(LlamaWeights {
+        Ok(DecoderWeights {
             config: self.config.clone(),
             tensors,
         })

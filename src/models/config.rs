@@ -1,4 +1,4 @@
-//! The configuration of a Llama-family decoder, by transformers' `LlamaConfig` field names
+//! The configuration of a Llama-family decoder, by transformers' `DecoderConfig` field names
 //! (what an HF `config.json` holds), and the names of its tensors.
 //!
 //! Nothing in a `config.json` that changes the computation is ignored: RoPE scaling of type
@@ -10,7 +10,7 @@
 use anyhow::{bail, Context, Result};
 use std::path::Path;
 
-/// The fields of a Llama `config.json` the decoder uses (transformers' `LlamaConfig` names);
+/// The fields of a Llama `config.json` the decoder uses (transformers' `DecoderConfig` names);
 /// the file's other fields are kept in `other`, so that a saved config says what the loaded
 /// one said.
 ///
@@ -19,7 +19,7 @@ use std::path::Path;
 /// that contradicts them; serializing writes them as `rope_theta` and `rope_scaling`.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(remote = "Self")]
-pub struct LlamaConfig {
+pub struct DecoderConfig {
     /// Vocabulary size (rows of `model.embed_tokens.weight`).
     pub vocab_size: usize,
     /// Width of the residual stream, `C`.
@@ -65,18 +65,18 @@ fn default_rope_theta() -> f64 {
     10000.0
 }
 
-impl serde::Serialize for LlamaConfig {
+impl serde::Serialize for DecoderConfig {
     fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        LlamaConfig::serialize(self, s)
+        DecoderConfig::serialize(self, s)
     }
 }
 
-impl<'de> serde::Deserialize<'de> for LlamaConfig {
+impl<'de> serde::Deserialize<'de> for DecoderConfig {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
         use serde::de::Error;
         let mut map = serde_json::Map::<String, serde_json::Value>::deserialize(d)?;
         take_rope_parameters(&mut map).map_err(|e| D::Error::custom(format!("{e:#}")))?;
-        LlamaConfig::deserialize(serde_json::Value::Object(map)).map_err(D::Error::custom)
+        DecoderConfig::deserialize(serde_json::Value::Object(map)).map_err(D::Error::custom)
     }
 }
 
@@ -343,9 +343,9 @@ fn deserialize_rope_scaling<'de, D: serde::Deserializer<'de>>(
 }
 
 /// `config.json` keys that do not change the decoder's computation (bookkeeping, generation
-/// and serialisation settings, initialisation): accepted and kept in [`LlamaConfig::other`].
+/// and serialisation settings, initialisation): accepted and kept in [`DecoderConfig::other`].
 /// SmolLM2's, Llama 3.x's and Mistral's `config.json` hold only these, the fields of
-/// [`LlamaConfig`] and the keys [`LlamaConfig::validate`] checks by value.
+/// [`DecoderConfig`] and the keys [`DecoderConfig::validate`] checks by value.
 pub const HARMLESS_KEYS: &[&str] = &[
     "_name_or_path",
     "architectures",
@@ -368,7 +368,7 @@ pub const HARMLESS_KEYS: &[&str] = &[
     "unsloth_version",
 ];
 
-impl LlamaConfig {
+impl DecoderConfig {
     /// Reads an HF `config.json`.
     ///
     /// Errors: an unreadable file, malformed JSON, a missing field (named), or a config that
@@ -435,31 +435,31 @@ impl LlamaConfig {
             ("max_position_embeddings", self.max_position_embeddings),
         ];
         if let Some((name, _)) = sizes.iter().find(|(_, v)| *v == 0) {
-            bail!("LlamaConfig: {name} is 0; it must be positive");
+            bail!("DecoderConfig: {name} is 0; it must be positive");
         }
         if self.hidden_size % self.num_attention_heads != 0 {
             bail!(
-                "LlamaConfig: hidden_size {} is not a multiple of num_attention_heads {}",
+                "DecoderConfig: hidden_size {} is not a multiple of num_attention_heads {}",
                 self.hidden_size,
                 self.num_attention_heads
             );
         }
         if self.num_attention_heads % self.num_key_value_heads != 0 {
             bail!(
-                "LlamaConfig: num_attention_heads {} is not a multiple of num_key_value_heads {}",
+                "DecoderConfig: num_attention_heads {} is not a multiple of num_key_value_heads {}",
                 self.num_attention_heads,
                 self.num_key_value_heads
             );
         }
         if self.head_dim() % 2 != 0 {
             bail!(
-                "LlamaConfig: head width {} is odd; rotary embeddings rotate pairs of columns",
+                "DecoderConfig: head width {} is odd; rotary embeddings rotate pairs of columns",
                 self.head_dim()
             );
         }
         if !(self.rms_norm_eps > 0.0 && self.rope_theta > 0.0) {
             bail!(
-                "LlamaConfig: rms_norm_eps {} and rope_theta {} must be > 0",
+                "DecoderConfig: rms_norm_eps {} and rope_theta {} must be > 0",
                 self.rms_norm_eps,
                 self.rope_theta
             );
@@ -489,13 +489,13 @@ impl LlamaConfig {
                 if !value.is_null() {
                     let w = value.as_u64().with_context(|| {
                         format!(
-                            "LlamaConfig: sliding_window = {value} is neither null nor a number of \
+                            "DecoderConfig: sliding_window = {value} is neither null nor a number of \
                              tokens; write null (no window) or the window's length"
                         )
                     })?;
                     if w < self.max_position_embeddings as u64 {
                         bail!(
-                            "LlamaConfig: sliding_window {w} is below max_position_embeddings {}: \
+                            "DecoderConfig: sliding_window {w} is below max_position_embeddings {}: \
                              wick has no sliding-window attention yet (Mistral 7B v0.1), so it \
                              would attend over the whole sequence; use a model without a window \
                              (Mistral 7B v0.2+ has sliding_window null)",
@@ -506,14 +506,14 @@ impl LlamaConfig {
                 true
             }
             _ => bail!(
-                "LlamaConfig: unknown key {key:?} = {value}: wick does not know whether it \
+                "DecoderConfig: unknown key {key:?} = {value}: wick does not know whether it \
                  changes the computation, so it refuses the config rather than ignore it; if \
                  it does not (bookkeeping or generation settings), delete it from config.json"
             ),
         };
         if !ok {
             bail!(
-                "LlamaConfig: {key:?} = {value} changes the computation and wick's Llama does \
+                "DecoderConfig: {key:?} = {value} changes the computation and wick's Llama does \
                  not implement it (it implements model_type \"llama\"/\"mistral\", hidden_act \
                  \"silu\", no attention or MLP bias, no dropout, head_dim = hidden_size / \
                  num_attention_heads = {}, no sliding window); this model needs another decoder",

@@ -19,7 +19,7 @@
 //!   llama.cpp's `LLAMA_VOCAB_PRE_TYPE_SMOLLM` and SmolLM2's own `tokenizer.json`
 //!   (`Digits(individual_digits=True)` + `ByteLevel`).
 
-use super::llama_io::Gguf;
+use super::files::Gguf;
 use anyhow::{anyhow, bail, Context, Result};
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::BPE;
@@ -29,7 +29,7 @@ use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::processors::template::TemplateProcessing;
 use tokenizers::{AddedToken, PreTokenizerWrapper, Tokenizer};
 
-/// A chat message for [`LlamaTokenizer::apply_chat_template`].
+/// A chat message for [`TextTokenizer::apply_chat_template`].
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct ChatMessage {
     /// `"system"`, `"user"` or `"assistant"`.
@@ -38,7 +38,7 @@ pub struct ChatMessage {
     pub content: String,
 }
 
-/// Which pre-tokenization [`LlamaTokenizer::from_gguf_with`] builds (see the module docs).
+/// Which pre-tokenization [`TextTokenizer::from_gguf_with`] builds (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Pretokenizer {
     /// transformers' GGUF loader: ByteLevel (GPT-2 regex) only.
@@ -50,7 +50,7 @@ pub enum Pretokenizer {
 }
 
 /// A GGUF model's tokenizer and chat template.
-pub struct LlamaTokenizer {
+pub struct TextTokenizer {
     /// The byte-level BPE tokenizer (control tokens are special added tokens).
     pub tokenizer: Tokenizer,
     /// The Jinja chat template (`tokenizer.chat_template`), if the file has one.
@@ -63,13 +63,13 @@ pub struct LlamaTokenizer {
     pub unk_token: Option<String>,
     /// Padding-token text (`tokenizer.ggml.padding_token_id`), if the file names one.
     pub pad_token: Option<String>,
-    /// [`LlamaTokenizer::encode`] starts with the BOS token (`tokenizer.ggml.add_bos_token`).
+    /// [`TextTokenizer::encode`] starts with the BOS token (`tokenizer.ggml.add_bos_token`).
     pub add_bos_token: bool,
-    /// [`LlamaTokenizer::encode`] ends with the EOS token (`tokenizer.ggml.add_eos_token`).
+    /// [`TextTokenizer::encode`] ends with the EOS token (`tokenizer.ggml.add_eos_token`).
     pub add_eos_token: bool,
 }
 
-impl LlamaTokenizer {
+impl TextTokenizer {
     /// Builds the tokenizer from the metadata of `gguf`, pre-tokenizing as transformers does
     /// ([`Pretokenizer::Transformers`]).
     ///
@@ -107,7 +107,7 @@ impl LlamaTokenizer {
             bail!(
                 "{file}: Pretokenizer::LlamaCpp is not implemented for a SentencePiece \
                  (tokenizer.ggml.model = \"llama\") vocabulary: llama.cpp merges by score, \
-                 wick builds transformers' merges; use LlamaTokenizer::from_gguf"
+                 wick builds transformers' merges; use TextTokenizer::from_gguf"
             );
         }
         let strings = |key: &str| -> Result<Vec<String>> {
@@ -323,7 +323,7 @@ impl LlamaTokenizer {
     /// Writes `dir/tokenizer.json` (this tokenizer, in the `tokenizers` format) and
     /// `dir/tokenizer_config.json` (`PreTrainedTokenizerFast`, the special tokens, the chat
     /// template and `model_max_length`), so that transformers' `AutoTokenizer.from_pretrained`
-    /// loads an HF folder written by [`super::llama_io::save_pretrained`] as is. Each file is
+    /// loads an HF folder written by [`super::files::save_pretrained`] as is. Each file is
     /// written atomically.
     ///
     /// Errors: the folder cannot be created or a file written (named).
@@ -454,7 +454,7 @@ fn check_pre(gguf: &Gguf, pretokenizer: Pretokenizer) -> Result<Option<&str>> {
         None if pretokenizer == Pretokenizer::LlamaCpp => bail!(
             "{file}: no {key}; llama.cpp then pre-tokenizes with its \"default\" regexes, which \
              wick does not implement; use the transformers pre-tokenization (GPT-2's regex, \
-             LlamaTokenizer::from_gguf) or a file converted with a {key} of {PRE_TOKENIZERS:?}"
+             TextTokenizer::from_gguf) or a file converted with a {key} of {PRE_TOKENIZERS:?}"
         ),
         None => return Ok(None),
         Some(v) => v
@@ -474,7 +474,7 @@ fn check_pre(gguf: &Gguf, pretokenizer: Pretokenizer) -> Result<Option<&str>> {
 }
 
 /// The first byte offset at or after `at` where `text` may be cut and each part tokenized on
-/// its own with the same ids as the whole (see [`LlamaTokenizer::encode_prefix`]): before a
+/// its own with the same ids as the whole (see [`TextTokenizer::encode_prefix`]): before a
 /// `\n` that follows an ASCII character other than whitespace; `text.len()` if there is none.
 pub fn safe_cut(text: &str, at: usize) -> usize {
     let b = text.as_bytes();
