@@ -13,6 +13,7 @@
 
 use super::act_linear::ActLinear;
 use super::attention::{fused_attention, AttentionOp};
+use super::decoder_ops::{is_plain_causal, qkv_head_dim};
 use super::layer_norm::{self, prepare, prepare_param, Kind, NormFwd};
 use super::linear::{self, Linear, Operands};
 use super::lora_linear::{self, LoraLinear};
@@ -103,7 +104,10 @@ impl Step {
     }
 
     /// `layer` on `x`, or `None` for shapes where the composition takes another path (empty
-    /// operands, attention without the fused kernels).
+    /// operands, attention without the fused kernels, a window attention whose window binds
+    /// or whose scale is not the default) and for the composition-only layers
+    /// ([`Layer::QkNorm`], [`Layer::Norm`], [`Layer::GeGlu`], [`Layer::Bias`],
+    /// [`Layer::CachedAttention`]).
     pub(super) fn layer(layer: &Layer<'_>, x: &Tensor, want_x: bool) -> Result<Option<Self>> {
         let (x, y, op) = match *layer {
             Layer::Linear { parts, b: b_parts } => {
@@ -199,6 +203,27 @@ impl Step {
                 let (y, op) = PaddedAttention::forward(&x, n_head, key_lengths)?;
                 (x, y, Op::PaddedAttention(op))
             }
+            Layer::WindowAttention {
+                n_head,
+                n_kv_head,
+                window,
+                scale,
+            } => {
+                // the fused attention where the window does not bind and the scale is the
+                // default (what window_causal_attention runs then), else the composition
+                let d = qkv_head_dim("window_causal_attention", x, n_head, n_kv_head)?;
+                if !is_plain_causal(x.dim(1)?, d, window, scale) || window == Some(0) {
+                    return Ok(None);
+                }
+                let plain = Layer::Attention { n_head, n_kv_head };
+                return Self::layer(&plain, x, want_x);
+            }
+            // composition only
+            Layer::QkNorm { .. }
+            | Layer::Norm(_)
+            | Layer::GeGlu
+            | Layer::Bias { .. }
+            | Layer::CachedAttention { .. } => return Ok(None),
         };
         Ok(Some(Self { op, x, y, want_x }))
     }
@@ -239,6 +264,11 @@ impl Step {
         layers: &[Layer<'_>],
         tracked: &mut bool,
     ) -> Result<Option<Vec<Step>>> {
+        // composition-only layers, known before any op runs
+        let t = input.dims().iter().rev().nth(1).copied().unwrap_or(0);
+        if !layers.iter().all(|l| l.one_node_capable(t)) {
+            return Ok(None);
+        }
         let mut steps: Vec<Step> = Vec::with_capacity(layers.len());
         for layer in layers {
             let x = steps.last().map_or(input, Step::output);

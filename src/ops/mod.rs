@@ -17,6 +17,10 @@
 //! | [`split_heads`] / [`merge_heads`] | `(B, T, 3C) → (3, B, H, T, Dh)` / `(B, H, T, Dh) → (B, T, C)` row copies | any | x's |
 //! | [`causal_attention`] | `y = softmax(q k^T / sqrt(Dh) + causal mask) v` per head, `(B, T, 3C) → (B, T, C)` (flash attention on CUDA) | f32, bf16, f16 | x's |
 //! | [`grouped_causal_attention`] | the same with `Hkv` key/value heads shared by `H / Hkv` query heads each (GQA), `(B, T, (H + 2Hkv) Dh) → (B, T, H Dh)`, K/V never repeated on CUDA | f32, bf16, f16 | x's |
+//! | [`grouped_attention`] | `y = softmax(q k^T * scale + mask) v`, q `(B, H, T, D)` at positions `start..start + T`, k/v `(B, Hkv, start + T, D)`, causal with an optional sliding window (composed, scores f32; the KV cache's and the windows' path) | f32, bf16, f16 | v's, `(B, T, H D)` |
+//! | [`window_causal_attention`] | [`grouped_causal_attention`] with a sliding window and a scale; the fused op where neither changes anything, else [`grouped_attention`] (composed) | f32, bf16, f16 | x's |
+//! | [`qk_rms_norm`] | per-head RMSNorm of the q and k parts of `(B, T, (H + 2Hkv) Dh)` (Qwen3's and Gemma 3's `q_norm`/`k_norm`), v unchanged (composed) | f32, bf16, f16 | x's |
+//! | [`geglu_tanh`] | `y = gelu_tanh(g) * u`, `(.., 2F) = [g \| u] → (.., F)` (Gemma 3's MLP activation; composed, f32) | f32, bf16, f16 | x's |
 //! | [`rotary_qkv`] | RoPE (`rotate_half` form) on the q and k heads of `(B, T, (H + 2Hkv) Dh)`, v copied; tables from [`rotary_tables`] | f32, bf16, f16 (tables f32) | x's |
 //! | [`swiglu`] | `y = silu(g) * u`, `(.., 2F) = [g \| u] → (.., F)` (Llama's MLP activation) | f32, bf16, f16 | x's |
 //! | [`lora_linear`] / [`lora_linear_grouped`] | `y = x W^T + s (x A^T) B^T`, W frozen (no gradient), the LoRA updates of stacked modules inside the node | x: f32, bf16, f16; W, A, B: the compute dtype | W's |
@@ -75,6 +79,7 @@ mod attention;
 mod bias;
 mod block_step;
 mod cross_entropy;
+mod decoder_ops;
 mod embedding;
 mod gelu;
 mod heads;
@@ -101,6 +106,7 @@ pub use attention::{
 };
 pub use bias::bias_add;
 pub use cross_entropy::{cross_entropy_mean, cross_entropy_rows};
+pub use decoder_ops::{geglu_tanh, grouped_attention, qk_rms_norm, window_causal_attention};
 pub use embedding::embedding;
 pub use gelu::{gelu_erf, gelu_tanh};
 pub use heads::{merge_heads, split_heads};

@@ -146,6 +146,67 @@ pub enum Layer<'a> {
         /// Valid positions per batch entry.
         key_lengths: &'a [usize],
     },
+    /// [`crate::ops::qk_rms_norm`]: per-head RMSNorm of the q and k parts of a `(B, T, (H +
+    /// 2 Hkv) Dh)` qkv (Qwen3's and Gemma 3's `q_norm` / `k_norm`; Gemma passes `w + 1`).
+    /// Composition only (the block falls back to the per-op composition).
+    QkNorm {
+        /// q's gain `(Dh,)`.
+        q_w: &'a Tensor,
+        /// k's gain `(Dh,)`.
+        k_w: &'a Tensor,
+        /// Added to the mean square.
+        eps: f64,
+        /// Query heads H.
+        n_head: usize,
+        /// Key/value heads Hkv.
+        n_kv_head: usize,
+    },
+    /// A norm inside the branch, output in its input's dtype (Gemma 3's post-attention and
+    /// post-feedforward norms on the branch output before the residual add): a LayerNorm with
+    /// a bias, an RMSNorm without. Composition only.
+    Norm(NormParams<'a>),
+    /// [`crate::ops::geglu_tanh`] of a `(.., 2F)` gate|up (Gemma 3's MLP activation).
+    /// Composition only.
+    GeGlu,
+    /// [`crate::ops::window_causal_attention`] of a `(B, T, (H + 2 Hkv) Dh)` qkv: a sliding
+    /// window and a scale. Where the window does not bind (`None` or `>= T`) and the scale is
+    /// the default (`None` or exactly `1 / sqrt(Dh)`) it is [`Layer::Attention`] (one node
+    /// under a sink); otherwise composition only.
+    WindowAttention {
+        /// Query heads H.
+        n_head: usize,
+        /// Key/value heads Hkv.
+        n_kv_head: usize,
+        /// Keys seen per query, its own included; `None`: all earlier ones.
+        window: Option<usize>,
+        /// The score scale; `None`: `1 / sqrt(Dh)`.
+        scale: Option<f64>,
+    },
+    /// [`crate::ops::bias_add`] of the stacked parts `b` (a bias after a LoRA linear, whose op
+    /// has none: Qwen2's q/k/v biases). The bias is cast to x's dtype. Composition only.
+    Bias {
+        /// The bias's parts, stacked in order.
+        b: &'a [Tensor],
+    },
+    /// Inference only: attention of a KV-cached forward. From a `(B, T, (H + 2 Hkv) Dh)` qkv
+    /// (normed and rotated), k and v are appended to the cached ones in `kv` (`(B, Hkv,
+    /// start, Dh)` each; `None` when `start == 0`), stored back detached, and the queries of
+    /// positions `start..start + T` attend as [`crate::ops::grouped_attention`] does, `(B, T, H
+    /// Dh)`. Errors when the cache does not hold exactly `start` positions. Composition only.
+    CachedAttention {
+        /// The layer's cache: k and v of positions `0..start`.
+        kv: &'a std::sync::Mutex<Option<(Tensor, Tensor)>>,
+        /// Positions already in the cache.
+        start: usize,
+        /// Query heads H.
+        n_head: usize,
+        /// Key/value heads Hkv.
+        n_kv_head: usize,
+        /// Keys seen per query, its own included; `None`: all earlier ones.
+        window: Option<usize>,
+        /// The score scale; `None`: `1 / sqrt(Dh)`.
+        scale: Option<f64>,
+    },
 }
 
 /// One half of a pre-norm transformer block, `x ← x + branch(norm(x))`.
@@ -170,8 +231,11 @@ pub enum Half<'a> {
 /// docs), which also saves the zero-filled buffer and the add of the f32 stream between halves;
 /// elsewhere, or when neither x nor any parameter is tracked, a norm parameter is tracked but
 /// not an f32 variable, a parameter is neither a variable nor untracked (a tensor computed
-/// from one), or an attention half would take the composed attention (CUDA with a head width
-/// other than 64), each half is the composition of its ops. The same values and gradients
+/// from one), an attention half would take the composed attention (CUDA with a head width
+/// other than 64), or a branch has a composition-only layer ([`Layer::QkNorm`],
+/// [`Layer::Norm`], [`Layer::GeGlu`], [`Layer::Bias`], [`Layer::CachedAttention`], a
+/// [`Layer::WindowAttention`] whose window binds or whose scale is not the default: known before
+/// any op runs), each half is the composition of its ops. The same values and gradients
 /// either way, bit for bit when the stack is x's only consumer (with another, candle sums x's
 /// gradients in another order). An empty `halves` returns x.
 ///
@@ -296,7 +360,42 @@ impl<'a> Layer<'a> {
             Layer::ActLinear { w, b, .. } => out.extend([w, b]),
             Layer::LoraLinear { w, a, b, .. } => out.extend([w, a, b]),
             Layer::Rotary { cos, sin, .. } => out.extend([cos, sin]),
-            Layer::Attention { .. } | Layer::SwiGlu | Layer::PaddedAttention { .. } => {}
+            Layer::QkNorm { q_w, k_w, .. } => out.extend([q_w, k_w]),
+            Layer::Norm(n) => out.extend(n.tensors()),
+            Layer::Bias { b } => out.extend(b),
+            Layer::Attention { .. }
+            | Layer::SwiGlu
+            | Layer::PaddedAttention { .. }
+            | Layer::GeGlu
+            | Layer::WindowAttention { .. }
+            | Layer::CachedAttention { .. } => {}
+        }
+    }
+
+    /// Whether a block node can run the layer, known before any work from the branch's
+    /// sequence length `t`: false for the composition-only layers, and for a
+    /// [`Layer::WindowAttention`] whose window binds or whose scale is not `1 / sqrt(D)` for any
+    /// head width D (the step checks the actual one). A block whose branch has such a layer
+    /// goes straight to the composition.
+    pub(super) fn one_node_capable(&self, t: usize) -> bool {
+        match *self {
+            Layer::Linear { .. }
+            | Layer::ActLinear { .. }
+            | Layer::LoraLinear { .. }
+            | Layer::Rotary { .. }
+            | Layer::Attention { .. }
+            | Layer::SwiGlu
+            | Layer::PaddedAttention { .. } => true,
+            Layer::WindowAttention { window, scale, .. } => {
+                // the head width whose default scale `scale` would be
+                let d = scale.map_or(1, |s| (1.0 / (s * s)).round().max(1.0) as usize);
+                super::decoder_ops::is_plain_causal(t, d, window, scale)
+            }
+            Layer::QkNorm { .. }
+            | Layer::Norm(_)
+            | Layer::GeGlu
+            | Layer::Bias { .. }
+            | Layer::CachedAttention { .. } => false,
         }
     }
 
@@ -331,6 +430,42 @@ impl<'a> Layer<'a> {
                 n_head,
                 key_lengths,
             } => super::key_padding_attention(x, n_head, key_lengths),
+            Layer::QkNorm {
+                q_w,
+                k_w,
+                eps,
+                n_head,
+                n_kv_head,
+            } => super::qk_rms_norm(x, q_w, k_w, eps, n_head, n_kv_head),
+            Layer::Norm(n) => n.composed(x, x.dtype()),
+            Layer::GeGlu => super::geglu_tanh(x),
+            Layer::WindowAttention {
+                n_head,
+                n_kv_head,
+                window,
+                scale,
+            } => super::window_causal_attention(x, n_head, n_kv_head, window, scale),
+            Layer::Bias { b } => {
+                let Some(b) = stacked(b)? else {
+                    bail!("block op: a bias layer without parts; pass at least one (C,) bias")
+                };
+                super::bias_add(x, &b)
+            }
+            Layer::CachedAttention {
+                kv,
+                start,
+                n_head,
+                n_kv_head,
+                window,
+                scale,
+            } => super::decoder_ops::cached_attention(
+                x,
+                kv,
+                start,
+                (n_head, n_kv_head),
+                window,
+                scale,
+            ),
         }
     }
 }
@@ -375,7 +510,11 @@ fn one_node(x: &Tensor, halves: &[Half<'_>], compute: DType) -> Result<Option<Te
     // known before any work: norm parameters that prepare would cast (no longer the
     // variables); attention that takes the composition (head width other than 64) is only
     // known when its half is built
-    let applies = halves.iter().all(|h| h.norm().one_node_ok()) && read.iter().all(|t| sinkable(t));
+    // composition-only layers (and binding windows) are known before any work too
+    let t = x.dims().iter().rev().nth(1).copied().unwrap_or(0);
+    let applies = halves.iter().all(|h| h.norm().one_node_ok())
+        && layers.iter().flatten().all(|l| l.one_node_capable(t))
+        && read.iter().all(|t| sinkable(t));
     let Some(anchor) = anchor(x, read.into_iter()).filter(|_| applies) else {
         return Ok(None);
     };
