@@ -300,6 +300,7 @@ impl LlamaBlock {
                 b: ad[i].1.as_tensor(),
                 parts: rows,
                 scale: 2.0,
+                dropout: 0.0,
             },
             None => plain(parts),
         };

@@ -226,8 +226,9 @@ fn config_json_keys_that_change_the_math_are_refused() {
         ("attention_bias", serde_json::json!(true), "attention_bias"),
         ("mlp_bias", serde_json::json!(true), "mlp_bias"),
         ("hidden_act", serde_json::json!("gelu"), "hidden_act"),
-        ("model_type", serde_json::json!("qwen2"), "model_type"),
-        ("head_dim", serde_json::json!(32), "head_dim"),
+        ("model_type", serde_json::json!("gemma3"), "model_type"),
+        ("model_type", serde_json::json!("phi3"), "model_type"),
+        ("head_dim", serde_json::json!(15), "head_dim"),
         (
             "attn_logit_softcapping",
             serde_json::json!(50.0),

@@ -7,6 +7,7 @@
 //! decoder implements (`hidden_act: "silu"`, `attention_bias: false`, `sliding_window` null or
 //! at least `max_position_embeddings`, ...), or refused with an error naming it.
 
+use super::family::{Family, LayerType, NormWidth, LINEARS};
 use anyhow::{bail, Context, Result};
 use std::path::Path;
 
@@ -20,6 +21,9 @@ use std::path::Path;
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(remote = "Self")]
 pub struct DecoderConfig {
+    /// The family (`model_type`; absent: `llama`): the switches of the shared block.
+    #[serde(default)]
+    pub model_type: Family,
     /// Vocabulary size (rows of `model.embed_tokens.weight`).
     pub vocab_size: usize,
     /// Width of the residual stream, `C`.
@@ -46,6 +50,30 @@ pub struct DecoderConfig {
     pub rope_scaling: Option<RopeScaling>,
     /// The longest sequence the model was trained for, in tokens.
     pub max_position_embeddings: usize,
+    /// Width of one head, when not `hidden_size / num_attention_heads` (Qwen3: 128 at hidden
+    /// 1024 and 16 heads; Gemma 3 270M: 256 at hidden 640 and 4 heads).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head_dim: Option<usize>,
+    /// The sliding window in tokens: a query at position `p` sees keys `j` with
+    /// `p - W < j <= p` (transformers' mask) in the layers [`Self::layer_window`] names.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "deserialize_sliding_window"
+    )]
+    pub sliding_window: Option<usize>,
+    /// Per layer, sliding or full attention (Gemma 3, transformers 5's Qwen): overrides the
+    /// family's default pattern.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layer_types: Option<Vec<LayerType>>,
+    /// Gemma 3: the RoPE base of the sliding layers (10000); the full layers use
+    /// [`Self::rope_theta`] and [`Self::rope_scaling`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_local_base_freq: Option<f64>,
+    /// Gemma 3: attention scores are scaled by `query_pre_attn_scalar^-1/2` instead of
+    /// `head_dim^-1/2`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub query_pre_attn_scalar: Option<f64>,
     /// The head reuses the token embedding (`lm_head.weight` absent).
     #[serde(default)]
     pub tie_word_embeddings: bool,
@@ -92,6 +120,34 @@ fn take_rope_parameters(map: &mut serde_json::Map<String, serde_json::Value>) ->
     if v.is_null() {
         return Ok(());
     }
+    // Gemma 3 under transformers 5: one object per layer type; the sliding layers' is a plain
+    // base (`rope_local_base_freq`), the full layers' the model's RoPE
+    let v = match v.get("full_attention") {
+        Some(full) => {
+            if let Some(local) = v.get("sliding_attention") {
+                if RopeScaling::from_json(local)
+                    .context("rope_parameters.sliding_attention")?
+                    .is_some()
+                {
+                    bail!(
+                        "rope_parameters.sliding_attention {local} scales the sliding layers' \
+                         RoPE; wick implements the default RoPE there (Gemma 3's)"
+                    );
+                }
+                if let Some(theta) = local.get("rope_theta") {
+                    map.insert("rope_local_base_freq".into(), theta.clone());
+                }
+            }
+            if let Some(k) = v
+                .as_object()
+                .and_then(|o| o.keys().find(|k| *k != "full_attention" && *k != "sliding_attention"))
+            {
+                bail!("rope_parameters: layer type {k:?} is not implemented");
+            }
+            full.clone()
+        }
+        None => v,
+    };
     let scaling = RopeScaling::from_json(&v).context("rope_parameters")?;
     let given = match map.get("rope_scaling") {
         None | Some(serde_json::Value::Null) => None,
@@ -146,6 +202,22 @@ impl TokenIds {
     /// Whether `id` is one of them.
     pub fn contains(&self, id: u32) -> bool {
         self.ids().contains(&id)
+    }
+}
+
+fn deserialize_sliding_window<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<Option<usize>, D::Error> {
+    use serde::Deserialize;
+    match Option::<serde_json::Value>::deserialize(d)? {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(v) => match v.as_u64() {
+            Some(w) => Ok(Some(w as usize)),
+            None => Err(serde::de::Error::custom(format!(
+                "sliding_window = {v} is neither null nor a number of tokens; write null (no \
+                 window) or the window's length"
+            ))),
+        },
     }
 }
 
@@ -372,21 +444,23 @@ impl DecoderConfig {
     /// Reads an HF `config.json`.
     ///
     /// Errors: an unreadable file, malformed JSON, a missing field (named), or a config that
-    /// fails [`Self::validate`].
+    /// fails [`Self::validate`] (the key and the file named).
     pub fn from_json_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path)
-            .with_context(|| format!("reading the Llama config {}", path.display()))?;
+            .with_context(|| format!("reading the model config {}", path.display()))?;
         let c: Self = serde_json::from_str(&text)
-            .with_context(|| format!("parsing the Llama config {}", path.display()))?;
+            .with_context(|| format!("parsing the model config {}", path.display()))?;
         c.validate()
-            .with_context(|| format!("the Llama config {}", path.display()))?;
+            .with_context(|| format!("the model config {}", path.display()))?;
         Ok(c)
     }
 
-    /// A 2-block, 64-wide config (4 query heads, 2 KV heads of width 16, FFN 96, vocabulary
-    /// 96, 64 positions, tied head) for tests and CPU smoke runs.
+    /// A 2-block, 64-wide Llama config (4 query heads, 2 KV heads of width 16, FFN 96,
+    /// vocabulary `vocab_size`, 64 positions, tied head) for tests and CPU smoke runs;
+    /// [`Self::tiny_family`] for the other families.
     pub fn tiny(vocab_size: usize) -> Self {
         Self {
+            model_type: Family::Llama,
             vocab_size,
             hidden_size: 64,
             intermediate_size: 96,
@@ -397,6 +471,11 @@ impl DecoderConfig {
             rope_theta: 10000.0,
             rope_scaling: None,
             max_position_embeddings: 64,
+            head_dim: None,
+            sliding_window: None,
+            layer_types: None,
+            rope_local_base_freq: None,
+            query_pre_attn_scalar: None,
             tie_word_embeddings: true,
             bos_token_id: None,
             eos_token_id: None,
@@ -404,14 +483,42 @@ impl DecoderConfig {
         }
     }
 
+    /// [`Self::tiny`] as `family`, with what makes the family's switches bind at small
+    /// sizes: Mistral a window of 5 tokens; Qwen3 and Gemma 3 a head width of 32 (not
+    /// hidden / heads); Gemma 3 3 layers (sliding, sliding, full: a pattern of 3), windows of
+    /// 5, local RoPE base 10000 and global 1000000, `query_pre_attn_scalar` 24.
+    pub fn tiny_family(family: Family, vocab_size: usize) -> Self {
+        let mut c = Self {
+            model_type: family,
+            ..Self::tiny(vocab_size)
+        };
+        match family {
+            Family::Llama | Family::Qwen2 => {}
+            Family::Mistral => c.sliding_window = Some(5),
+            Family::Qwen3 => c.head_dim = Some(32),
+            Family::Gemma3 => {
+                c.head_dim = Some(32);
+                c.num_hidden_layers = 3;
+                c.sliding_window = Some(5);
+                c.layer_types = Some(vec![LayerType::Sliding, LayerType::Sliding, LayerType::Full]);
+                c.rope_theta = 1_000_000.0;
+                c.rope_local_base_freq = Some(10000.0);
+                c.query_pre_attn_scalar = Some(24.0);
+                c.rms_norm_eps = 1e-6;
+            }
+        }
+        c
+    }
+
     /// Whether `id` is one of the [`Self::eos_token_id`]s (generation stops after it).
     pub fn is_eos(&self, id: u32) -> bool {
         self.eos_token_id.as_ref().is_some_and(|e| e.contains(id))
     }
 
-    /// Width of one head, `D = C / H`.
+    /// Width of one head, `D`: [`Self::head_dim`] when set, else `C / H`.
     pub fn head_dim(&self) -> usize {
-        self.hidden_size / self.num_attention_heads
+        self.head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
     }
 
     /// Columns of the fused query/key/value projection, `(H + 2 Hkv) D`.
@@ -419,11 +526,53 @@ impl DecoderConfig {
         (self.num_attention_heads + 2 * self.num_key_value_heads) * self.head_dim()
     }
 
-    /// Checks sizes and their consistency.
+    /// Whether layer `i` attends over a sliding window: `layer_types` when given, else the
+    /// family's rule (Mistral: every layer when `sliding_window` is set; Qwen2/3: layers
+    /// from `max_window_layers` on when `use_sliding_window`; Gemma 3: all but every
+    /// `sliding_window_pattern`-th (6), as transformers derives `layer_types`).
+    pub fn layer_is_sliding(&self, i: usize) -> bool {
+        if let Some(types) = &self.layer_types {
+            return types.get(i) == Some(&LayerType::Sliding);
+        }
+        let num = |k: &str| self.other.get(k).and_then(|v| v.as_u64());
+        match self.model_type {
+            Family::Llama => false,
+            Family::Mistral => self.sliding_window.is_some(),
+            Family::Qwen2 | Family::Qwen3 => {
+                self.other.get("use_sliding_window") == Some(&serde_json::Value::Bool(true))
+                    && i as u64 >= num("max_window_layers").unwrap_or(0)
+            }
+            Family::Gemma3 => {
+                let pattern = num("sliding_window_pattern")
+                    .or_else(|| num("_sliding_window_pattern"))
+                    .unwrap_or(6)
+                    .max(1);
+                (i as u64 + 1) % pattern != 0
+            }
+        }
+    }
+
+    /// The window of layer `i` in tokens, `None` for full causal attention.
+    pub fn layer_window(&self, i: usize) -> Option<usize> {
+        self.sliding_window.filter(|_| self.layer_is_sliding(i))
+    }
+
+    /// The attention scores' scale when it is not `1/√D` (Gemma 3's
+    /// `query_pre_attn_scalar^-1/2`), else `None`.
+    pub fn attention_scale(&self) -> Option<f64> {
+        self.query_pre_attn_scalar
+            .filter(|&s| s != self.head_dim() as f64)
+            .map(|s| 1.0 / s.sqrt())
+    }
+
+    /// Checks sizes and their consistency, and every key of [`Self::other`] against the
+    /// family ([`Self::check_key`]).
     ///
-    /// Errors: a zero size; `hidden_size % num_attention_heads != 0`; `num_attention_heads %
-    /// num_key_value_heads != 0`; an odd head width (RoPE rotates pairs); a non-positive eps
-    /// or RoPE base.
+    /// Errors: a zero size; `hidden_size % num_attention_heads != 0` without `head_dim`;
+    /// `num_attention_heads % num_key_value_heads != 0`; an odd head width (RoPE rotates
+    /// pairs); a non-positive eps or RoPE base; `layer_types` of another length than the
+    /// layers or sliding layers without a `sliding_window`; a key that changes the
+    /// computation and is not implemented (named).
     pub fn validate(&self) -> Result<()> {
         let sizes = [
             ("vocab_size", self.vocab_size),
@@ -433,13 +582,16 @@ impl DecoderConfig {
             ("num_attention_heads", self.num_attention_heads),
             ("num_key_value_heads", self.num_key_value_heads),
             ("max_position_embeddings", self.max_position_embeddings),
+            ("head_dim", self.head_dim.unwrap_or(1)),
+            ("sliding_window", self.sliding_window.unwrap_or(1)),
         ];
         if let Some((name, _)) = sizes.iter().find(|(_, v)| *v == 0) {
             bail!("DecoderConfig: {name} is 0; it must be positive");
         }
-        if self.hidden_size % self.num_attention_heads != 0 {
+        if self.head_dim.is_none() && self.hidden_size % self.num_attention_heads != 0 {
             bail!(
-                "DecoderConfig: hidden_size {} is not a multiple of num_attention_heads {}",
+                "DecoderConfig: hidden_size {} is not a multiple of num_attention_heads {} (and \
+                 no head_dim is given)",
                 self.hidden_size,
                 self.num_attention_heads
             );
@@ -453,58 +605,100 @@ impl DecoderConfig {
         }
         if self.head_dim() % 2 != 0 {
             bail!(
-                "DecoderConfig: head width {} is odd; rotary embeddings rotate pairs of columns",
+                "DecoderConfig: head width (head_dim) {} is odd; rotary embeddings rotate pairs of columns",
                 self.head_dim()
             );
         }
-        if !(self.rms_norm_eps > 0.0 && self.rope_theta > 0.0) {
+        let positive = |x: Option<f64>| x.map_or(true, |x| x.is_finite() && x > 0.0);
+        if !(self.rms_norm_eps > 0.0
+            && positive(Some(self.rope_theta))
+            && positive(self.rope_local_base_freq)
+            && positive(self.query_pre_attn_scalar))
+        {
             bail!(
-                "DecoderConfig: rms_norm_eps {} and rope_theta {} must be > 0",
+                "DecoderConfig: rms_norm_eps {}, rope_theta {}, rope_local_base_freq {:?} and \
+                 query_pre_attn_scalar {:?} must be finite and > 0",
                 self.rms_norm_eps,
-                self.rope_theta
+                self.rope_theta,
+                self.rope_local_base_freq,
+                self.query_pre_attn_scalar
             );
         }
+        self.check_family_fields()?;
         for (key, value) in &self.other {
             self.check_key(key, value)?;
         }
         Ok(())
     }
 
-    /// Accepts a key of [`Self::other`] that is harmless or holds the value the decoder
+    /// The typed fields a family does not implement: Gemma 3's RoPE base and scalar
+    /// elsewhere, layer types of the wrong length, sliding layers without a window.
+    fn check_family_fields(&self) -> Result<()> {
+        let family = self.model_type.model_type();
+        if self.model_type != Family::Gemma3 {
+            for (key, set) in [
+                ("rope_local_base_freq", self.rope_local_base_freq.is_some()),
+                ("query_pre_attn_scalar", self.query_pre_attn_scalar.is_some()),
+            ] {
+                if set {
+                    bail!("DecoderConfig: {key} is Gemma 3's; model_type {family:?} does not take it");
+                }
+            }
+        }
+        if let Some(types) = &self.layer_types {
+            if types.len() != self.num_hidden_layers {
+                bail!(
+                    "DecoderConfig: layer_types lists {} layers, num_hidden_layers is {}",
+                    types.len(),
+                    self.num_hidden_layers
+                );
+            }
+        }
+        let sliding = (0..self.num_hidden_layers).any(|i| self.layer_is_sliding(i));
+        if sliding && self.sliding_window.is_none() {
+            bail!("DecoderConfig: layers attend over a sliding window but sliding_window is null");
+        }
+        if self.model_type == Family::Llama {
+            if let Some(w) = self.sliding_window {
+                if w < self.max_position_embeddings {
+                    bail!(
+                        "DecoderConfig: sliding_window {w} is below max_position_embeddings {} in \
+                         a \"llama\" config: Llama has no sliding window; if the model was \
+                         trained with one (Mistral 7B v0.1), say model_type \"mistral\"",
+                        self.max_position_embeddings
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Accepts a key of [`Self::other`] that is harmless or holds the value the family
     /// implements; refuses any other, naming it.
     fn check_key(&self, key: &str, value: &serde_json::Value) -> Result<()> {
         use serde_json::Value;
         if HARMLESS_KEYS.contains(&key) {
             return Ok(());
         }
+        let family = self.model_type;
+        let (gemma, qwen) = (
+            family == Family::Gemma3,
+            matches!(family, Family::Qwen2 | Family::Qwen3),
+        );
         let is_false = || matches!(value, Value::Null | Value::Bool(false));
         let is_zero = || value.is_null() || value.as_f64() == Some(0.0);
         let ok = match key {
-            "model_type" => matches!(value.as_str(), Some("llama" | "mistral")),
-            "hidden_act" => value.as_str() == Some("silu"),
-            "attention_bias" | "mlp_bias" | "use_sliding_window" | "rope_interleaved" => is_false(),
+            "hidden_act" | "hidden_activation" => match family {
+                Family::Gemma3 => value.as_str() == Some("gelu_pytorch_tanh"),
+                _ => value.as_str() == Some("silu"),
+            },
+            "attention_bias" => is_false() || (family == Family::Qwen2 && value == &Value::Bool(true)),
+            "mlp_bias" | "rope_interleaved" | "use_bidirectional_attention" => is_false(),
             "attention_dropout" | "hidden_dropout" => is_zero(),
-            "head_dim" => value.is_null() || value.as_u64() == Some(self.head_dim() as u64),
-            "sliding_window" => {
-                if !value.is_null() {
-                    let w = value.as_u64().with_context(|| {
-                        format!(
-                            "DecoderConfig: sliding_window = {value} is neither null nor a number of \
-                             tokens; write null (no window) or the window's length"
-                        )
-                    })?;
-                    if w < self.max_position_embeddings as u64 {
-                        bail!(
-                            "DecoderConfig: sliding_window {w} is below max_position_embeddings {}: \
-                             wick has no sliding-window attention yet (Mistral 7B v0.1), so it \
-                             would attend over the whole sequence; use a model without a window \
-                             (Mistral 7B v0.2+ has sliding_window null)",
-                            self.max_position_embeddings
-                        );
-                    }
-                }
-                true
-            }
+            "final_logit_softcapping" | "attn_logit_softcapping" => value.is_null(),
+            "use_sliding_window" => qwen && value.is_boolean() || is_false(),
+            "max_window_layers" => qwen && value.is_u64(),
+            "sliding_window_pattern" | "_sliding_window_pattern" => gemma && value.is_u64(),
             _ => bail!(
                 "DecoderConfig: unknown key {key:?} = {value}: wick does not know whether it \
                  changes the computation, so it refuses the config rather than ignore it; if \
@@ -513,31 +707,38 @@ impl DecoderConfig {
         };
         if !ok {
             bail!(
-                "DecoderConfig: {key:?} = {value} changes the computation and wick's Llama does \
-                 not implement it (it implements model_type \"llama\"/\"mistral\", hidden_act \
-                 \"silu\", no attention or MLP bias, no dropout, head_dim = hidden_size / \
-                 num_attention_heads = {}, no sliding window); this model needs another decoder",
-                self.head_dim()
+                "DecoderConfig: {key:?} = {value} changes the computation and wick's {} decoder \
+                 does not implement it (see wick::models::family for what each family \
+                 implements); this model needs another decoder",
+                family.model_type()
             );
         }
         Ok(())
     }
 
-    /// The RoPE inverse frequencies of the `D / 2` rotated pairs: `rope_theta^(-2i / D)`,
-    /// rescaled by [`Self::rope_scaling`] when set.
-    pub fn rope_inv_freq(&self) -> Vec<f64> {
+    /// The RoPE inverse frequencies of the `D / 2` rotated pairs of layer kind `sliding`:
+    /// `base^(-2i / D)` with Gemma 3's local base on its sliding layers (unscaled), else
+    /// [`Self::rope_theta`] rescaled by [`Self::rope_scaling`] when set.
+    pub fn rope_inv_freq_of(&self, sliding: bool) -> Vec<f64> {
         let d = self.head_dim();
+        let local = self.rope_local_base_freq.filter(|_| sliding);
+        let base = local.unwrap_or(self.rope_theta);
         let inv: Vec<f64> = (0..d / 2)
-            .map(|i| self.rope_theta.powf(-((2 * i) as f64) / d as f64))
+            .map(|i| base.powf(-((2 * i) as f64) / d as f64))
             .collect();
-        match &self.rope_scaling {
-            Some(s) => s.apply(&inv),
-            None => inv,
+        match (&self.rope_scaling, local) {
+            (Some(s), None) => s.apply(&inv),
+            _ => inv,
         }
     }
 
+    /// The inverse frequencies of the full-attention layers ([`Self::rope_inv_freq_of`]).
+    pub fn rope_inv_freq(&self) -> Vec<f64> {
+        self.rope_inv_freq_of(false)
+    }
+
     /// The rotary tables `(cos, sin)`, each `(seq_len, D / 2)` f32, of positions
-    /// `start..start + seq_len` with [`Self::rope_inv_freq`] (angles in f64, rounded once):
+    /// `start..start + seq_len` for the full-attention layers (angles in f64, rounded once):
     /// [`crate::ops::rotary_tables_from_inv_freq`], what [`crate::ops::rotary_qkv`] takes.
     /// Without scaling they equal [`crate::ops::rotary_tables`]'s.
     ///
@@ -558,25 +759,30 @@ impl DecoderConfig {
     }
 
     /// Every tensor the decoder has, by HF name, with its shape: the token table, per block
-    /// the two norms and seven linears, the final norm, and `lm_head.weight` unless tied.
+    /// the family's norms ([`Family::block_norms`]), the seven linears and Qwen2's q/k/v
+    /// biases, the final norm, and `lm_head.weight` unless tied.
     pub fn tensor_shapes(&self) -> Vec<(String, Vec<usize>)> {
         let (c, f, v) = (self.hidden_size, self.intermediate_size, self.vocab_size);
-        let kv = self.num_key_value_heads * self.head_dim();
+        let d = self.head_dim();
+        let (q, kv) = (self.num_attention_heads * d, self.num_key_value_heads * d);
+        let rows = [q, kv, kv, c, f, f, c];
+        let cols = [c, c, c, q, c, c, f];
+        let family = self.model_type;
         let mut out = vec![(EMBED.to_string(), vec![v, c])];
         for i in 0..self.num_hidden_layers {
             let p = format!("model.layers.{i}");
-            for (name, shape) in [
-                ("input_layernorm.weight", vec![c]),
-                ("self_attn.q_proj.weight", vec![c, c]),
-                ("self_attn.k_proj.weight", vec![kv, c]),
-                ("self_attn.v_proj.weight", vec![kv, c]),
-                ("self_attn.o_proj.weight", vec![c, c]),
-                ("post_attention_layernorm.weight", vec![c]),
-                ("mlp.gate_proj.weight", vec![f, c]),
-                ("mlp.up_proj.weight", vec![f, c]),
-                ("mlp.down_proj.weight", vec![c, f]),
-            ] {
-                out.push((format!("{p}.{name}"), shape));
+            for (name, _, width) in family.block_norms() {
+                let n = match width {
+                    NormWidth::Hidden => c,
+                    NormWidth::Head => d,
+                };
+                out.push((format!("{p}.{name}"), vec![n]));
+            }
+            for (j, (module, _)) in LINEARS.iter().enumerate() {
+                out.push((format!("{p}.{module}.weight"), vec![rows[j], cols[j]]));
+                if family.switches().qkv_bias && j < 3 {
+                    out.push((format!("{p}.{module}.bias"), vec![rows[j]]));
+                }
             }
         }
         out.push((FINAL_NORM.to_string(), vec![c]));

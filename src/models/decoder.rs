@@ -1,33 +1,32 @@
-//! A Llama-family decoder (Touvron et al. 2023, "LLaMA"; transformers' `LlamaForCausalLM`)
-//! built from wick's fused, differentiable ops, with transformers' tensor names
-//! (`model.layers.{i}.self_attn.q_proj.weight`, ...), full fine-tuning or LoRA
-//! ([`crate::lora`]).
+//! The shared decoder of the Llama, Mistral, Qwen2, Qwen3 and Gemma 3 families
+//! (transformers' `*ForCausalLM`) built from wick's fused, differentiable ops, with
+//! transformers' tensor names (`model.layers.{i}.self_attn.q_proj.weight`, ...), full
+//! fine-tuning or LoRA ([`crate::lora`]). The block is [`super::block`]'s, one description run
+//! by training, cached inference and generation alike; a family is its config
+//! ([`DecoderConfig::model_type`]) plus the switches of [`super::family`].
 //!
-//! Per block (pre-RMSNorm):
-//! ```text
-//! qkv = rotary([Wq; Wk; Wv] · rms_norm(x))                 one GEMM, RoPE on q and k
-//! x   = x + Wo · grouped_causal_attention(qkv)              H query heads share Hkv KV heads
-//! x   = x + Wdown · swiglu([Wgate; Wup] · rms_norm(x))      one GEMM for gate and up
-//! ```
-//! then the final RMSNorm and the head (tied to the token table when the config says so),
-//! with the head and the cross-entropy as one node ([`ops::linear_cross_entropy_rows`]). The
-//! residual stream is f32; the GEMMs run in the compute dtype; the norms, RoPE, softmax and
-//! SwiGLU compute in f32 ([`crate::precision`]). RoPE is transformers' `rotate_half` form
-//! (pairs `(i, i + D/2)`); GGUF files store q/k rows permuted for llama.cpp's interleaved form,
-//! which [`super::files`] undoes on load.
+//! After the blocks: the final RMSNorm and the head (tied to the token table when the config
+//! says so), with the head and the cross-entropy as one node
+//! ([`ops::linear_cross_entropy_rows`]). The residual stream is f32; the GEMMs run in the
+//! compute dtype; the norms, RoPE, softmax and the gated activations compute in f32
+//! ([`crate::precision`]). RoPE is transformers' `rotate_half` form (pairs `(i, i + D/2)`);
+//! GGUF files of the `llama` architecture store q/k rows permuted for llama.cpp's interleaved
+//! form, which [`super::files`] undoes on load.
 //!
 //! Inference ([`Decoder::forward_cached`], [`Decoder::generate`]) keeps a KV cache per block.
 
+use super::block::{self, adapted_outs, Attend, Block, Norms, Proj, Spec};
 use super::config::{DecoderConfig, EMBED, FINAL_NORM, HEAD};
+use super::family::LINEARS;
 use crate::lora::{LoraAdapter, LoraConfig};
-use crate::ops::{self, Half, Layer, NormParams};
+use crate::ops;
 use crate::params::{ParamStore, Role};
 use crate::precision::{to_f32, Precision};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use rand::{rngs::StdRng, SeedableRng};
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// A decoder's configuration and tensors by HF name (f32 or any float dtype, on any device),
 /// as read from a GGUF or safetensors file ([`super::files`]) or drawn at random.
@@ -40,8 +39,9 @@ pub struct DecoderWeights {
 }
 
 impl DecoderWeights {
-    /// Random weights as transformers initialises a fresh `LlamaForCausalLM`: linears and the
-    /// token table `N(0, 0.02)`, norm gains 1. f32 on the CPU; `seed` fixes them.
+    /// Random weights as transformers initialises a fresh model of the family: linears and
+    /// the token table `N(0, 0.02)`, biases 0, norm gains 1 (Gemma's `1 + w` gains: `w = 0`).
+    /// f32 on the CPU; `seed` fixes them.
     ///
     /// Errors: an invalid config.
     pub fn random(config: DecoderConfig, seed: u64) -> Result<Self> {
@@ -50,10 +50,13 @@ impl DecoderWeights {
         let mut rng = StdRng::seed_from_u64(seed);
         let normal = Normal::new(0.0f32, 0.02).context("N(0, 0.02)")?;
         let mut tensors = HashMap::new();
+        let gain = 1.0 - config.model_type.switches().norm_offset as f32;
         for (name, shape) in config.tensor_shapes() {
             let n: usize = shape.iter().product();
-            let values: Vec<f32> = if shape.len() == 1 {
-                vec![1.0; n]
+            let values: Vec<f32> = if name.ends_with(".bias") {
+                vec![0.0; n]
+            } else if shape.len() == 1 {
+                vec![gain; n]
             } else {
                 (0..n).map(|_| normal.sample(&mut rng)).collect()
             };
@@ -121,214 +124,6 @@ pub enum FineTune {
     Lora(LoraConfig),
 }
 
-/// A linear layer of one or more HF modules stacked along the output (`[Wq; Wk; Wv]`,
-/// `[Wgate; Wup]`): one GEMM for all of them, plus the LoRA updates of the adapted parts.
-struct Proj {
-    /// The parts' base weights `(out_i, in)`, trainable or frozen.
-    parts: Vec<Tensor>,
-    /// The stacked weight, made once when the parts are frozen constants.
-    stacked: Option<Tensor>,
-    /// Per part, its adapter (LoRA mode, targeted modules): views of `lora`'s stacks.
-    adapters: Vec<Option<LoraAdapter>>,
-    /// The adapted parts' adapters stacked (`A (P r, in)`, `B (sum out_i, r)`) under their
-    /// brace-list name: one store parameter each, read by the forward as they are.
-    lora: Option<(String, LoraAdapter)>,
-    scaling: f64,
-    dropout: f64,
-    /// `(out_i, r_i)` per part (rank 0 without an adapter), as `ops::lora_linear_grouped` takes.
-    ranks: Vec<(usize, usize)>,
-}
-
-impl Proj {
-    /// `adapted[i]`: whether part i has an adapter in `lora`'s stacks (in order).
-    fn new(
-        parts: Vec<Tensor>,
-        frozen: bool,
-        lora: Option<(String, LoraAdapter)>,
-        adapted: &[bool],
-    ) -> Result<Self> {
-        let stacked = if frozen && parts.len() > 1 {
-            Some(Tensor::cat(&parts, 0)?)
-        } else {
-            None
-        };
-        let outs = adapted_outs(&parts, adapted.iter().copied());
-        let mut adapters = Vec::with_capacity(parts.len());
-        let mut j = 0;
-        for &on in adapted {
-            adapters.push(match (&lora, on) {
-                (Some((_, stack)), true) => {
-                    j += 1;
-                    Some(stack.part(&outs, j - 1)?)
-                }
-                _ => None,
-            });
-        }
-        let ranks = parts
-            .iter()
-            .zip(&adapters)
-            .map(|(w, ad)| (w.dims()[0], ad.as_ref().map_or(0, |ad| ad.a.dims()[0])))
-            .collect();
-        Ok(Self {
-            parts,
-            stacked,
-            adapters,
-            lora,
-            scaling: 1.0,
-            dropout: 0.0,
-            ranks,
-        })
-    }
-
-    /// The projection as one layer of a block op, or `None` where its forward is more than one
-    /// op (LoRA dropout in training).
-    fn layer(&self, train: bool) -> Option<Layer<'_>> {
-        let parts = match &self.stacked {
-            Some(w) => std::slice::from_ref(w),
-            None => self.parts.as_slice(),
-        };
-        match (&self.lora, parts) {
-            (None, parts) => Some(Layer::Linear { parts, b: &[] }),
-            (Some(_), _) if train && self.dropout > 0.0 => None,
-            (Some((_, LoraAdapter { a, b })), [w]) => Some(Layer::LoraLinear {
-                w,
-                a,
-                b,
-                parts: &self.ranks,
-                scale: self.scaling,
-            }),
-            // adapted parts are frozen, so stacked once: not reached
-            (Some(_), _) => None,
-        }
-    }
-
-    /// `x: (.., in)` in the compute dtype → `(.., sum out_i)`.
-    fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-        let w = match (&self.stacked, self.parts.as_slice()) {
-            (Some(w), _) => w.clone(),
-            (None, [w]) => w.clone(),
-            (None, parts) => Tensor::cat(parts, 0)?,
-        };
-        let Some((_, LoraAdapter { a, b })) = &self.lora else {
-            return Ok(ops::linear(x, &w, None)?);
-        };
-        let parts = &self.ranks;
-        if train && self.dropout > 0.0 {
-            // PEFT's order: dropout on the adapters' input only, so the updates are separate
-            // nodes: u = dropout(x) [A_1; ..]^T, then u times the block-diagonal [B_1 0; 0 B_2]
-            let b_bd = ops::lora_block_diagonal(b, parts)?.affine(self.scaling, 0.0)?;
-            let xd = candle_nn::ops::dropout(x, self.dropout as f32)?;
-            let y = ops::linear(x, &w, None)?;
-            return Ok((y + ops::linear(&ops::linear(&xd, a, None)?, &b_bd, None)?)?);
-        }
-        // base GEMM and every part's update in one node: no (.., out) update tensor kept, and
-        // the adapters' tensors enter as the two stacks they are stored as
-        Ok(ops::lora_linear_grouped(x, &w, a, b, parts, self.scaling)?)
-    }
-}
-
-/// The output rows of the adapted parts, in order: the `outs` of their adapter stack.
-fn adapted_outs(parts: &[Tensor], adapted: impl Iterator<Item = bool>) -> Vec<usize> {
-    parts
-        .iter()
-        .zip(adapted)
-        .filter(|(_, on)| *on)
-        .map(|(w, _)| w.dims()[0])
-        .collect()
-}
-
-struct Block {
-    attn_norm: Tensor,
-    qkv: Proj,
-    o: Proj,
-    mlp_norm: Tensor,
-    gate_up: Proj,
-    down: Proj,
-    dims: Dims,
-}
-
-/// What a block's forward needs of the config.
-#[derive(Debug, Clone, Copy)]
-struct Dims {
-    heads: usize,
-    kv_heads: usize,
-    eps: f64,
-    compute: DType,
-}
-
-impl Block {
-    /// The training forward, `x: (B, T, C)` f32 → f32; `cos`/`sin` the RoPE tables of 0..T.
-    fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, train: bool) -> Result<Tensor> {
-        let Dims {
-            heads,
-            kv_heads,
-            eps,
-            compute,
-        } = self.dims;
-        let n = ops::rms_norm_with_dtype(x, &self.attn_norm, eps, compute)?;
-        let qkv = ops::rotary_qkv(&self.qkv.forward(&n, train)?, cos, sin, heads, kv_heads)?;
-        let a = ops::grouped_causal_attention(&qkv, heads, kv_heads)?;
-        let x = ops::residual_add(x, &self.o.forward(&a, train)?)?;
-        let n = ops::rms_norm_with_dtype(&x, &self.mlp_norm, eps, compute)?;
-        let m = ops::swiglu(&self.gate_up.forward(&n, train)?)?;
-        Ok(ops::residual_add(&x, &self.down.forward(&m, train)?)?)
-    }
-
-    /// The block's two halves as block-op layers (`[qkv, rotary, attention, o]`, `[gate_up,
-    /// swiglu, down]`; [`ops::pre_norm_stack`] runs them as [`Block::forward`] does), or `None`
-    /// where a projection is more than one op (LoRA dropout in training).
-    fn layers<'a>(
-        &'a self,
-        cos: &'a Tensor,
-        sin: &'a Tensor,
-        train: bool,
-    ) -> Option<[Vec<Layer<'a>>; 2]> {
-        let (n_head, n_kv_head) = (self.dims.heads, self.dims.kv_heads);
-        let attention = vec![
-            self.qkv.layer(train)?,
-            Layer::Rotary {
-                cos,
-                sin,
-                n_head,
-                n_kv_head,
-            },
-            Layer::Attention { n_head, n_kv_head },
-            self.o.layer(train)?,
-        ];
-        let mlp = vec![
-            self.gate_up.layer(train)?,
-            Layer::SwiGlu,
-            self.down.layer(train)?,
-        ];
-        Some([attention, mlp])
-    }
-
-    /// The halves of [`Block::layers`] with their RMSNorms.
-    fn halves<'a>(&'a self, layers: &'a [Vec<Layer<'a>>; 2]) -> [Half<'a>; 2] {
-        let norm = |w| NormParams {
-            w,
-            b: None,
-            eps: self.dims.eps,
-        };
-        [
-            Half::Branch(norm(&self.attn_norm), &layers[0]),
-            Half::Branch(norm(&self.mlp_norm), &layers[1]),
-        ]
-    }
-
-    /// Every tensor the block's forward reads (for [`crate::recompute::checkpoint`]).
-    fn tensors(&self) -> Vec<Tensor> {
-        let mut out = vec![self.attn_norm.clone(), self.mlp_norm.clone()];
-        for p in [&self.qkv, &self.o, &self.gate_up, &self.down] {
-            out.extend(p.parts.iter().cloned());
-            if let Some((_, stack)) = &p.lora {
-                out.extend([stack.a.clone(), stack.b.clone()]);
-            }
-        }
-        out
-    }
-}
-
 /// The decoder. Build it with [`Decoder::new`] from [`DecoderWeights`].
 pub struct Decoder {
     config: DecoderConfig,
@@ -347,12 +142,39 @@ pub struct Decoder {
     checkpointing: bool,
     /// RoPE tables of positions `0..T` for the last training length `T`, made once and reused
     /// by every step of that length (no host computation and upload per step).
-    rope: std::sync::Mutex<Option<(usize, Tensor, Tensor)>>,
+    rope: std::sync::Mutex<Option<(usize, Arc<Ropes>)>>,
 }
 
-/// The seven linears of a block, by HF module name, in their stacking order.
-const QKV: [&str; 3] = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"];
-const GATE_UP: [&str; 2] = ["mlp.gate_proj", "mlp.up_proj"];
+/// The RoPE tables `(cos, sin)`, each `(T, D/2)` f32, of a run of positions: the full
+/// layers' and, for Gemma 3, the sliding layers' (another base).
+struct Ropes {
+    global: (Tensor, Tensor),
+    local: Option<(Tensor, Tensor)>,
+}
+
+impl Ropes {
+    fn new(config: &DecoderConfig, t: usize, start: usize, device: &Device) -> Result<Self> {
+        let table = |sliding: bool| -> Result<(Tensor, Tensor)> {
+            let inv = config.rope_inv_freq_of(sliding);
+            Ok(ops::rotary_tables_from_inv_freq(&inv, t, start, device)?)
+        };
+        Ok(Self {
+            global: table(false)?,
+            local: match config.rope_local_base_freq {
+                Some(_) => Some(table(true)?),
+                None => None,
+            },
+        })
+    }
+
+    /// Block `b`'s table.
+    fn of(&self, b: &Block) -> &(Tensor, Tensor) {
+        match (&self.local, b.spec.local_rope) {
+            (Some(local), true) => local,
+            _ => &self.global,
+        }
+    }
+}
 
 impl Decoder {
     /// Builds the decoder on `store` from `weights` (checked first: names and shapes).
@@ -391,25 +213,47 @@ impl Decoder {
             }
         };
         let embed = take(EMBED, Role::Fp32)?;
-        let dims = Dims {
-            heads: config.num_attention_heads,
-            kv_heads: config.num_key_value_heads,
-            eps: config.rms_norm_eps,
-            compute,
-        };
+        let switches = config.model_type.switches();
         let mut blocks = Vec::with_capacity(config.num_hidden_layers);
         let mut adapters = Vec::new();
         for i in 0..config.num_hidden_layers {
             let p = format!("model.layers.{i}");
-            let attn_norm = take(&format!("{p}.input_layernorm.weight"), Role::Fp32)?;
-            let mlp_norm = take(&format!("{p}.post_attention_layernorm.weight"), Role::Fp32)?;
-            let mut proj = |modules: &[&str]| -> Result<Proj> {
+            let mut gain = |name: &str| take(&format!("{p}.{name}"), Role::Fp32);
+            let attn = gain("input_layernorm.weight")?;
+            let qk = match switches.qk_norm {
+                true => Some((
+                    gain("self_attn.q_norm.weight")?,
+                    gain("self_attn.k_norm.weight")?,
+                )),
+                false => None,
+            };
+            let (post_attn, mlp, post_mlp) = match switches.sandwich_norms {
+                true => (
+                    Some(gain("post_attention_layernorm.weight")?),
+                    gain("pre_feedforward_layernorm.weight")?,
+                    Some(gain("post_feedforward_layernorm.weight")?),
+                ),
+                false => (None, gain("post_attention_layernorm.weight")?, None),
+            };
+            let norms = Norms {
+                attn,
+                qk,
+                post_attn,
+                mlp,
+                post_mlp,
+            };
+            let mut proj = |modules: &[(&str, &str)]| -> Result<Proj> {
                 let mut parts = Vec::new();
+                let mut bias = Vec::new();
                 let mut adapted = Vec::new();
                 let mut targeted = Vec::new();
-                for m in modules {
+                for (m, _) in modules {
                     let module = format!("{p}.{m}");
                     let w = take(&format!("{module}.weight"), Role::Matmul)?;
+                    let b = format!("{module}.bias");
+                    if weights.tensors.contains_key(&b) {
+                        bias.push(take(&b, Role::Fp32)?);
+                    }
                     let on = lora.as_ref().is_some_and(|l| l.targets(&module));
                     if on {
                         targeted.push((module, w.dims2()?));
@@ -428,7 +272,7 @@ impl Decoder {
                     }
                     _ => None,
                 };
-                let mut proj = Proj::new(parts, lora.is_some(), stack, &adapted)?;
+                let mut proj = Proj::new(parts, bias, lora.is_some(), stack, &adapted)?;
                 let modules = targeted.iter().map(|t| t.0.clone());
                 adapters.extend(modules.zip(proj.adapters.iter().flatten().cloned()));
                 if let Some(l) = &lora {
@@ -437,18 +281,26 @@ impl Decoder {
                 }
                 Ok(proj)
             };
-            let qkv = proj(&QKV)?;
-            let o = proj(&["self_attn.o_proj"])?;
-            let gate_up = proj(&GATE_UP)?;
-            let down = proj(&["mlp.down_proj"])?;
+            let qkv = proj(&LINEARS[0..3])?;
+            let o = proj(&LINEARS[3..4])?;
+            let gate_up = proj(&LINEARS[4..6])?;
+            let down = proj(&LINEARS[6..7])?;
+            let spec = Spec {
+                heads: config.num_attention_heads,
+                kv_heads: config.num_key_value_heads,
+                eps: config.rms_norm_eps,
+                switches,
+                window: config.layer_window(i),
+                scale: config.attention_scale(),
+                local_rope: config.layer_is_sliding(i),
+            };
             blocks.push(Arc::new(Block {
-                attn_norm,
+                norms,
                 qkv,
                 o,
-                mlp_norm,
                 gate_up,
                 down,
-                dims,
+                spec,
             }));
         }
         let norm = take(FINAL_NORM, Role::Fp32)?;
@@ -540,22 +392,49 @@ impl Decoder {
         Ok((b, t))
     }
 
-    /// RoPE `(cos, sin)` of positions `0..t`, from the cache when the length repeats.
-    fn rope_tables(&self, t: usize) -> Result<(Tensor, Tensor)> {
+    /// The RoPE tables of positions `0..t`, from the cache when the length repeats.
+    fn rope_tables(&self, t: usize) -> Result<Arc<Ropes>> {
         let mut cached = self.rope.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((len, cos, sin)) = cached.as_ref() {
+        if let Some((len, ropes)) = cached.as_ref() {
             if *len == t {
-                return Ok((cos.clone(), sin.clone()));
+                return Ok(ropes.clone());
             }
         }
-        let (cos, sin) = self.config.rotary_tables(t, 0, &self.device)?;
-        *cached = Some((t, cos.clone(), sin.clone()));
-        Ok((cos, sin))
+        let ropes = Arc::new(Ropes::new(&self.config, t, 0, &self.device)?);
+        *cached = Some((t, ropes.clone()));
+        Ok(ropes)
     }
 
-    /// The residual stream `(B, T, C)` f32 of the token ids.
+    /// The residual stream `(B, T, C)` f32 of the token ids: the table's rows, times
+    /// `√hidden_size` rounded to the table's dtype for Gemma (transformers'
+    /// `Gemma3TextScaledWordEmbedding`).
     fn embed_ids(&self, ids: &Tensor) -> Result<Tensor> {
-        Ok(to_f32(&ops::embedding(ids, &self.embed)?)?)
+        let x = to_f32(&ops::embedding(ids, &self.embed)?)?;
+        if !self.config.model_type.switches().embed_scale {
+            return Ok(x);
+        }
+        let scale = (self.config.hidden_size as f64).sqrt();
+        let scale = match self.embed.dtype() {
+            DType::BF16 => half::bf16::from_f64(scale).to_f64(),
+            DType::F16 => half::f16::from_f64(scale).to_f64(),
+            _ => scale as f32 as f64,
+        };
+        Ok(x.affine(scale, 0.0)?)
+    }
+
+    /// The final norm of the f32 stream, output in the compute dtype.
+    fn final_norm(&self, x: &Tensor) -> Result<Tensor> {
+        let offset = self.config.model_type.switches().norm_offset;
+        let g = match offset {
+            0.0 => self.norm.clone(),
+            _ => self.norm.to_dtype(DType::F32)?.affine(1.0, offset)?,
+        };
+        Ok(ops::rms_norm_with_dtype(
+            x,
+            &g,
+            self.config.rms_norm_eps,
+            self.compute(),
+        )?)
     }
 
     /// Mean next-token cross-entropy (f32 scalar) of `ids: (B, T)` against `targets: (B, T)`
@@ -580,46 +459,30 @@ impl Decoder {
                 self.config.max_position_embeddings
             );
         }
-        let (cos, sin) = self.rope_tables(t)?;
+        let ropes = self.rope_tables(t)?;
         let mut x = self.embed_ids(ids)?;
-        // the L blocks as one stack: one graph node under the engine's backward
-        let layers: Option<Vec<_>> = match self.checkpointing {
-            true => None,
-            false => self
+        let compute = self.compute();
+        if self.checkpointing {
+            // each block a segment recomputed in the backward, run as its per-op composition
+            for b in &self.blocks {
+                let (block, ropes) = (b.clone(), ropes.clone());
+                let segment: crate::recompute::SegmentFn = Arc::new(move |x: &Tensor| {
+                    let one = std::iter::once((&*block, ropes.of(&block), Attend::Sequence));
+                    block::run(x, one, true, true, compute)
+                        .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
+                });
+                x = crate::recompute::checkpoint(&x, &b.tensors(), segment)?;
+            }
+        } else {
+            // the L blocks as one stack: one graph node under the engine's backward
+            let all = self
                 .blocks
                 .iter()
-                .map(|b| b.layers(&cos, &sin, true))
-                .collect(),
-        };
-        match &layers {
-            Some(layers) => {
-                let halves: Vec<Half<'_>> = self
-                    .blocks
-                    .iter()
-                    .zip(layers)
-                    .flat_map(|(b, l)| b.halves(l))
-                    .collect();
-                x = ops::pre_norm_stack(&x, &halves, self.compute())?;
-            }
-            // LoRA dropout or checkpointing: the blocks one by one, per op
-            None => {
-                for block in &self.blocks {
-                    x = if self.checkpointing {
-                        let (l, cos, sin) = (block.clone(), cos.clone(), sin.clone());
-                        let segment: crate::recompute::SegmentFn = Arc::new(move |x: &Tensor| {
-                            l.forward(x, &cos, &sin, true)
-                                .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
-                        });
-                        crate::recompute::checkpoint(&x, &block.tensors(), segment)?
-                    } else {
-                        block.forward(&x, &cos, &sin, true)?
-                    };
-                }
-            }
+                .map(|b| (&**b, ropes.of(b), Attend::Sequence));
+            x = block::run(&x, all, true, false, compute)?;
         }
         let c = self.config.hidden_size;
-        let h = ops::rms_norm_with_dtype(&x, &self.norm, self.config.rms_norm_eps, self.compute())?
-            .reshape((b * t, c))?;
+        let h = self.final_norm(&x)?.reshape((b * t, c))?;
         let y = targets.flatten_all()?;
         Ok(ops::linear_cross_entropy_rows(&h, &self.head_weight()?, &y)?.mean_all()?)
     }
@@ -633,7 +496,7 @@ impl Decoder {
     pub fn forward_cached(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
         let (b, t) = self.check_ids(ids, "forward_cached")?;
         if cache.layers.is_empty() {
-            cache.layers = vec![None; self.blocks.len()];
+            cache.layers = (0..self.blocks.len()).map(|_| Mutex::new(None)).collect();
         }
         if cache.layers.len() != self.blocks.len() || (cache.len > 0 && cache.batch != b) {
             bail!(
@@ -652,41 +515,19 @@ impl Decoder {
                 self.config.max_position_embeddings
             );
         }
-        let cfg = &self.config;
-        let (h, hkv, d) = (
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim(),
-        );
-        let (cos, sin) = cfg.rotary_tables(t, start, &self.device)?;
-        let mask = causal_mask(t, start, h / hkv, &self.device)?;
-        let mut x = self.embed_ids(&ids.detach())?.detach();
-        for (l, kv) in self.blocks.iter().zip(cache.layers.iter_mut()) {
-            let n = ops::rms_norm_with_dtype(&x, &l.attn_norm, cfg.rms_norm_eps, self.compute())?;
-            let qkv = ops::rotary_qkv(&l.qkv.forward(&n, false)?, &cos, &sin, h, hkv)?.detach();
-            let heads = |from: usize, count: usize| -> Result<Tensor> {
-                Ok(qkv
-                    .narrow(2, from * d, count * d)?
-                    .reshape((b, t, count, d))?
-                    .transpose(1, 2)?
-                    .contiguous()?)
-            };
-            let (q, k, v) = (heads(0, h)?, heads(h, hkv)?, heads(h + hkv, hkv)?);
-            let (k, v) = match kv.take() {
-                Some((k0, v0)) => (Tensor::cat(&[&k0, &k], 2)?, Tensor::cat(&[&v0, &v], 2)?),
-                None => (k, v),
-            };
-            let a = cached_attention(&q, &k, &v, &mask, hkv)?; // (B, T, H*D)
-            *kv = Some((k, v));
-            x = ops::residual_add(&x, &l.o.forward(&a, false)?)?.detach();
-            let n = ops::rms_norm_with_dtype(&x, &l.mlp_norm, cfg.rms_norm_eps, self.compute())?;
-            let m = ops::swiglu(&l.gate_up.forward(&n, false)?)?;
-            x = ops::residual_add(&x, &l.down.forward(&m, false)?)?.detach();
-        }
+        let ropes = Ropes::new(&self.config, t, start, &self.device)?;
+        let x = self.embed_ids(&ids.detach())?.detach();
+        let all = self
+            .blocks
+            .iter()
+            .zip(&cache.layers)
+            .map(|(b, kv)| (&**b, ropes.of(b), Attend::Cached { kv, start }));
+        let x = block::run(&x, all, false, true, self.compute())?.detach();
         cache.len = start + t;
         cache.batch = b;
-        let hn = ops::rms_norm_with_dtype(&x, &self.norm, cfg.rms_norm_eps, self.compute())?;
-        let logits = hn.broadcast_matmul(&self.head_weight()?.detach().t()?)?;
+        let logits = self
+            .final_norm(&x)?
+            .broadcast_matmul(&self.head_weight()?.detach().t()?)?;
         Ok(to_f32(&logits)?.detach())
     }
 
@@ -777,7 +618,7 @@ impl Decoder {
     pub fn adapter_masters(&self, store: &ParamStore) -> Result<Vec<(String, Tensor)>> {
         let mut out = Vec::new();
         for b in &self.blocks {
-            for p in [&b.qkv, &b.o, &b.gate_up, &b.down] {
+            for p in b.projs() {
                 let Some((name, _)) = &p.lora else { continue };
                 let master = |kind: &str| -> Result<Tensor> {
                     let n = format!("{name}.lora_{kind}.weight");
@@ -899,6 +740,7 @@ impl Decoder {
                 };
                 Ok(Proj {
                     parts: p.parts.iter().map(&base).collect::<Result<_>>()?,
+                    bias: p.bias.iter().map(&base).collect::<Result<_>>()?,
                     stacked: p.stacked.clone(),
                     adapters: ads,
                     lora,
@@ -913,14 +755,25 @@ impl Decoder {
                 proj(&b.gate_up)?,
                 proj(&b.down)?,
             );
+            let n = &b.norms;
+            let opt = |t: &Option<Tensor>| t.as_ref().map(&base).transpose();
+            let norms = Norms {
+                attn: base(&n.attn)?,
+                qk: match &n.qk {
+                    Some((q, k)) => Some((base(q)?, base(k)?)),
+                    None => None,
+                },
+                post_attn: opt(&n.post_attn)?,
+                mlp: base(&n.mlp)?,
+                post_mlp: opt(&n.post_mlp)?,
+            };
             blocks.push(Arc::new(Block {
-                attn_norm: base(&b.attn_norm)?,
+                norms,
                 qkv,
                 o,
-                mlp_norm: base(&b.mlp_norm)?,
                 gate_up,
                 down,
-                dims: b.dims,
+                spec: b.spec,
             }));
         }
         Ok(Decoder {
@@ -975,11 +828,24 @@ impl Decoder {
 /// Keys and values of the positions seen so far, per block: `(B, Hkv, S, D)` each, in the
 /// compute dtype. Start with `KvCache::default()`; one cache per sequence batch. Drop it (or
 /// [`KvCache::clear`]) when the weights change: its keys came from the old ones.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Default)]
 pub struct KvCache {
-    layers: Vec<Option<(Tensor, Tensor)>>,
+    layers: Vec<Mutex<Option<(Tensor, Tensor)>>>,
     len: usize,
     batch: usize,
+}
+
+impl Clone for KvCache {
+    fn clone(&self) -> Self {
+        let layers = self.layers.iter().map(|l| {
+            Mutex::new(l.lock().unwrap_or_else(|e| e.into_inner()).clone())
+        });
+        Self {
+            layers: layers.collect(),
+            len: self.len,
+            batch: self.batch,
+        }
+    }
 }
 
 impl KvCache {
@@ -997,39 +863,4 @@ impl KvCache {
     pub fn clear(&mut self) {
         *self = Self::default();
     }
-}
-
-/// Additive mask `(G*T, start+T)` f32 for `G` query heads of a group stacked along the rows:
-/// row `g*T + i` (query position `start + i`) sees keys `0..=start+i`.
-fn causal_mask(t: usize, start: usize, g: usize, device: &Device) -> Result<Tensor> {
-    let s = start + t;
-    let mut m = vec![0f32; g * t * s];
-    for r in 0..g * t {
-        let i = r % t;
-        for j in (start + i + 1)..s {
-            m[r * s + j] = f32::NEG_INFINITY;
-        }
-    }
-    Ok(Tensor::from_vec(m, (g * t, s), device)?)
-}
-
-/// Grouped-query attention of new queries against cached keys, inference only: `q: (B, H, T,
-/// D)`, `k, v: (B, Hkv, S, D)` → `(B, T, H*D)` in q's dtype; the `G = H/Hkv` query heads of a
-/// group are stacked along the rows so K and V are not repeated; softmax in f32.
-fn cached_attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    mask: &Tensor,
-    hkv: usize,
-) -> Result<Tensor> {
-    let (b, h, t, d) = q.dims4()?;
-    let g = h / hkv;
-    let q = q.reshape((b, hkv, g * t, d))?;
-    let scores = (to_f32(&q.matmul(&k.t()?)?)? / (d as f64).sqrt())?;
-    let p = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(mask)?)?;
-    let y = p.to_dtype(v.dtype())?.matmul(v)?; // (B, Hkv, G*T, D)
-    Ok(y.reshape((b, h, t, d))?
-        .transpose(1, 2)?
-        .reshape((b, t, h * d))?)
 }

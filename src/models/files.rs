@@ -10,6 +10,7 @@
 //! RoPE kernel uses ([`unpermute_rotary_rows`]).
 
 use super::decoder::DecoderWeights;
+use super::family::Family;
 use super::config::{DecoderConfig, RopeScaling, TokenIds, EMBED, FINAL_NORM, HEAD};
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::gguf_file;
@@ -99,6 +100,12 @@ impl Gguf {
         };
         let opt_u32 = |k: &str| self.content.metadata.get(k).and_then(|v| v.to_u32().ok());
         let mut config = DecoderConfig {
+            model_type: Family::Llama,
+            head_dim: None,
+            sliding_window: None,
+            layer_types: None,
+            rope_local_base_freq: None,
+            query_pre_attn_scalar: None,
             vocab_size: vocab,
             hidden_size: self.meta_usize("llama.embedding_length")?,
             intermediate_size: self.meta_usize("llama.feed_forward_length")?,

@@ -16,8 +16,10 @@
 
 pub mod bert;
 pub mod bert_io;
+mod block;
 pub mod config;
 pub mod decoder;
+pub mod family;
 pub mod files;
 pub mod gpt;
 mod sampling;

@@ -159,7 +159,11 @@ impl Step {
                 b,
                 parts,
                 scale,
+                dropout,
             } => {
+                if dropout != 0.0 {
+                    return Ok(None);
+                }
                 let ([x, a, b], op) = lora_linear::operands(x, w, a, b, parts, scale)?;
                 let y = x.apply_op3(&a, &b, op.clone())?;
                 (x, y, Op::Lora { op, a, b })

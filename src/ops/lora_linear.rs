@@ -66,6 +66,31 @@ pub fn lora_linear_grouped(
     x.apply_op3(&a, &b, op)
 }
 
+/// [`lora_linear_grouped`] with PEFT's LoRA dropout (`lora_dropout`, training): the dropout
+/// applies to the adapters' input only, so the update is its own pair of GEMMs,
+/// `y = x W^T + (dropout(x, p) A^T) (s B_bd)^T` with `B_bd` the block-diagonal of the parts'
+/// up projections; separate differentiable ops (PEFT's `lora_B(lora_A(dropout(x))) * s`).
+/// Shapes and dtypes as [`lora_linear_grouped`]; `p` in `[0, 1)`.
+///
+/// Errors: as [`lora_linear_grouped`], and `p` outside `[0, 1)`.
+pub fn lora_linear_dropout(
+    x: &Tensor,
+    w: &Tensor,
+    a: &Tensor,
+    b: &Tensor,
+    parts: &[(usize, usize)],
+    scale: f64,
+    p: f64,
+) -> Result<Tensor> {
+    if !(0.0..1.0).contains(&p) {
+        candle_core::bail!("lora_linear_dropout: dropout {p} must be in [0, 1)");
+    }
+    let b_bd = block_diagonal(b, parts)?.affine(scale, 0.0)?;
+    let xd = candle_nn::ops::dropout(x, p as f32)?;
+    let y = super::linear(x, w, None)?;
+    y + super::linear(&super::linear(&xd, a, None)?, &b_bd, None)?
+}
+
 /// [`lora_linear_grouped`]'s arguments checked (its errors) and laid out, `[x, a, b]`, with
 /// the op.
 pub(super) fn operands(

@@ -113,13 +113,12 @@ pub use heads::{merge_heads, split_heads};
 pub use layer_norm::{layer_norm, layer_norm_with_dtype};
 pub use linear::linear;
 pub use linear_cross_entropy::linear_cross_entropy_rows;
-pub(crate) use lora_linear::block_diagonal as lora_block_diagonal;
-pub use lora_linear::{lora_linear, lora_linear_grouped};
+pub use lora_linear::{lora_linear, lora_linear_dropout, lora_linear_grouped};
 pub use padded_attention::key_padding_attention;
 pub use post_norm_block::post_norm_block;
 pub use residual::residual_add;
 pub use residual_block::{
-    attention_block, mlp_block, pre_norm_stack, AttentionParams, Half, Layer, MlpParams, NormParams,
+    attention_block, mlp_block, pre_norm_composed, pre_norm_stack, AttentionParams, Half, Layer, MlpParams, NormParams,
 };
 pub use rms_norm::{rms_norm, rms_norm_with_dtype};
 pub use rotary::{rotary_qkv, rotary_tables, rotary_tables_from_inv_freq};

@@ -117,6 +117,10 @@ pub enum Layer<'a> {
         parts: &'a [(usize, usize)],
         /// LoRA's `alpha / r`.
         scale: f64,
+        /// PEFT's LoRA dropout on the adapters' input (training): `0.0` is
+        /// [`crate::ops::lora_linear_grouped`], one op; above, the composition
+        /// [`crate::ops::lora_linear_dropout`].
+        dropout: f64,
     },
     /// [`crate::ops::rotary_qkv`] with RoPE tables `(T, Dh/2)` f32.
     Rotary {
@@ -243,12 +247,10 @@ pub enum Half<'a> {
 /// one-node backward, a parameter gradient that no sink took (the graph was differentiated with
 /// candle's `backward` despite the promise).
 pub fn pre_norm_stack(x: &Tensor, halves: &[Half<'_>], compute: DType) -> Result<Tensor> {
-    if let Some(y) = one_node(x, halves, compute)? {
-        return Ok(y);
+    match one_node(x, halves, compute)? {
+        Some(y) => Ok(y),
+        None => pre_norm_composed(x, halves, compute),
     }
-    halves
-        .iter()
-        .try_fold(x.clone(), |x, half| composed(&x, half, compute))
 }
 
 /// `x + act_linear(linear(layer_norm_with_dtype(x, ..), fc_w, fc_b), fc2_w, fc2_b, act)` with
@@ -381,11 +383,11 @@ impl<'a> Layer<'a> {
         match *self {
             Layer::Linear { .. }
             | Layer::ActLinear { .. }
-            | Layer::LoraLinear { .. }
             | Layer::Rotary { .. }
             | Layer::Attention { .. }
             | Layer::SwiGlu
             | Layer::PaddedAttention { .. } => true,
+            Layer::LoraLinear { dropout, .. } => dropout == 0.0,
             Layer::WindowAttention { window, scale, .. } => {
                 // the head width whose default scale `scale` would be
                 let d = scale.map_or(1, |s| (1.0 / (s * s)).round().max(1.0) as usize);
@@ -415,7 +417,11 @@ impl<'a> Layer<'a> {
                 b,
                 parts,
                 scale,
-            } => super::lora_linear_grouped(x, w, a, b, parts, scale),
+                dropout,
+            } => match dropout {
+                0.0 => super::lora_linear_grouped(x, w, a, b, parts, scale),
+                p => super::lora_linear_dropout(x, w, a, b, parts, scale, p),
+            },
             Layer::Rotary {
                 cos,
                 sin,
@@ -478,6 +484,16 @@ pub(super) fn stacked(parts: &[Tensor]) -> Result<Option<Tensor>> {
         [p] => Some(p.clone()),
         parts => Some(Tensor::cat(parts, 0)?),
     })
+}
+
+/// [`pre_norm_stack`] as separate ops always, never one node: what an activation
+/// checkpoint's segment runs (its recomputation must see every op).
+///
+/// Errors: as [`pre_norm_stack`].
+pub fn pre_norm_composed(x: &Tensor, halves: &[Half<'_>], compute: DType) -> Result<Tensor> {
+    halves
+        .iter()
+        .try_fold(x.clone(), |x, half| composed(&x, half, compute))
 }
 
 /// One half as separate ops (the reference the one-node form matches).
