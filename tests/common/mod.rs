@@ -2,6 +2,8 @@
 //! gradients, comparison helpers and the causal mask of the reference compositions.
 #![allow(dead_code)]
 
+pub mod decoder_reference;
+
 use candle_core::{Device, Tensor};
 use candle_nn::Init;
 use rand::Rng;
