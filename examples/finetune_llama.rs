@@ -42,7 +42,7 @@ use wick::cli::{dropout, non_negative_f64, non_negative_usize, positive_f64, pos
 use wick::lora::{self, LoraConfig};
 use wick::models::files::{self, Gguf};
 use wick::models::tokenizer::{safe_cut, TextTokenizer};
-use wick::models::{FineTune, KvCache, Decoder, DecoderConfig, DecoderWeights};
+use wick::models::{Decoder, DecoderConfig, DecoderWeights, FineTune, KvCache};
 use wick::optim::LrSchedule;
 use wick::throughput::{Throughput, Unit};
 use wick::{Engine, EngineConfig, ParamStore, Precision};

@@ -10,7 +10,7 @@ use common::tmp;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use wick::models::files::Gguf;
-use wick::models::tokenizer::{TextTokenizer, Pretokenizer};
+use wick::models::tokenizer::{Pretokenizer, TextTokenizer};
 
 /// The GGUF (scripts/fetch_gemma3.sh).
 fn gguf_path() -> PathBuf {

@@ -13,8 +13,8 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use wick::lora::{self, LoraConfig};
 use wick::models::files::{self, Gguf};
-use wick::models::tokenizer::{ChatMessage, TextTokenizer, Pretokenizer};
-use wick::models::{FineTune, KvCache, Decoder, DecoderConfig, DecoderWeights};
+use wick::models::tokenizer::{ChatMessage, Pretokenizer, TextTokenizer};
+use wick::models::{Decoder, DecoderConfig, DecoderWeights, FineTune, KvCache};
 use wick::{Engine, EngineConfig, ParamStore, Precision};
 
 fn gguf_path() -> PathBuf {

@@ -18,7 +18,7 @@ use wick::lora::{self, LoraConfig};
 use wick::models::config::RopeScaling;
 use wick::models::files::{self, Gguf};
 use wick::models::tokenizer::TextTokenizer;
-use wick::models::{FineTune, KvCache, Decoder, DecoderConfig, DecoderWeights};
+use wick::models::{Decoder, DecoderConfig, DecoderWeights, FineTune, KvCache};
 use wick::{ParamStore, Precision};
 
 fn tempdir(tag: &str) -> PathBuf {

@@ -3,7 +3,7 @@
 //! Compile-time checks: this file does not build if one of them stops being so.
 
 use wick::data::{DataLoader, TensorDataset};
-use wick::models::{Bert, Gpt, KvCache, Decoder, DecoderWeights};
+use wick::models::{Bert, Decoder, DecoderWeights, Gpt, KvCache};
 use wick::optim::{AdamW, Sgd};
 use wick::serve::{FeedbackReceiver, FeedbackSender, OnlineStats, ParamSnapshot, Published};
 use wick::{Engine, ParamStore};

@@ -29,7 +29,7 @@ use std::time::Instant;
 use wick::lora::{self, LoraConfig};
 use wick::models::files::Gguf;
 use wick::models::tokenizer::TextTokenizer;
-use wick::models::{FineTune, Decoder, DecoderConfig, DecoderWeights};
+use wick::models::{Decoder, DecoderConfig, DecoderWeights, FineTune};
 use wick::serve::{FeedbackSender, OnlineLearner, Published, QueueError};
 use wick::{Engine, ParamStore};
 

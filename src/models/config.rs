@@ -138,10 +138,10 @@ fn take_rope_parameters(map: &mut serde_json::Map<String, serde_json::Value>) ->
                     map.insert("rope_local_base_freq".into(), theta.clone());
                 }
             }
-            if let Some(k) = v
-                .as_object()
-                .and_then(|o| o.keys().find(|k| *k != "full_attention" && *k != "sliding_attention"))
-            {
+            if let Some(k) = v.as_object().and_then(|o| {
+                o.keys()
+                    .find(|k| *k != "full_attention" && *k != "sliding_attention")
+            }) {
                 bail!("rope_parameters: layer type {k:?} is not implemented");
             }
             full.clone()
@@ -500,7 +500,11 @@ impl DecoderConfig {
                 c.head_dim = Some(32);
                 c.num_hidden_layers = 3;
                 c.sliding_window = Some(5);
-                c.layer_types = Some(vec![LayerType::Sliding, LayerType::Sliding, LayerType::Full]);
+                c.layer_types = Some(vec![
+                    LayerType::Sliding,
+                    LayerType::Sliding,
+                    LayerType::Full,
+                ]);
                 c.rope_theta = 1_000_000.0;
                 c.rope_local_base_freq = Some(10000.0);
                 c.query_pre_attn_scalar = Some(24.0);
@@ -638,10 +642,15 @@ impl DecoderConfig {
         if self.model_type != Family::Gemma3 {
             for (key, set) in [
                 ("rope_local_base_freq", self.rope_local_base_freq.is_some()),
-                ("query_pre_attn_scalar", self.query_pre_attn_scalar.is_some()),
+                (
+                    "query_pre_attn_scalar",
+                    self.query_pre_attn_scalar.is_some(),
+                ),
             ] {
                 if set {
-                    bail!("DecoderConfig: {key} is Gemma 3's; model_type {family:?} does not take it");
+                    bail!(
+                        "DecoderConfig: {key} is Gemma 3's; model_type {family:?} does not take it"
+                    );
                 }
             }
         }
@@ -692,7 +701,9 @@ impl DecoderConfig {
                 Family::Gemma3 => value.as_str() == Some("gelu_pytorch_tanh"),
                 _ => value.as_str() == Some("silu"),
             },
-            "attention_bias" => is_false() || (family == Family::Qwen2 && value == &Value::Bool(true)),
+            "attention_bias" => {
+                is_false() || (family == Family::Qwen2 && value == &Value::Bool(true))
+            }
             "mlp_bias" | "rope_interleaved" | "use_bidirectional_attention" => is_false(),
             "attention_dropout" | "hidden_dropout" => is_zero(),
             "final_logit_softcapping" | "attn_logit_softcapping" => value.is_null(),

@@ -837,9 +837,10 @@ pub struct KvCache {
 
 impl Clone for KvCache {
     fn clone(&self) -> Self {
-        let layers = self.layers.iter().map(|l| {
-            Mutex::new(l.lock().unwrap_or_else(|e| e.into_inner()).clone())
-        });
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| Mutex::new(l.lock().unwrap_or_else(|e| e.into_inner()).clone()));
         Self {
             layers: layers.collect(),
             len: self.len,

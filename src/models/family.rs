@@ -152,8 +152,10 @@ impl Family {
             return Ok(f);
         }
         let hint = match name {
-            "gemma3" => " (Gemma 3's multimodal config: its text decoder is the \
-                         \"text_config\" object, model_type \"gemma3_text\")",
+            "gemma3" => {
+                " (Gemma 3's multimodal config: its text decoder is the \
+                         \"text_config\" object, model_type \"gemma3_text\")"
+            }
             _ => "",
         };
         bail!(
@@ -220,9 +222,21 @@ impl Family {
                 ("input_layernorm.weight", "attn_norm.weight", Hidden),
                 ("self_attn.q_norm.weight", "attn_q_norm.weight", Head),
                 ("self_attn.k_norm.weight", "attn_k_norm.weight", Head),
-                ("post_attention_layernorm.weight", "post_attention_norm.weight", Hidden),
-                ("pre_feedforward_layernorm.weight", "ffn_norm.weight", Hidden),
-                ("post_feedforward_layernorm.weight", "post_ffw_norm.weight", Hidden),
+                (
+                    "post_attention_layernorm.weight",
+                    "post_attention_norm.weight",
+                    Hidden,
+                ),
+                (
+                    "pre_feedforward_layernorm.weight",
+                    "ffn_norm.weight",
+                    Hidden,
+                ),
+                (
+                    "post_feedforward_layernorm.weight",
+                    "post_ffw_norm.weight",
+                    Hidden,
+                ),
             ],
         }
     }

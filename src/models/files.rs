@@ -9,9 +9,9 @@
 //! from the `rotate_half` pairing `(i, i + D/2)` to the interleaved pairing `(2i, 2i + 1)` its
 //! RoPE kernel uses ([`unpermute_rotary_rows`]).
 
+use super::config::{DecoderConfig, RopeScaling, TokenIds, EMBED, FINAL_NORM, HEAD};
 use super::decoder::DecoderWeights;
 use super::family::Family;
-use super::config::{DecoderConfig, RopeScaling, TokenIds, EMBED, FINAL_NORM, HEAD};
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device, Tensor};

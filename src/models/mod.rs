@@ -27,6 +27,6 @@ pub mod spm_tokenizer;
 pub mod tokenizer;
 
 pub use bert::{Bert, BertConfig};
-pub use gpt::{Gpt, GptConfig};
 pub use config::DecoderConfig;
 pub use decoder::{Decoder, DecoderWeights, FineTune, KvCache};
+pub use gpt::{Gpt, GptConfig};

@@ -118,7 +118,8 @@ pub use padded_attention::key_padding_attention;
 pub use post_norm_block::post_norm_block;
 pub use residual::residual_add;
 pub use residual_block::{
-    attention_block, mlp_block, pre_norm_composed, pre_norm_stack, AttentionParams, Half, Layer, MlpParams, NormParams,
+    attention_block, mlp_block, pre_norm_composed, pre_norm_stack, AttentionParams, Half, Layer,
+    MlpParams, NormParams,
 };
 pub use rms_norm::{rms_norm, rms_norm_with_dtype};
 pub use rotary::{rotary_qkv, rotary_tables, rotary_tables_from_inv_freq};
