@@ -16,6 +16,7 @@ use std::f64::consts::PI;
 use std::path::{Path, PathBuf};
 use wick::lora::{self, LoraConfig};
 use wick::models::config::RopeScaling;
+use wick::models::family::{Family, LayerType, LINEARS};
 use wick::models::files::{self, Gguf};
 use wick::models::tokenizer::TextTokenizer;
 use wick::models::{Decoder, DecoderConfig, DecoderWeights, FineTune, KvCache};
@@ -323,8 +324,12 @@ fn real_config_json_key_sets_are_accepted() {
     assert!(DecoderConfig::from_json_file(&dir.join("config.json")).is_ok());
 }
 
-/// Writes a GGUF file of the tiny weights as llama.cpp's converter lays it out (GGUF names,
-/// q/k rows permuted, f32), with `extra` metadata and tensors.
+/// Writes a GGUF file of `weights` as llama.cpp's converter (`convert_hf_to_gguf.py`) lays out
+/// the family (f32): `general.architecture` and the `{arch}.*` keys, GGUF tensor names, q/k
+/// rows permuted for Llama and Mistral only (`LlamaModel.permute`), Gemma's norm gains stored
+/// as `1 + w` (`Gemma3Model.modify_tensors`), Mistral's window as `llama.attention.sliding_window`,
+/// Gemma 3 without `gemma3.vocab_size` (its converter writes none), with `extra` metadata
+/// (replacing a default key of the same name) and tensors.
 fn write_gguf(
     path: &Path,
     weights: &DecoderWeights,
@@ -333,63 +338,85 @@ fn write_gguf(
 ) {
     use gguf_file::Value as V;
     let c = &weights.config;
-    let mut meta: Vec<(&str, V)> = vec![
-        ("general.architecture", V::String("llama".into())),
-        ("llama.block_count", V::U32(c.num_hidden_layers as u32)),
+    let family = c.model_type;
+    let arch = family.gguf_architecture();
+    let k = |s: &str| format!("{arch}.{s}");
+    let mut meta: Vec<(String, V)> = vec![
+        ("general.architecture".into(), V::String(arch.into())),
+        (k("block_count"), V::U32(c.num_hidden_layers as u32)),
         (
-            "llama.context_length",
+            k("context_length"),
             V::U32(c.max_position_embeddings as u32),
         ),
-        ("llama.embedding_length", V::U32(c.hidden_size as u32)),
+        (k("embedding_length"), V::U32(c.hidden_size as u32)),
+        (k("feed_forward_length"), V::U32(c.intermediate_size as u32)),
         (
-            "llama.feed_forward_length",
-            V::U32(c.intermediate_size as u32),
-        ),
-        (
-            "llama.attention.head_count",
+            k("attention.head_count"),
             V::U32(c.num_attention_heads as u32),
         ),
         (
-            "llama.attention.head_count_kv",
+            k("attention.head_count_kv"),
             V::U32(c.num_key_value_heads as u32),
         ),
         (
-            "llama.attention.layer_norm_rms_epsilon",
+            k("attention.layer_norm_rms_epsilon"),
             V::F32(c.rms_norm_eps as f32),
         ),
-        ("llama.rope.freq_base", V::F32(c.rope_theta as f32)),
-        ("llama.rope.dimension_count", V::U32(c.head_dim() as u32)),
-        ("llama.vocab_size", V::U32(c.vocab_size as u32)),
+        (k("rope.freq_base"), V::F32(c.rope_theta as f32)),
+        (k("rope.dimension_count"), V::U32(c.head_dim() as u32)),
     ];
+    if family != Family::Gemma3 {
+        meta.push((k("vocab_size"), V::U32(c.vocab_size as u32)));
+    }
+    if family != Family::Llama {
+        meta.push((k("attention.key_length"), V::U32(c.head_dim() as u32)));
+        meta.push((k("attention.value_length"), V::U32(c.head_dim() as u32)));
+    }
+    if let Some(w) = c.sliding_window {
+        meta.push((k("attention.sliding_window"), V::U32(w as u32)));
+    }
+    if family == Family::Gemma3 {
+        let period = (0..c.num_hidden_layers)
+            .position(|i| !c.layer_is_sliding(i))
+            .unwrap()
+            + 1;
+        if period != 6 {
+            meta.push((k("attention.sliding_window_type"), V::U32(period as u32)));
+        }
+        if let Some(b) = c.rope_local_base_freq.filter(|&b| b != 10000.0) {
+            meta.push((k("rope.local_freq_base"), V::F32(b as f32)));
+        }
+    }
     meta.retain(|(k, _)| !extra_meta.iter().any(|(e, _)| e == k));
-    meta.extend(extra_meta);
+    meta.extend(extra_meta.into_iter().map(|(k, v)| (k.to_string(), v)));
+    let mut gguf_names: HashMap<String, String> = HashMap::new();
+    for g in ["token_embd.weight", "output_norm.weight", "output.weight"] {
+        gguf_names.insert(files::hf_name_of(family, g).unwrap(), g.into());
+    }
+    let suffixes: Vec<String> = LINEARS
+        .iter()
+        .flat_map(|(_, g)| [format!("{g}.weight"), format!("{g}.bias")])
+        .chain(family.block_norms().iter().map(|(_, g, _)| g.to_string()))
+        .collect();
+    for i in 0..c.num_hidden_layers {
+        for s in &suffixes {
+            let g = format!("blk.{i}.{s}");
+            if let Some(h) = files::hf_name_of(family, &g) {
+                gguf_names.insert(h, g);
+            }
+        }
+    }
+    let s = family.switches();
     let mut tensors: Vec<(String, QTensor)> = Vec::new();
-    let gguf_names: HashMap<String, String> =
-        ["token_embd.weight", "output_norm.weight", "output.weight"]
-            .into_iter()
-            .map(String::from)
-            .chain((0..c.num_hidden_layers).flat_map(|i| {
-                [
-                    "attn_norm",
-                    "ffn_norm",
-                    "attn_q",
-                    "attn_k",
-                    "attn_v",
-                    "attn_output",
-                    "ffn_gate",
-                    "ffn_up",
-                    "ffn_down",
-                ]
-                .map(|p| format!("blk.{i}.{p}.weight"))
-            }))
-            .filter_map(|g| files::hf_name(&g).map(|h| (h, g)))
-            .collect();
     for (hf, t) in &weights.tensors {
         let mut t = t.clone();
-        if hf.ends_with("q_proj.weight") {
+        if s.gguf_permuted_qk && hf.ends_with("q_proj.weight") {
             t = files::permute_rotary_rows(&t, c.num_attention_heads).unwrap();
-        } else if hf.ends_with("k_proj.weight") {
+        } else if s.gguf_permuted_qk && hf.ends_with("k_proj.weight") {
             t = files::permute_rotary_rows(&t, c.num_key_value_heads).unwrap();
+        }
+        if s.gguf_norm_plus_one && hf.ends_with("norm.weight") {
+            t = (t + 1.0).unwrap();
         }
         tensors.push((
             gguf_names[hf].clone(),
@@ -399,7 +426,7 @@ fn write_gguf(
     for (name, t) in extra_tensors {
         tensors.push((name.into(), QTensor::quantize(&t, GgmlDType::F32).unwrap()));
     }
-    let meta_refs: Vec<(&str, &V)> = meta.iter().map(|(k, v)| (*k, v)).collect();
+    let meta_refs: Vec<(&str, &V)> = meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let tensor_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let mut f = std::fs::File::create(path).unwrap();
     gguf_file::write(&mut f, &meta_refs, &tensor_refs).unwrap();
@@ -518,12 +545,11 @@ fn gguf_metadata_that_changes_the_math_is_implemented_or_refused() -> Result<()>
     );
     let cases: Vec<(&str, V)> = vec![
         ("llama.rope.scaling.type", V::String("yarn".into())),
-        ("llama.attention.sliding_window", V::U32(32)),
         ("llama.attn_logit_softcapping", V::F32(50.0)),
         ("llama.final_logit_softcapping", V::F32(30.0)),
         ("llama.expert_count", V::U32(8)),
         ("llama.rope.dimension_count", V::U32(8)),
-        ("llama.attention.key_length", V::U32(32)),
+        ("llama.attention.value_length", V::U32(32)),
     ];
     for (i, (key, value)) in cases.into_iter().enumerate() {
         let path = dir.join(format!("refused{i}.gguf"));
@@ -1074,4 +1100,442 @@ fn peft_keys_that_change_the_adapter_are_refused() {
         cfg.target_modules,
         LoraConfig::all_linear(1, 1.0).target_modules
     );
+}
+
+/// `family`'s tiny config (vocabulary 96, 256 positions; Gemma's score scale `1/√head_dim`,
+/// which is what llama.cpp derives for every Gemma 3 but the 27B) with random weights, every
+/// 1-D tensor (norm gains, biases) drawn away from its initial value, as tests/families.rs
+/// draws them.
+fn family_weights(family: Family, tied: bool) -> DecoderWeights {
+    let mut config = DecoderConfig::tiny_family(family, 96);
+    config.max_position_embeddings = 256;
+    config.tie_word_embeddings = tied;
+    if family == Family::Gemma3 {
+        config.query_pre_attn_scalar = Some(config.head_dim() as f64);
+    }
+    let mut w = DecoderWeights::random(config, 23).unwrap();
+    for (name, t) in w.tensors.iter_mut() {
+        if t.rank() == 1 {
+            let seed = name.bytes().map(u64::from).sum::<u64>();
+            let noise: Vec<f32> = (0..t.elem_count() as u64)
+                .map(|i| (((i * 7919 + seed * 104729) % 1000) as f32 / 1000.0) - 0.5)
+                .collect();
+            let noise = Tensor::from_vec(noise, t.dims(), &Device::Cpu).unwrap();
+            *t = (&*t + noise).unwrap();
+        }
+    }
+    w
+}
+
+/// Every tensor of `a` is in `b` within `tol` (and `b` has no other).
+fn assert_same_tensors(what: &str, a: &DecoderWeights, b: &DecoderWeights, tol: f32) {
+    let mut names: Vec<&String> = a.tensors.keys().collect();
+    names.sort();
+    let mut theirs: Vec<&String> = b.tensors.keys().collect();
+    theirs.sort();
+    assert_eq!(names, theirs, "{what}: tensor names");
+    for n in names {
+        let (x, y) = (&a.tensors[n], &b.tensors[n]);
+        assert_eq!(x.dims(), y.dims(), "{what}: {n}");
+        let d = max_abs(x, y);
+        assert!(d <= tol, "{what}: {n} differs by {d}");
+    }
+}
+
+/// The GGUF of each family, written as llama.cpp's converter writes it, reads back to the
+/// same config (the eps through f32, as GGUF stores it) and tensors, and the same logits.
+#[test]
+fn every_family_round_trips_through_gguf() -> Result<()> {
+    let dir = tempdir("gguf-families");
+    for family in Family::ALL {
+        for tied in [true, false] {
+            let w = family_weights(family, tied);
+            let path = dir.join(format!("{}-{tied}.gguf", family.model_type()));
+            write_gguf(&path, &w, vec![], vec![]);
+            let back =
+                files::read_gguf(&path).unwrap_or_else(|e| panic!("{family:?} tied {tied}: {e:#}"));
+            let mut want = w.config.clone();
+            want.rms_norm_eps = want.rms_norm_eps as f32 as f64;
+            if family == Family::Gemma3 {
+                // the GGUF has no layer_types: the reader writes out the period's pattern
+                assert_eq!(
+                    back.config.layer_types,
+                    Some(vec![
+                        LayerType::Sliding,
+                        LayerType::Sliding,
+                        LayerType::Full
+                    ])
+                );
+                want.layer_types = back.config.layer_types.clone();
+            }
+            if family == Family::Qwen3 || family == Family::Gemma3 {
+                assert_eq!(
+                    back.config.head_dim,
+                    Some(32),
+                    "{family:?}: key_length read"
+                );
+            }
+            assert_eq!(back.config, want, "{family:?} tied {tied}: config");
+            // f32 storage; Gemma's gains go through 1 + w and back
+            assert_same_tensors(&format!("{family:?} tied {tied}"), &w, &back, 1e-6);
+            let d = max_abs(&logits(&w, &ids(12)), &logits(&back, &ids(12)));
+            assert!(d < 1e-4, "{family:?}: logits differ by {d}");
+        }
+    }
+    Ok(())
+}
+
+/// `save_pretrained` writes each family's model_type, architectures and activation, and
+/// `read_safetensors` reads the folder back to the same config and tensors.
+#[test]
+fn every_family_round_trips_through_save_pretrained() -> Result<()> {
+    for family in Family::ALL {
+        let w = family_weights(family, family == Family::Gemma3);
+        let dir = tempdir(&format!("save-{}", family.model_type()));
+        files::save_pretrained(&w, &dir)?;
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json"))?)?;
+        assert_eq!(json["model_type"], family.model_type());
+        assert_eq!(
+            json["architectures"],
+            serde_json::json!([family.architecture()])
+        );
+        if family == Family::Gemma3 {
+            assert_eq!(json["hidden_activation"], "gelu_pytorch_tanh");
+            assert!(json.get("hidden_act").is_none());
+        } else {
+            assert_eq!(json["hidden_act"], "silu");
+        }
+        assert_eq!(json["attention_bias"], family == Family::Qwen2);
+        let back = files::read_safetensors(&dir).unwrap_or_else(|e| panic!("{family:?}: {e:#}"));
+        let mut got = back.config.clone();
+        for k in [
+            "architectures",
+            "hidden_act",
+            "hidden_activation",
+            "attention_bias",
+            "torch_dtype",
+        ] {
+            got.other.remove(k);
+        }
+        assert_eq!(got, w.config, "{family:?}: config");
+        assert_same_tensors(&format!("{family:?}"), &w, &back, 0.0);
+    }
+    Ok(())
+}
+
+/// Mistral's GGUF (architecture `llama`, `llama.attention.sliding_window` below the context)
+/// loads as Mistral with its window; a window as long as the context is plain Llama.
+#[test]
+fn gguf_llama_sliding_window_is_mistral() -> Result<()> {
+    use gguf_file::Value as V;
+    let dir = tempdir("gguf-mistral");
+    let w = family_weights(Family::Mistral, false);
+    let path = dir.join("mistral.gguf");
+    write_gguf(&path, &w, vec![], vec![]);
+    let g = Gguf::open(&path)?;
+    assert_eq!(g.meta("general.architecture")?.to_string()?, "llama");
+    let back = files::read_gguf(&path)?;
+    assert_eq!(back.config.model_type, Family::Mistral);
+    assert_eq!(back.config.sliding_window, Some(5));
+    assert!(max_abs(&logits(&w, &ids(20)), &logits(&back, &ids(20))) < 1e-4);
+    let llama = dir.join("llama.gguf");
+    write_gguf(
+        &llama,
+        &tiny_weights(),
+        vec![("llama.attention.sliding_window", V::U32(256))],
+        vec![],
+    );
+    let back = files::read_gguf(&llama)?;
+    assert_eq!(
+        (back.config.model_type, back.config.sliding_window),
+        (Family::Llama, None)
+    );
+    Ok(())
+}
+
+/// Gemma 3 as llama.cpp reads it: the fixed period 6, the local base 10000 by default, the
+/// score scale 1/√head_dim but for the 27B's 62 blocks (hidden / heads), linear RoPE scaling
+/// (the 4B+ files') on the global layers only.
+#[test]
+fn gguf_gemma3_layer_pattern_rope_bases_and_scale() -> Result<()> {
+    use gguf_file::Value as V;
+    let dir = tempdir("gguf-gemma3");
+    let mut w = family_weights(Family::Gemma3, true);
+    w.config.num_hidden_layers = 7;
+    w.config.layer_types = None; // the default period 6
+    let w = DecoderWeights::random(w.config, 3)?;
+    let path = dir.join("period6.gguf");
+    write_gguf(
+        &path,
+        &w,
+        vec![
+            ("gemma3.rope.scaling.type", V::String("linear".into())),
+            ("gemma3.rope.scaling.factor", V::F32(8.0)),
+        ],
+        vec![],
+    );
+    let c = files::read_gguf(&path)?.config;
+    let full: Vec<usize> = (0..7).filter(|&i| !c.layer_is_sliding(i)).collect();
+    assert_eq!(full, vec![5]);
+    assert_eq!(c.rope_local_base_freq, Some(10000.0));
+    assert_eq!(c.query_pre_attn_scalar, Some(32.0));
+    assert_eq!(c.rope_scaling, Some(RopeScaling::Linear { factor: 8.0 }));
+    let (local, global) = (c.rope_inv_freq_of(true), c.rope_inv_freq_of(false));
+    let want = default_inv_freq(10000.0, 32);
+    assert!(local.iter().zip(&want).all(|(l, p)| (l - p).abs() <= 1e-15));
+    let plain = default_inv_freq(1e6, 32);
+    assert!(global
+        .iter()
+        .zip(&plain)
+        .all(|(g, p)| (g - p / 8.0).abs() <= 1e-15));
+    // candle-transformers' quantized_gemma3 key for the period, and a local base
+    let path = dir.join("period2.gguf");
+    write_gguf(
+        &path,
+        &w,
+        vec![
+            ("gemma3.attention.sliding_window_type", V::U32(2)),
+            ("gemma3.rope.local_freq_base", V::F32(20000.0)),
+        ],
+        vec![],
+    );
+    let c = files::read_gguf(&path)?.config;
+    let full: Vec<usize> = (0..7).filter(|&i| !c.layer_is_sliding(i)).collect();
+    assert_eq!(full, vec![1, 3, 5]);
+    assert_eq!(c.rope_local_base_freq, Some(20000.0));
+    // the 27B's shape (62 blocks, 5376 / 32 = 168 ≠ key_length 128): only the config is
+    // read, from a tensor-less file
+    let path = dir.join("27b.gguf");
+    let meta: Vec<(&str, V)> = vec![
+        ("general.architecture", V::String("gemma3".into())),
+        ("gemma3.block_count", V::U32(62)),
+        ("gemma3.context_length", V::U32(131072)),
+        ("gemma3.embedding_length", V::U32(5376)),
+        ("gemma3.feed_forward_length", V::U32(21504)),
+        ("gemma3.attention.head_count", V::U32(32)),
+        ("gemma3.attention.head_count_kv", V::U32(16)),
+        ("gemma3.attention.key_length", V::U32(128)),
+        ("gemma3.attention.value_length", V::U32(128)),
+        ("gemma3.attention.layer_norm_rms_epsilon", V::F32(1e-6)),
+        ("gemma3.attention.sliding_window", V::U32(1024)),
+        ("gemma3.rope.freq_base", V::F32(1e6)),
+        ("gemma3.vocab_size", V::U32(262208)),
+    ];
+    let refs: Vec<(&str, &V)> = meta.iter().map(|(k, v)| (*k, v)).collect();
+    gguf_file::write(&mut std::fs::File::create(&path)?, &refs, &[])?;
+    let c = Gguf::open(&path)?.config()?;
+    assert_eq!((c.head_dim(), c.query_pre_attn_scalar), (128, Some(168.0)));
+    assert_eq!(c.attention_scale(), Some(1.0 / 168f64.sqrt()));
+    Ok(())
+}
+
+/// Keys of each architecture that wick does not implement, Gemma 2's soft-capping, value
+/// widths other than key widths, and tensors a family does not have: each refused, named
+/// with the file.
+#[test]
+fn gguf_family_keys_and_tensors_that_are_not_implemented_are_refused() -> Result<()> {
+    use gguf_file::Value as V;
+    let dir = tempdir("gguf-family-refusals");
+    let cases: Vec<(Family, &str, V, &str)> = vec![
+        (
+            Family::Qwen2,
+            "qwen2.attention.sliding_window",
+            V::U32(4),
+            "not implemented",
+        ),
+        (
+            Family::Qwen2,
+            "qwen2.pooling_type",
+            V::U32(1),
+            "not implemented",
+        ),
+        (
+            Family::Qwen3,
+            "qwen3.attention.causal",
+            V::Bool(false),
+            "not implemented",
+        ),
+        (Family::Qwen3, "qwen3.expert_count", V::U32(8), "experts"),
+        (
+            Family::Gemma3,
+            "gemma3.attention.shared_kv_layers",
+            V::U32(2),
+            "not implemented",
+        ),
+        (
+            Family::Gemma3,
+            "gemma3.final_logit_softcapping",
+            V::F32(30.0),
+            "soft-capping",
+        ),
+        (
+            Family::Gemma3,
+            "gemma3.attn_logit_softcapping",
+            V::F32(50.0),
+            "soft-capping",
+        ),
+        (
+            Family::Gemma3,
+            "gemma3.attention.value_length",
+            V::U32(16),
+            "value",
+        ),
+        (
+            Family::Qwen3,
+            "qwen3.attention.value_length",
+            V::U32(64),
+            "value",
+        ),
+        (
+            Family::Qwen2,
+            "qwen2.rope.scaling.type",
+            V::String("yarn".into()),
+            "yarn",
+        ),
+        (
+            Family::Gemma3,
+            "gemma3.rope.dimension_count",
+            V::U32(16),
+            "partial",
+        ),
+    ];
+    for (i, (family, key, value, needle)) in cases.into_iter().enumerate() {
+        let path = dir.join(format!("refused{i}.gguf"));
+        let w = family_weights(family, true);
+        let mut extra = vec![(key, value)];
+        if key == "qwen3.expert_count" {
+            extra.push(("qwen3.expert_used_count", V::U32(2)));
+        }
+        write_gguf(&path, &w, extra, vec![]);
+        let err = format!("{:#}", files::read_gguf(&path).unwrap_err());
+        assert!(err.contains(key), "{key}: not named in {err}");
+        assert!(err.contains(needle), "{key}: {needle:?} not in {err}");
+        assert!(
+            err.contains(&path.display().to_string()),
+            "{key}: file not named in {err}"
+        );
+    }
+    // tensors the family does not have: q/k norms in Qwen2, biases in Qwen3 and Llama,
+    // Gemma's sandwich norms in Llama, something unknown
+    let zeros = |n: usize| Tensor::zeros(n, DType::F32, &Device::Cpu).unwrap();
+    for (i, (family, name, n)) in [
+        (Family::Qwen2, "blk.0.attn_q_norm.weight", 16),
+        (Family::Qwen3, "blk.1.attn_q.bias", 128),
+        (Family::Llama, "blk.0.attn_k.bias", 32),
+        (Family::Llama, "blk.0.post_ffw_norm.weight", 64),
+        (Family::Gemma3, "blk.0.attn_sinks.weight", 4),
+        (Family::Gemma3, "blk.x.attn_norm.weight", 64),
+        (Family::Gemma3, "vision.patch_embd.weight", 4),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let path = dir.join(format!("tensor{i}.gguf"));
+        write_gguf(
+            &path,
+            &family_weights(family, true),
+            vec![],
+            vec![(name, zeros(n))],
+        );
+        let err = format!("{:#}", files::read_gguf(&path).unwrap_err());
+        assert!(err.contains(name), "{name}: not named in {err}");
+        assert!(
+            err.contains(&path.display().to_string()),
+            "{name}: file not named in {err}"
+        );
+    }
+    Ok(())
+}
+
+/// A sharded HF folder: exactly the shards of `model.safetensors.index.json` are read (a
+/// stray `*.safetensors` beside them is not), a tensor the map names but its shard lacks is
+/// refused by name; a multimodal Gemma 3 checkpoint is refused.
+#[test]
+fn sharded_folders_follow_the_index_and_multimodal_checkpoints_are_refused() -> Result<()> {
+    let w = family_weights(Family::Qwen3, false);
+    let dir = tempdir("sharded");
+    files::save_pretrained(&w, &dir)?;
+    std::fs::remove_file(dir.join("model.safetensors"))?;
+    let mut names: Vec<&String> = w.tensors.keys().collect();
+    names.sort();
+    let (a, b) = names.split_at(names.len() / 2);
+    let mut map = serde_json::Map::new();
+    for (shard, part) in [
+        ("model-00001-of-00002.safetensors", a),
+        ("model-00002-of-00002.safetensors", b),
+    ] {
+        let ts: HashMap<String, Tensor> = part
+            .iter()
+            .map(|n| ((*n).clone(), w.tensors[*n].clone()))
+            .collect();
+        candle_core::safetensors::save(&ts, dir.join(shard))?;
+        for n in part.iter() {
+            map.insert((*n).clone(), shard.into());
+        }
+    }
+    let index = serde_json::json!({"metadata": {"total_size": 0}, "weight_map": map});
+    std::fs::write(
+        dir.join("model.safetensors.index.json"),
+        serde_json::to_string(&index)?,
+    )?;
+    // a stray file the index does not name (an old consolidated copy, a different model)
+    let stray: HashMap<String, Tensor> = [(
+        "stray.weight".to_string(),
+        Tensor::zeros(3, DType::F32, &Device::Cpu)?,
+    )]
+    .into();
+    candle_core::safetensors::save(&stray, dir.join("consolidated.safetensors"))?;
+    let back = files::read_safetensors(&dir)?;
+    assert_same_tensors("sharded", &w, &back, 0.0);
+
+    // the map names a tensor its shard lacks
+    let mut bad = index.clone();
+    bad["weight_map"]["model.layers.0.mlp.extra.weight"] =
+        "model-00002-of-00002.safetensors".into();
+    std::fs::write(
+        dir.join("model.safetensors.index.json"),
+        serde_json::to_string(&bad)?,
+    )?;
+    let err = format!("{:#}", files::read_safetensors(&dir).unwrap_err());
+    assert!(
+        err.contains("model.layers.0.mlp.extra.weight") && err.contains("index.json"),
+        "{err}"
+    );
+    // a missing shard
+    let mut bad = index.clone();
+    bad["weight_map"][a[0].as_str()] = "model-00003-of-00003.safetensors".into();
+    std::fs::write(
+        dir.join("model.safetensors.index.json"),
+        serde_json::to_string(&bad)?,
+    )?;
+    let err = format!("{:#}", files::read_safetensors(&dir).unwrap_err());
+    assert!(err.contains("model-00003-of-00003.safetensors"), "{err}");
+
+    // Gemma3ForConditionalGeneration's names under a text config
+    let g = family_weights(Family::Gemma3, true);
+    let dir = tempdir("multimodal");
+    files::save_pretrained(&g, &dir)?;
+    let ts: HashMap<String, Tensor> = g
+        .tensors
+        .iter()
+        .map(|(n, t)| (format!("language_model.{n}"), t.clone()))
+        .collect();
+    candle_core::safetensors::save(&ts, dir.join("model.safetensors"))?;
+    let err = format!("{:#}", files::read_safetensors(&dir).unwrap_err());
+    assert!(
+        err.contains("multimodal") && err.contains("language_model."),
+        "{err}"
+    );
+    // and the multimodal config itself
+    let path = dir.join("config.json");
+    let mut json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path)?)?;
+    json["model_type"] = "gemma3".into();
+    std::fs::write(&path, serde_json::to_string(&json)?)?;
+    let err = format!("{:#}", files::read_safetensors(&dir).unwrap_err());
+    assert!(
+        err.contains("gemma3") && err.contains("text_config"),
+        "{err}"
+    );
+    Ok(())
 }
