@@ -1,12 +1,15 @@
-//! Continue training SmolLM2-135M-Instruct (Llama architecture, from its GGUF) on Shakespeare,
-//! fully or with LoRA, the setup of `../shared/reference/torch_llama.py`:
+//! Continue training a pretrained decoder of any family wick implements (Llama, SmolLM2,
+//! Mistral, Qwen2/2.5, Qwen3, Gemma 3: [`wick::models::family`]) on Shakespeare, fully or with
+//! LoRA, the setup of `scripts/reference/torch_finetune.py`. The model is a GGUF file
+//! (`--gguf FILE`, default SmolLM2-135M-Instruct) or an HF folder (`--hf DIR`); its family is
+//! read from the file, and the model is driven through [`wick::models::CausalLm`]:
 //!
 //! ```text
 //! scripts/fetch_smollm2.sh && scripts/fetch_shakespeare.sh
 //! # the real model on 2 CPU cores, about two minutes (the README's measured command)
-//! cargo run --release --example finetune_llama -- --lora 16 --steps 20 --context 64 --batch 4
-//! cargo run --release --features cuda --example finetune_llama -- --device cuda --full
-//! cargo run --release --features cuda --example finetune_llama -- --device cuda --lora 16 --save --save-merged
+//! cargo run --release --example finetune -- --lora 16 --steps 20 --context 64 --batch 4
+//! cargo run --release --features cuda --example finetune -- --device cuda --full
+//! cargo run --release --features cuda --example finetune -- --device cuda --lora 16 --save --save-merged
 //! ```
 //! The text (data/shakespeare/input.txt) is cut at the line break nearest 90% of its bytes:
 //! training windows come from the part before, validation windows from the part after. Of
@@ -40,8 +43,9 @@ use std::time::Instant;
 use wick::checkpoint::{self, Checkpointer};
 use wick::cli::{dropout, non_negative_f64, non_negative_usize, positive_f64, positive_usize};
 use wick::lora::{self, LoraConfig};
-use wick::models::files::{self, Gguf};
+use wick::models::files;
 use wick::models::tokenizer::{safe_cut, TextTokenizer};
+use wick::models::{CausalLm, Source};
 use wick::models::{Decoder, DecoderConfig, DecoderWeights, FineTune, KvCache};
 use wick::optim::LrSchedule;
 use wick::throughput::{Throughput, Unit};
@@ -51,11 +55,18 @@ use wick::{Engine, EngineConfig, ParamStore, Precision};
 const TINY_POSITIONS: usize = 512;
 
 #[derive(Parser, Debug)]
-#[command(about = "Fine-tune SmolLM2-135M (GGUF) on Shakespeare: full or LoRA")]
+#[command(
+    about = "Fine-tune a pretrained decoder (GGUF or HF folder) on Shakespeare: full or LoRA"
+)]
 struct Args {
-    /// The GGUF file (weights, tokenizer, chat template).
-    #[arg(long, default_value = "data/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")]
-    gguf: PathBuf,
+    /// The GGUF file (weights, tokenizer, chat template); the default when --hf is not given
+    /// is data/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf.
+    #[arg(long, conflicts_with = "hf")]
+    gguf: Option<PathBuf>,
+    /// An HF folder instead: config.json, *.safetensors (sharded with
+    /// model.safetensors.index.json), tokenizer.json, tokenizer_config.json.
+    #[arg(long)]
+    hf: Option<PathBuf>,
     /// Train text (scripts/fetch_shakespeare.sh).
     #[arg(long, default_value = "data/shakespeare/input.txt")]
     text: PathBuf,
@@ -119,15 +130,15 @@ struct Args {
     #[arg(long, default_value_t = 25, allow_negative_numbers = true, value_parser = positive_usize)]
     log_every: usize,
     /// Save the adapters (LoRA, PEFT's layout) or the weights (full, an HF folder), with the
-    /// tokenizer files, at the end; without DIR into runs/finetune_llama/adapter or .../model.
+    /// tokenizer files, at the end; without DIR into runs/finetune/adapter or .../model.
     #[arg(long, num_args = 0..=1, value_name = "DIR")]
     save: Option<Option<PathBuf>>,
     /// Save the LoRA-merged model (an HF folder with the tokenizer) at the end; without DIR
-    /// into runs/finetune_llama/merged.
+    /// into runs/finetune/merged.
     #[arg(long, num_args = 0..=1, value_name = "DIR")]
     save_merged: Option<Option<PathBuf>>,
     /// Training checkpoints (--save-every, Ctrl-C, --resume) go here.
-    #[arg(long, default_value = "runs/finetune_llama/checkpoints")]
+    #[arg(long, default_value = "runs/finetune/checkpoints")]
     checkpoint_dir: PathBuf,
     /// Save a checkpoint every N steps and at the end (0: only on Ctrl-C).
     #[arg(long, default_value_t = 0, allow_negative_numbers = true, value_parser = non_negative_usize)]
@@ -162,6 +173,29 @@ struct Args {
     /// The mode's key in `--windows` (default: full or lora).
     #[arg(long)]
     windows_mode: Option<String>,
+}
+
+/// The default model: SmolLM2-135M-Instruct (scripts/fetch_smollm2.sh).
+const DEFAULT_GGUF: &str = "data/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
+
+impl Args {
+    /// `--gguf` or `--hf`, SmolLM2's GGUF when neither is given.
+    fn source(&self) -> Result<Source> {
+        let gguf = match (&self.gguf, &self.hf) {
+            (None, None) => Some(Path::new(DEFAULT_GGUF)),
+            (g, _) => g.as_deref(),
+        };
+        Source::from_args(gguf, self.hf.as_deref())
+    }
+
+    /// The model's file or folder, as [`Args::source`] picks it.
+    fn model_path(&self) -> &Path {
+        match (&self.gguf, &self.hf) {
+            (Some(g), _) => g,
+            (None, Some(h)) => h,
+            (None, None) => Path::new(DEFAULT_GGUF),
+        }
+    }
 }
 
 /// Window starts read from `--windows`: validation batches and per-step training batches.
@@ -212,7 +246,7 @@ fn random_starts(rng: &mut StdRng, len: usize, t: usize, n: usize) -> Vec<usize>
     (0..n).map(|_| rng.random_range(0..len - t - 1)).collect()
 }
 
-fn val_loss(model: &Decoder, batches: &[(Tensor, Tensor)]) -> Result<f64> {
+fn val_loss(model: &impl CausalLm, batches: &[(Tensor, Tensor)]) -> Result<f64> {
     let mut total = 0.0;
     for (x, y) in batches {
         total += model.loss(x, y)?.detach().to_scalar::<f32>()? as f64;
@@ -221,7 +255,11 @@ fn val_loss(model: &Decoder, batches: &[(Tensor, Tensor)]) -> Result<f64> {
 }
 
 /// The summary of the prompt's logits that scripts/smollm2_fixture.py compares.
-fn logits_summary(model: &Decoder, prompt: &[u32], dev: &Device) -> Result<serde_json::Value> {
+fn logits_summary(
+    model: &impl CausalLm,
+    prompt: &[u32],
+    dev: &Device,
+) -> Result<serde_json::Value> {
     let x = Tensor::from_slice(prompt, (1, prompt.len()), dev)?;
     let logits = model
         .forward_cached(&x, &mut KvCache::default())?
@@ -366,7 +404,7 @@ fn run_fingerprint(a: &Args, plan: &Plan) -> serde_json::Value {
         "mode": plan.mode,
         "lora": lora,
         "model": if a.tiny { "tiny".to_string() } else if a.random_weights {
-            "random-weights".to_string() } else { a.gguf.display().to_string() },
+            "random-weights".to_string() } else { a.model_path().display().to_string() },
         "precision": a.precision.name(),
         "context": a.context,
         "batch": a.batch,
@@ -466,13 +504,13 @@ struct Loaded {
 /// exactly the checkpointing run's count), and as many validation tokens as its batches span.
 fn load_model_and_data(a: &Args, total_steps: usize, keep_train: Option<usize>) -> Result<Loaded> {
     let t0 = Instant::now();
-    let gguf = Gguf::open(&a.gguf).with_context(|| {
+    let source = a.source()?;
+    let gguf_config = source.config().with_context(|| {
         format!(
-            "{} (run scripts/fetch_smollm2.sh to fetch SmolLM2-135M-Instruct)",
-            a.gguf.display()
+            "{} (for the default model, run scripts/fetch_smollm2.sh)",
+            source.path().display()
         )
     })?;
-    let gguf_config = gguf.config()?;
     let positions = if a.tiny {
         TINY_POSITIONS
     } else {
@@ -486,20 +524,19 @@ fn load_model_and_data(a: &Args, total_steps: usize, keep_train: Option<usize>) 
         if a.tiny {
             "the --tiny model".to_string()
         } else {
-            format!("{} (llama.context_length)", a.gguf.display())
+            format!("{} (its context length)", source.path().display())
         }
     );
-    let tok = TextTokenizer::from_gguf(&gguf)?;
+    let tok = source.tokenizer()?;
     let weights = if a.tiny {
-        let mut c = DecoderConfig::tiny(gguf_config.vocab_size);
+        let mut c = DecoderConfig::tiny_family(gguf_config.model_type, gguf_config.vocab_size);
         c.max_position_embeddings = TINY_POSITIONS;
         c.eos_token_id = gguf_config.eos_token_id;
         DecoderWeights::random(c, a.seed)?
     } else if a.random_weights {
         DecoderWeights::random(gguf_config, a.seed)?
     } else {
-        let mut g = gguf;
-        g.weights()?
+        source.weights()?
     };
     let load_s = t0.elapsed().as_secs_f64();
     let text = std::fs::read_to_string(&a.text).with_context(|| {
@@ -798,9 +835,9 @@ fn save_outputs(
     interrupted: &dyn Fn() -> Result<()>,
 ) -> Result<()> {
     let default = if a.full {
-        "runs/finetune_llama/model"
+        "runs/finetune/model"
     } else {
-        "runs/finetune_llama/adapter"
+        "runs/finetune/adapter"
     };
     if let Some(dir) = out_dir(&a.save, default) {
         match model.lora() {
@@ -819,7 +856,7 @@ fn save_outputs(
         println!("saved to {}", dir.display());
         interrupted()?;
     }
-    if let Some(dir) = out_dir(&a.save_merged, "runs/finetune_llama/merged") {
+    if let Some(dir) = out_dir(&a.save_merged, "runs/finetune/merged") {
         save_hf_folder(&model.merged_weights(store)?, tok, &dir, positions)?;
         println!("saved the merged model to {}", dir.display());
         interrupted()?;

@@ -3,7 +3,7 @@
 # Runs, from the repo root of the device machine's copy, with $OUT set by the device tool:
 #   1. scripts/torch_llama_windows.py: the batch windows scripts/reference/torch_finetune.py draws
 #      (modes full,full_compile,lora in that order: they share one generator), for wick's --windows;
-#   2. wick's examples/finetune_llama.rs on those windows, full and LoRA r16 -> $OUT/wick_full.json,
+#   2. wick's examples/finetune.rs on those windows, full and LoRA r16 -> $OUT/wick_full.json,
 #      $OUT/wick_lora.json (its `RESULT {json}` line) and the logs;
 #   3. scripts/reference/torch_finetune.py (transformers + peft: full, full_compile, lora) ->
 #      $OUT/torch.json and torch.log (one JSON line per mode as each ends, if the whole run does not).
@@ -13,8 +13,8 @@
 #   - data/gemma3/gemma-3-270m-q4_k_m.gguf (253,113,024 bytes; carried in parts in back-to-back
 #     calls and joined there: data/ is ignored, so it stays while the machine is warm);
 #   - the text at data/shakespeare/input.txt (carry it) or .gpu/input.txt.xz;
-#   - .gpu/finetune_llama.xz (built here: source /opt/cuda13/env.sh && CARGO_TARGET_DIR=target-cuda
-#     cargo build --release --features cuda --example finetune_llama; xz -6) and .gpu/device-env.sh
+#   - .gpu/finetune.xz (built here: source /opt/cuda13/env.sh && CARGO_TARGET_DIR=target-cuda
+#     cargo build --release --features cuda --example finetune; xz -6) and .gpu/device-env.sh
 #     (../shared/cuda/device-env.sh), with carry [".gpu"];
 #   - .gpu/gguf-*.whl if the machine's python3 lacks `gguf` (its image has torch, transformers and
 #     peft, not gguf): pip download gguf==0.19.0 --no-deps -d .gpu
@@ -41,7 +41,7 @@ T=data/shakespeare/input.txt
 W=$(mktemp -d)
 [ -f "$T" ] || { mkdir -p "$(dirname $T)"; xz -dc .gpu/input.txt.xz > "$T"; }
 set +eu; source .gpu/device-env.sh > "$OUT/env.txt" 2>&1; set -eu  # not written for errexit
-xz -dc .gpu/finetune_llama.xz > "$W/finetune_llama"; chmod +x "$W/finetune_llama"
+xz -dc .gpu/finetune.xz > "$W/finetune"; chmod +x "$W/finetune"
 if ! python3 -c "import gguf" 2> /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$W/site" .gpu/gguf-*.whl
   export PYTHONPATH="$W/site"
@@ -56,12 +56,12 @@ SIZES=(--steps "$STEPS" --batch "$BATCH" --context "$CONTEXT")
 timeout 120 python3 scripts/torch_llama_windows.py --gguf "$G" --text "$T" "${SIZES[@]}" \
   --modes full,full_compile,lora --out "$W/windows.json" > "$OUT/windows.log" 2>&1
 
-# wick: examples/finetune_llama.rs as of this commit (its --gguf takes the file; it is being made
+# wick: examples/finetune.rs as of this commit (its --gguf takes the file; it is being made
 # model-agnostic, `--gguf FILE` for any family, by another change: if its flags move, e.g. to a
 # `wick finetune` subcommand or a renamed example, update these two lines). No --json flag: the
 # run prints one `RESULT {json}` line, which is cut out into wick_*.json. The mode's windows key
 # defaults to "full" / "lora" (--windows-mode).
-FT=("$W/finetune_llama" --device cuda --gguf "$G" --text "$T" --windows "$W/windows.json" "${SIZES[@]}")
+FT=("$W/finetune" --device cuda --gguf "$G" --text "$T" --windows "$W/windows.json" "${SIZES[@]}")
 for m in full lora; do
   flag=(--full); [ $m = lora ] && flag=(--lora 16)
   timeout 150 "${FT[@]}" "${flag[@]}" > "$OUT/wick_$m.log" 2>&1 || echo "wick $m: exit $?"

@@ -9,7 +9,7 @@
 
   python3 scripts/smollm2_fixture.py check-adapter --gguf ... --adapter DIR --logits wick.json
       Loads wick's saved LoRA adapter with peft (PeftModel.from_pretrained) on the same base and
-      compares the logits on the fixed prompt with those wick wrote (finetune_llama --save).
+      compares the logits on the fixed prompt with those wick wrote (finetune --save).
 
   python3 scripts/smollm2_fixture.py check-merged --merged DIR --logits wick.json [--tol 1e-3]
       Loads wick's merged (or --full) HF folder as is with AutoTokenizer and

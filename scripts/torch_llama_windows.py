@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The batch windows ../shared/reference/torch_llama.py draws, for wick to train and validate on
-the same tokens (examples/finetune_llama.rs --windows FILE).
+the same tokens (examples/finetune.rs --windows FILE).
 
 torch_llama.py tokenizes the text with transformers' GGUF tokenizer, splits it 90/10 by
 position, draws each training batch as torch.randint(len(train) - T - 1, (B,)) from one

@@ -650,13 +650,13 @@ fn finetune_bert_flag_errors_are_plain() {
         .contains("--test-fold 5 is out of range: the folds are 0 to 4"));
 }
 
-/// finetune_llama on the CPU (scripts/fetch_smollm2.sh and scripts/fetch_shakespeare.sh,
+/// finetune on the CPU (scripts/fetch_smollm2.sh and scripts/fetch_shakespeare.sh,
 /// which `.ci/run` calls): a tiny random model with full fine-tuning and checkpointing, then
 /// two LoRA steps of the real SmolLM2-135M whose adapters and merged weights load back.
 #[test]
 fn finetune_llama_runs_tiny_full_and_real_lora_on_the_cpu() {
     let o = run(
-        "finetune_llama",
+        "finetune",
         &[
             "--tiny",
             "--full",
@@ -702,7 +702,7 @@ fn finetune_llama_runs_tiny_full_and_real_lora_on_the_cpu() {
     let dir = tmp("llama");
     let (adapters, merged) = (dir.join("adapters"), dir.join("merged"));
     let o = run(
-        "finetune_llama",
+        "finetune",
         &[
             "--lora",
             "4",
@@ -747,16 +747,16 @@ fn finetune_llama_runs_tiny_full_and_real_lora_on_the_cpu() {
 
 #[test]
 fn finetune_llama_flag_errors_are_plain() {
-    let o = run("finetune_llama", &["--gguf", "/nonexistent.gguf"]);
+    let o = run("finetune", &["--gguf", "/nonexistent.gguf"]);
     let (_, err) = text(&o);
     assert!(!o.status.success());
     assert!(
         err.contains("/nonexistent.gguf") && err.contains("fetch_smollm2.sh"),
         "{err}"
     );
-    let o = run("finetune_llama", &["--full", "--lora", "8"]);
+    let o = run("finetune", &["--full", "--lora", "8"]);
     assert!(!o.status.success());
-    let o = run("finetune_llama", &["--tiny", "--lora", "0"]);
+    let o = run("finetune", &["--tiny", "--lora", "0"]);
     let err = text(&o).1;
     assert!(
         err.contains("'--lora <LORA>': must be a whole number >= 1"),

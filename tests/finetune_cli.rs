@@ -1,4 +1,4 @@
-//! `finetune_llama` as a new user meets it: flag errors that name the flag and its range, a
+//! `finetune` as a new user meets it: flag errors that name the flag and its range, a
 //! `--context` beyond the model's positions refused, periodic checkpoints and `--resume` that
 //! continue a run bit for bit, Ctrl-C saving a checkpoint (exit 130), HF folders that carry
 //! the tokenizer (`tokenizer.json` loads back with the `tokenizers` crate and gives
@@ -22,12 +22,12 @@ fn root() -> &'static Path {
 }
 
 fn run<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> Output {
-    Command::new(example("finetune_llama"))
+    Command::new(example("finetune"))
         .args(args)
         .current_dir(root())
         .env_remove("RUST_BACKTRACE")
         .output()
-        .expect("running finetune_llama")
+        .expect("running finetune")
 }
 
 fn text(o: &Output) -> (String, String) {
@@ -228,11 +228,11 @@ fn tiny_run_resumes_from_its_checkpoint_exactly() {
     std::fs::remove_dir_all(&d).unwrap();
 }
 
-/// Runs finetune_llama with `args`, sends it SIGINT once a stdout line starts with `after`,
+/// Runs finetune with `args`, sends it SIGINT once a stdout line starts with `after`,
 /// and returns the lines before and after that one (included in the first) and the exit status.
 #[cfg(unix)]
 fn interrupt_after(args: &[String], after: &str) -> (Vec<String>, Vec<String>, Option<i32>) {
-    let mut cmd = Command::new(example("finetune_llama"));
+    let mut cmd = Command::new(example("finetune"));
     cmd.args(args).current_dir(root());
     common::interrupt_after(cmd, after)
 }

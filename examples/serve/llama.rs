@@ -27,8 +27,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Instant;
 use wick::lora::{self, LoraConfig};
-use wick::models::files::Gguf;
 use wick::models::tokenizer::TextTokenizer;
+use wick::models::Source;
 use wick::models::{Decoder, DecoderConfig, DecoderWeights, FineTune};
 use wick::serve::{FeedbackSender, OnlineLearner, Published, QueueError};
 use wick::{Engine, ParamStore};
@@ -449,22 +449,32 @@ pub fn router(s: LlamaState, feedback: FeedbackSender<Example>) -> Router {
         .with_state(Routes { s, feedback })
 }
 
-/// Loads the tokenizer and the model (the GGUF's, or `--tiny`), LoRA on every block linear.
+/// Loads the tokenizer and the model (`--gguf` or `--hf`, any decoder family, or `--tiny`),
+/// LoRA on every block linear.
 pub fn build(
     a: &Args,
     dev: &Device,
     metrics: Arc<Metrics>,
 ) -> Result<(Engine, Learner, LlamaState)> {
-    let gguf = Gguf::open(&a.gguf)
-        .with_context(|| format!("{} (run scripts/fetch_smollm2.sh)", a.gguf.display()))?;
-    let tok = TextTokenizer::from_gguf(&gguf)?;
+    let default = std::path::PathBuf::from("data/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let gguf = match (&a.gguf, &a.hf) {
+        (None, None) => Some(default.as_path()),
+        (g, _) => g.as_deref(),
+    };
+    let source = Source::from_args(gguf, a.hf.as_deref())?;
+    let config = source.config().with_context(|| {
+        format!(
+            "{} (for the default model, run scripts/fetch_smollm2.sh)",
+            source.path().display()
+        )
+    })?;
+    let tok = source.tokenizer()?;
     let weights = if a.tiny {
-        let mut c = DecoderConfig::tiny(gguf.config()?.vocab_size);
-        c.eos_token_id = gguf.config()?.eos_token_id;
+        let mut c = DecoderConfig::tiny_family(config.model_type, config.vocab_size);
+        c.eos_token_id = config.eos_token_id;
         DecoderWeights::random(c, a.seed)?
     } else {
-        let mut g = gguf;
-        g.weights()?
+        source.weights()?
     };
     let lora = LoraConfig::all_linear(a.lora_rank, 2.0 * a.lora_rank as f64);
     let store = ParamStore::new(a.precision, dev.clone(), a.seed);

@@ -115,9 +115,14 @@ pub struct Args {
     /// for llama, --gguf names the weights).
     #[arg(long)]
     init: Option<PathBuf>,
-    /// llama: the GGUF (weights, tokenizer).
-    #[arg(long, default_value = "data/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")]
-    gguf: PathBuf,
+    /// llama (any decoder family): the GGUF (weights, tokenizer); SmolLM2-135M-Instruct's
+    /// (data/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf) when neither it nor --hf is given.
+    #[arg(long, conflicts_with = "hf")]
+    gguf: Option<PathBuf>,
+    /// llama (any decoder family): an HF folder instead (config.json, *.safetensors,
+    /// tokenizer.json, tokenizer_config.json).
+    #[arg(long)]
+    hf: Option<PathBuf>,
     /// llama: a random 2-block model over the GGUF's tokenizer (CPU tests).
     #[arg(long)]
     tiny: bool,
@@ -313,7 +318,7 @@ fn main() -> Result<()> {
     if let (ModelKind::Llama, Some(init)) = (a.model, &a.init) {
         anyhow::bail!(
             "--init {} is for --model mnist (a model.safetensors of examples/mnist.rs); \
-             --model llama takes its weights from --gguf",
+             --model llama takes its weights from --gguf or --hf",
             init.display()
         );
     }

@@ -15,7 +15,7 @@ on 2026-12-07 for wick issue 37 item 8. What changed, and nothing else, so figur
     one training generator shared by the modes in order), optimizer settings, LoRA targets,
     prompt and timing are torch_llama.py's.
 scripts/torch_llama_windows.py replays this script's window draws unchanged for any GGUF (it only
-uses the GGUF's tokenizer), so wick's examples/finetune_llama.rs --windows trains on the same tokens.
+uses the GGUF's tokenizer), so wick's examples/finetune.rs --windows trains on the same tokens.
 
   python3 scripts/reference/torch_finetune.py --gguf data/gemma3/gemma-3-270m-q4_k_m.gguf \
       --text data/shakespeare/input.txt [--steps 200] [--batch 16] [--context 1024]

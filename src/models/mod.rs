@@ -11,12 +11,13 @@
 //!   transformers' names, full or LoRA fine-tuning and a KV cache; [`config`] its
 //!   `config.json`, [`files`] reads GGUF and HF safetensors and writes HF folders,
 //!   [`tokenizer`] the GGUF's byte-level BPE tokenizer and chat template (SmolLM2-135M in
-//!   `examples/finetune_llama.rs`), [`spm_tokenizer`] Gemma's SentencePiece vocabulary from
+//!   `examples/finetune.rs`), [`spm_tokenizer`] Gemma's SentencePiece vocabulary from
 //!   GGUF (Gemma 3 270M, scripts/fetch_gemma3.sh).
 
 pub mod bert;
 pub mod bert_io;
 mod block;
+pub mod causal_lm;
 pub mod config;
 pub mod decoder;
 pub mod family;
@@ -27,6 +28,7 @@ pub mod spm_tokenizer;
 pub mod tokenizer;
 
 pub use bert::{Bert, BertConfig};
+pub use causal_lm::{CausalLm, Source};
 pub use config::DecoderConfig;
 pub use decoder::{Decoder, DecoderWeights, FineTune, KvCache};
 pub use gpt::{Gpt, GptConfig};
