@@ -702,9 +702,9 @@ fn prompt_completion_pairs_get_one_bos_at_the_start() -> Result<()> {
     Ok(())
 }
 
-/// `tokenizer.ggml.pre`: `gpt2` and `smollm` are implemented exactly; another value (Llama
-/// 3's `llama-bpe`, Qwen2's `qwen2`, llama.cpp's `default`) is refused naming the key, the
-/// value and the file; an absent key is transformers' GPT-2 regex, refused for llama.cpp's
+/// `tokenizer.ggml.pre`: `gpt2` and `smollm` are implemented exactly (Llama 3's `llama-bpe`
+/// and Qwen2's `qwen2` too: tests/tokenizers.rs); another value (llama.cpp's `default`,
+/// `deepseek-llm`) is refused naming the key, the value and the file; an absent key is transformers' GPT-2 regex, refused for llama.cpp's
 /// pre-tokenization (its `default` regexes).
 #[test]
 fn gguf_pre_tokenizers_are_implemented_or_refused() -> Result<()> {
@@ -750,7 +750,7 @@ fn gguf_pre_tokenizers_are_implemented_or_refused() -> Result<()> {
         err.contains("tokenizer.ggml.pre") && err.contains("absent.gguf"),
         "{err}"
     );
-    for pre in ["llama-bpe", "qwen2", "default"] {
+    for pre in ["default", "deepseek-llm"] {
         let name = format!("{pre}.gguf");
         let g = with_pre(&name, Some(pre));
         for mode in [Pretokenizer::Transformers, Pretokenizer::LlamaCpp] {

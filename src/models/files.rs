@@ -134,7 +134,7 @@ impl Gguf {
                 .map(|v| Ok(v.to_u32().with_context(|| key(s))? as usize))
                 .transpose()
         };
-        let plain = if heads == 0 { 0 } else { hidden / heads };
+        let plain = hidden.checked_div(heads).unwrap_or(0);
         let key_length = opt_usize("attention.key_length")?;
         if let Some(v) = opt_usize("attention.value_length")? {
             let k = key_length.unwrap_or(plain);
