@@ -188,6 +188,14 @@ impl Args {
         Source::from_args(gguf, self.hf.as_deref())
     }
 
+    /// The model's name for headers and the adapter's `base_model_name_or_path`: the file's
+    /// or folder's name up to its first dot (`SmolLM2-135M-Instruct`).
+    fn model_name(&self) -> String {
+        let name = self.model_path().file_name().unwrap_or_default();
+        let name = name.to_string_lossy();
+        name.split('.').next().unwrap_or_default().to_string()
+    }
+
     /// The model's file or folder, as [`Args::source`] picks it.
     fn model_path(&self) -> &Path {
         match (&self.gguf, &self.hf) {
@@ -631,14 +639,17 @@ fn val_batches(
 /// The header line: the model, its trainable parameters, frozen bytes and precision.
 fn header(a: &Args, plan: &Plan, model: &Decoder, trainable: usize, dev: &Device) -> String {
     let mode = &plan.mode;
+    let (name, family) = (a.model_name(), model.config().model_type.model_type());
     let what = match (a.tiny, a.random_weights, &plan.fine_tune) {
         (true, _, _) => format!(
-            "random tiny Llama ({mode}; random weights, SmolLM2's tokenizer): a smoke run, its \
-             losses and greedy text are noise"
+            "random tiny {family} ({mode}; random weights, {name}'s tokenizer): a smoke run, \
+             its losses and greedy text are noise"
         ),
-        (_, true, _) => format!("SmolLM2-135M config with random weights ({mode}, timing run)"),
-        (_, _, FineTune::Full) => "SmolLM2-135M-Instruct, full fine-tune".to_string(),
-        (_, _, FineTune::Lora(l)) => format!("SmolLM2-135M-Instruct, LoRA r{}", l.r),
+        (_, true, _) => {
+            format!("{name} ({family}) config with random weights ({mode}, timing run)")
+        }
+        (_, _, FineTune::Full) => format!("{name} ({family}), full fine-tune"),
+        (_, _, FineTune::Lora(l)) => format!("{name} ({family}), LoRA r{}", l.r),
     };
     format!(
         "{what}: {} blocks, {trainable} trainable parameters, frozen base {:.1} MB, {}",
@@ -845,7 +856,7 @@ fn save_outputs(
                 lora::save_adapter_tensors(
                     model.adapter_masters(store)?,
                     l,
-                    "SmolLM2-135M-Instruct",
+                    &a.model_name(),
                     &dir,
                 )?;
                 // as PEFT's trainers do: AutoTokenizer.from_pretrained(adapter folder) works

@@ -727,7 +727,7 @@ fn finetune_llama_runs_tiny_full_and_real_lora_on_the_cpu() {
     let (out, err) = text(&o);
     assert!(o.status.success(), "{out}\n{err}");
     for want in [
-        "SmolLM2-135M-Instruct, LoRA r4",
+        "SmolLM2-135M-Instruct (llama), LoRA r4",
         "validation loss at step 0",
         "greedy at step 0",
         "greedy after",

@@ -1,17 +1,20 @@
-//! The configuration of a Llama-family decoder, by transformers' `DecoderConfig` field names
-//! (what an HF `config.json` holds), and the names of its tensors.
+//! The configuration of the shared decoder, by transformers' field names (what an HF
+//! `config.json` of a Llama, Mistral, Qwen2, Qwen3 or Gemma 3 text model holds), and the names
+//! of its tensors.
 //!
 //! Nothing in a `config.json` that changes the computation is ignored: RoPE scaling of type
-//! `linear` and `llama3` is implemented ([`RopeScaling`]); every other key is either on a list
-//! of keys known not to change the math ([`HARMLESS_KEYS`]), checked to hold the value the
-//! decoder implements (`hidden_act: "silu"`, `attention_bias: false`, `sliding_window` null or
-//! at least `max_position_embeddings`, ...), or refused with an error naming it.
+//! `linear` and `llama3` is implemented ([`RopeScaling`]), and so are the families' switches
+//! ([`super::family`]: sliding windows, head widths, Gemma's local RoPE base and
+//! `query_pre_attn_scalar`); every other key is either on a list of keys known not to change
+//! the math ([`HARMLESS_KEYS`]), checked to hold the value the family implements
+//! (`hidden_act`, `attention_bias`, soft-capping null, ...), or refused with an error naming
+//! it.
 
 use super::family::{Family, LayerType, NormWidth, LINEARS};
 use anyhow::{bail, Context, Result};
 use std::path::Path;
 
-/// The fields of a Llama `config.json` the decoder uses (transformers' `DecoderConfig` names);
+/// The fields of a `config.json` the decoder uses (transformers' names);
 /// the file's other fields are kept in `other`, so that a saved config says what the loaded
 /// one said.
 ///
@@ -104,6 +107,11 @@ impl<'de> serde::Deserialize<'de> for DecoderConfig {
         use serde::de::Error;
         let mut map = serde_json::Map::<String, serde_json::Value>::deserialize(d)?;
         take_rope_parameters(&mut map).map_err(|e| D::Error::custom(format!("{e:#}")))?;
+        // Gemma3TextConfig defaults tie_word_embeddings to true (and saved configs omit it);
+        // the other families' default is false
+        if map.get("model_type").and_then(|v| v.as_str()) == Some("gemma3_text") {
+            map.entry("tie_word_embeddings").or_insert(true.into());
+        }
         DecoderConfig::deserialize(serde_json::Value::Object(map)).map_err(D::Error::custom)
     }
 }
@@ -437,6 +445,8 @@ pub const HARMLESS_KEYS: &[&str] = &[
     "output_hidden_states",
     "return_dict",
     "unsloth_fixed",
+    // transformers' generate(): which KV cache class to build (Gemma 3: "hybrid")
+    "cache_implementation",
     "unsloth_version",
 ];
 
@@ -544,7 +554,8 @@ impl DecoderConfig {
             Family::Mistral => self.sliding_window.is_some(),
             Family::Qwen2 | Family::Qwen3 => {
                 self.other.get("use_sliding_window") == Some(&serde_json::Value::Bool(true))
-                    && i as u64 >= num("max_window_layers").unwrap_or(0)
+                    // transformers' Qwen2Config / Qwen3Config default: 28
+                    && i as u64 >= num("max_window_layers").unwrap_or(28)
             }
             Family::Gemma3 => {
                 let pattern = num("sliding_window_pattern")

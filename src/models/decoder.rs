@@ -104,7 +104,8 @@ impl DecoderWeights {
         }
         if !problems.is_empty() {
             bail!(
-                "the weights do not fit the Llama config ({} problem(s)): {}",
+                "the weights do not fit the {} config ({} problem(s)): {}",
+                self.config.model_type.model_type(),
                 problems.len(),
                 problems.join("; ")
             );
@@ -489,7 +490,7 @@ impl Decoder {
 
     /// Logits `(B, T, V)` f32 of `ids: (B, T)` at positions `cache.len()..`, appending the
     /// blocks' keys and values to `cache` (inference: no dropout, nothing kept for a backward).
-    /// With an empty cache this is the plain forward of `LlamaForCausalLM`.
+    /// With an empty cache this is the plain forward of the family's `*ForCausalLM`.
     ///
     /// Errors: ids not `(B, T)` integers; a cache of another batch size or model; positions past
     /// `max_position_embeddings`.
@@ -561,7 +562,7 @@ impl Decoder {
         seed: u64,
         mut on_token: impl FnMut(u32) -> bool,
     ) -> Result<Vec<u32>> {
-        super::sampling::check_generation("Llama", prompt, self.config.vocab_size, temperature)?;
+        super::sampling::check_generation("Decoder", prompt, self.config.vocab_size, temperature)?;
         let mut rng = StdRng::seed_from_u64(seed);
         let mut cache = KvCache::default();
         let mut out = Vec::with_capacity(max_new_tokens);
