@@ -31,11 +31,14 @@
 #   8,192 tokens:  ~6 + 3.66 x 8.2 = ~36 GB  -> fits 80 GB (CUDA allocator slack included);
 #   16,384 tokens: ~66 GB + allocator fragmentation -> too close to 80 GB to risk a call on
 #   (an H200's 139 GB would take it: BATCH=16).
-# BATCH, CONTEXT and STEPS may be overridden from the environment.
+# BATCH, CONTEXT and STEPS may be overridden from the environment. PHASE=wick runs steps 1-2,
+# PHASE=torch step 3 (two back-to-back calls on the same warm machine when one call's 600 s
+# cannot hold all five runs); the default runs all three. With PHASE=torch the windows are not
+# needed: torch_finetune.py draws them itself.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set by the device tool}"
-STEPS=${STEPS:-100} BATCH=${BATCH:-8} CONTEXT=${CONTEXT:-1024}
+STEPS=${STEPS:-100} BATCH=${BATCH:-8} CONTEXT=${CONTEXT:-1024} PHASE=${PHASE:-all}
 G=data/gemma3/gemma-3-270m-q4_k_m.gguf
 T=data/shakespeare/input.txt
 W=$(mktemp -d)
@@ -53,6 +56,7 @@ export PYTHONUNBUFFERED=1
 tail -4 "$OUT/env.txt"
 SIZES=(--steps "$STEPS" --batch "$BATCH" --context "$CONTEXT")
 
+if [ "$PHASE" != torch ]; then
 timeout 120 python3 scripts/torch_llama_windows.py --gguf "$G" --text "$T" "${SIZES[@]}" \
   --modes full,full_compile,lora --out "$W/windows.json" > "$OUT/windows.log" 2>&1
 
@@ -64,12 +68,14 @@ timeout 120 python3 scripts/torch_llama_windows.py --gguf "$G" --text "$T" "${SI
 FT=("$W/finetune" --device cuda --gguf "$G" --text "$T" --windows "$W/windows.json" "${SIZES[@]}")
 for m in full lora; do
   flag=(--full); [ $m = lora ] && flag=(--lora 16)
-  timeout 150 "${FT[@]}" "${flag[@]}" > "$OUT/wick_$m.log" 2>&1 || echo "wick $m: exit $?"
+  timeout "${WICK_TIMEOUT:-150}" "${FT[@]}" "${flag[@]}" > "$OUT/wick_$m.log" 2>&1 || echo "wick $m: exit $?"
   sed -n 's/^RESULT //p' "$OUT/wick_$m.log" > "$OUT/wick_$m.json"
   grep -h "validation\|ms/step" "$OUT/wick_$m.log" || tail -3 "$OUT/wick_$m.log"
 done
+fi
+[ "$PHASE" = wick ] && exit 0
 
-timeout 330 python3 scripts/reference/torch_finetune.py --gguf "$G" --text "$T" "${SIZES[@]}" \
+timeout "${TORCH_TIMEOUT:-330}" python3 scripts/reference/torch_finetune.py --gguf "$G" --text "$T" "${SIZES[@]}" \
   --modes full,full_compile,lora --out "$OUT/torch.json" 2>&1 | grep -v "it/s\]" > "$OUT/torch.log" \
   || echo "torch: exit $?"
 grep -h '^{"' "$OUT/torch.log" | cut -c1-400
