@@ -19,7 +19,7 @@
 use super::family::{Activation, Switches};
 use crate::lora::LoraAdapter;
 use crate::ops::{self, Half, Layer, NormParams};
-use anyhow::Result;
+use anyhow::{bail, Context, Result};
 use candle_core::{DType, Tensor};
 use std::sync::Mutex;
 
@@ -158,28 +158,64 @@ impl Norms {
         out.extend(self.post_attn.iter().chain(&self.post_mlp).cloned());
     }
 
-    /// The gains as the forward multiplies by them: `offset + w` in f32 (Gemma's `1 + w`),
-    /// or the stored tensors themselves for offset 0 (so the one-node form sees the
-    /// variables).
-    fn applied(&self, offset: f64) -> Result<Norms> {
-        let g = |w: &Tensor| -> Result<Tensor> {
-            Ok(match offset {
-                0.0 => w.clone(),
-                _ => w.to_dtype(DType::F32)?.affine(1.0, offset)?,
-            })
+    /// The gains in the order of [`super::family::Family::block_norms`] (HF's
+    /// `input_layernorm`, q/k norms, `post_attention_layernorm`, `pre_feedforward_layernorm`,
+    /// `post_feedforward_layernorm`, as the family has them), placed by `switches`.
+    ///
+    /// Errors: another number of gains than the switches place.
+    pub fn from_block_order(gains: Vec<Tensor>, switches: &Switches) -> Result<Norms> {
+        let n = gains.len();
+        let want = 2 + 2 * (switches.qk_norm as usize) + 2 * (switches.sandwich_norms as usize);
+        if n != want {
+            bail!("the block has {n} norm gain(s); the family's switches place {want}");
+        }
+        let mut it = gains.into_iter();
+        let mut next = || it.next().context("norm gains out of step");
+        let attn = next()?;
+        let qk = match switches.qk_norm {
+            true => Some((next()?, next()?)),
+            false => None,
         };
-        let opt = |w: &Option<Tensor>| w.as_ref().map(g).transpose();
+        let post_attn = switches.sandwich_norms.then(&mut next).transpose()?;
+        let mlp = next()?;
+        let post_mlp = switches.sandwich_norms.then(&mut next).transpose()?;
         Ok(Norms {
-            attn: g(&self.attn)?,
+            attn,
+            qk,
+            post_attn,
+            mlp,
+            post_mlp,
+        })
+    }
+
+    /// The gains passed through `f`, the structure kept.
+    pub fn map(&self, f: impl Fn(&Tensor) -> Result<Tensor>) -> Result<Norms> {
+        let opt = |w: &Option<Tensor>| w.as_ref().map(&f).transpose();
+        Ok(Norms {
+            attn: f(&self.attn)?,
             qk: match &self.qk {
-                Some((q, k)) => Some((g(q)?, g(k)?)),
+                Some((q, k)) => Some((f(q)?, f(k)?)),
                 None => None,
             },
             post_attn: opt(&self.post_attn)?,
-            mlp: g(&self.mlp)?,
+            mlp: f(&self.mlp)?,
             post_mlp: opt(&self.post_mlp)?,
         })
     }
+
+    /// The gains as the forward multiplies by them ([`applied_gain`]).
+    fn applied(&self, offset: f64) -> Result<Norms> {
+        self.map(|w| applied_gain(w, offset))
+    }
+}
+
+/// A norm gain as the forward multiplies by it: `offset + w` in f32 (Gemma's `1 + w`), or the
+/// stored tensor itself for offset 0 (so the one-node form sees the variable).
+pub(super) fn applied_gain(w: &Tensor, offset: f64) -> Result<Tensor> {
+    Ok(match offset {
+        0.0 => w.clone(),
+        _ => w.to_dtype(DType::F32)?.affine(1.0, offset)?,
+    })
 }
 
 /// What a block's forward needs of the config.

@@ -772,8 +772,22 @@ impl DecoderConfig {
         start: usize,
         device: &candle_core::Device,
     ) -> Result<(candle_core::Tensor, candle_core::Tensor)> {
+        self.rotary_tables_of(false, seq_len, start, device)
+    }
+
+    /// [`Self::rotary_tables`] of layer kind `sliding` ([`Self::rope_inv_freq_of`]: Gemma 3's
+    /// sliding layers take the local base).
+    ///
+    /// Errors: as [`Self::rotary_tables`].
+    pub fn rotary_tables_of(
+        &self,
+        sliding: bool,
+        seq_len: usize,
+        start: usize,
+        device: &candle_core::Device,
+    ) -> Result<(candle_core::Tensor, candle_core::Tensor)> {
         Ok(crate::ops::rotary_tables_from_inv_freq(
-            &self.rope_inv_freq(),
+            &self.rope_inv_freq_of(sliding),
             seq_len,
             start,
             device,

@@ -144,6 +144,9 @@ pub struct Decoder {
     /// RoPE tables of positions `0..T` for the last training length `T`, made once and reused
     /// by every step of that length (no host computation and upload per step).
     rope: std::sync::Mutex<Option<(usize, Arc<Ropes>)>>,
+    /// RoPE tables of positions `0..N` whose rows cached forwards take
+    /// ([`Decoder::position_tables`]).
+    rope_positions: std::sync::Mutex<Option<(usize, Arc<Ropes>)>>,
 }
 
 /// The RoPE tables `(cos, sin)`, each `(T, D/2)` f32, of a run of positions: the full
@@ -155,16 +158,24 @@ struct Ropes {
 
 impl Ropes {
     fn new(config: &DecoderConfig, t: usize, start: usize, device: &Device) -> Result<Self> {
-        let table = |sliding: bool| -> Result<(Tensor, Tensor)> {
-            let inv = config.rope_inv_freq_of(sliding);
-            Ok(ops::rotary_tables_from_inv_freq(&inv, t, start, device)?)
-        };
+        let table = |sliding: bool| config.rotary_tables_of(sliding, t, start, device);
         Ok(Self {
             global: table(false)?,
             local: match config.rope_local_base_freq {
                 Some(_) => Some(table(true)?),
                 None => None,
             },
+        })
+    }
+
+    /// The rows of positions `start..start + t` (views, no copy).
+    fn rows(&self, start: usize, t: usize) -> Result<Self> {
+        let rows = |(c, s): &(Tensor, Tensor)| -> Result<(Tensor, Tensor)> {
+            Ok((c.narrow(0, start, t)?, s.narrow(0, start, t)?))
+        };
+        Ok(Self {
+            global: rows(&self.global)?,
+            local: self.local.as_ref().map(rows).transpose()?,
         })
     }
 
@@ -214,35 +225,19 @@ impl Decoder {
             }
         };
         let embed = take(EMBED, Role::Fp32)?;
-        let switches = config.model_type.switches();
+        let family = config.model_type;
+        let switches = family.switches();
         let mut blocks = Vec::with_capacity(config.num_hidden_layers);
         let mut adapters = Vec::new();
         for i in 0..config.num_hidden_layers {
             let p = format!("model.layers.{i}");
-            let mut gain = |name: &str| take(&format!("{p}.{name}"), Role::Fp32);
-            let attn = gain("input_layernorm.weight")?;
-            let qk = match switches.qk_norm {
-                true => Some((
-                    gain("self_attn.q_norm.weight")?,
-                    gain("self_attn.k_norm.weight")?,
-                )),
-                false => None,
-            };
-            let (post_attn, mlp, post_mlp) = match switches.sandwich_norms {
-                true => (
-                    Some(gain("post_attention_layernorm.weight")?),
-                    gain("pre_feedforward_layernorm.weight")?,
-                    Some(gain("post_feedforward_layernorm.weight")?),
-                ),
-                false => (None, gain("post_attention_layernorm.weight")?, None),
-            };
-            let norms = Norms {
-                attn,
-                qk,
-                post_attn,
-                mlp,
-                post_mlp,
-            };
+            // the gains of the family's block_norms, in its order
+            let gains = family
+                .block_norms()
+                .iter()
+                .map(|(name, _, _)| take(&format!("{p}.{name}"), Role::Fp32))
+                .collect::<Result<Vec<_>>>()?;
+            let norms = Norms::from_block_order(gains, &switches)?;
             let mut proj = |modules: &[(&str, &str)]| -> Result<Proj> {
                 let mut parts = Vec::new();
                 let mut bias = Vec::new();
@@ -332,6 +327,7 @@ impl Decoder {
             lora,
             checkpointing: false,
             rope: std::sync::Mutex::new(None),
+            rope_positions: std::sync::Mutex::new(None),
         })
     }
 
@@ -406,6 +402,29 @@ impl Decoder {
         Ok(ropes)
     }
 
+    /// RoPE tables of positions `0..n` or more (cached forwards take their rows): made for a
+    /// power-of-two count of positions (at most `max_position_embeddings`) and reused while
+    /// the positions fit, so generation computes them on the host a few times, not per token.
+    fn position_tables(&self, n: usize) -> Result<Arc<Ropes>> {
+        let mut cached = self
+            .rope_positions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some((len, ropes)) = cached.as_ref() {
+            if *len >= n {
+                return Ok(ropes.clone());
+            }
+        }
+        let len = n
+            .next_power_of_two()
+            .max(64)
+            .min(self.config.max_position_embeddings)
+            .max(n);
+        let ropes = Arc::new(Ropes::new(&self.config, len, 0, &self.device)?);
+        *cached = Some((len, ropes.clone()));
+        Ok(ropes)
+    }
+
     /// The residual stream `(B, T, C)` f32 of the token ids: the table's rows, times
     /// `√hidden_size` rounded to the table's dtype for Gemma (transformers'
     /// `Gemma3TextScaledWordEmbedding`).
@@ -425,11 +444,7 @@ impl Decoder {
 
     /// The final norm of the f32 stream, output in the compute dtype.
     fn final_norm(&self, x: &Tensor) -> Result<Tensor> {
-        let offset = self.config.model_type.switches().norm_offset;
-        let g = match offset {
-            0.0 => self.norm.clone(),
-            _ => self.norm.to_dtype(DType::F32)?.affine(1.0, offset)?,
-        };
+        let g = block::applied_gain(&self.norm, self.config.model_type.switches().norm_offset)?;
         Ok(ops::rms_norm_with_dtype(
             x,
             &g,
@@ -490,16 +505,17 @@ impl Decoder {
 
     /// Logits `(B, T, V)` f32 of `ids: (B, T)` at positions `cache.len()..`, appending the
     /// blocks' keys and values to `cache` (inference: no dropout, nothing kept for a backward).
-    /// With an empty cache this is the plain forward of the family's `*ForCausalLM`.
+    /// With an empty cache this is the plain forward of the family's `*ForCausalLM`. All or
+    /// nothing: a forward that fails leaves the cache as it was.
     ///
-    /// Errors: ids not `(B, T)` integers; a cache of another batch size or model; positions past
-    /// `max_position_embeddings`.
+    /// Errors: ids not `(B, T)` integers; a cache of another batch size or model (a block's
+    /// cache of another shape or length); positions past `max_position_embeddings`.
     pub fn forward_cached(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
         let (b, t) = self.check_ids(ids, "forward_cached")?;
-        if cache.layers.is_empty() {
-            cache.layers = (0..self.blocks.len()).map(|_| Mutex::new(None)).collect();
-        }
-        if cache.layers.len() != self.blocks.len() || (cache.len > 0 && cache.batch != b) {
+        let fresh = cache.layers.is_empty();
+        if !fresh
+            && (cache.layers.len() != self.blocks.len() || (cache.len > 0 && cache.batch != b))
+        {
             bail!(
                 "Decoder::forward_cached: the cache holds {} block(s) of batch {}, the model has {} \
                  block(s) and the ids batch {b}; use a fresh KvCache",
@@ -516,20 +532,32 @@ impl Decoder {
                 self.config.max_position_embeddings
             );
         }
-        let ropes = Ropes::new(&self.config, t, start, &self.device)?;
+        let ropes = self.position_tables(start + t)?.rows(start, t)?;
         let x = self.embed_ids(&ids.detach())?.detach();
+        // the blocks extend copies of the cache's handles (no tensor copied), which replace
+        // the cache only once the whole forward succeeded: a failure leaves it as it was
+        let staged: Vec<Mutex<Option<(Tensor, Tensor)>>> = match fresh {
+            true => (0..self.blocks.len()).map(|_| Mutex::new(None)).collect(),
+            false => cache
+                .layers
+                .iter()
+                .map(|l| Mutex::new(l.lock().unwrap_or_else(|e| e.into_inner()).clone()))
+                .collect(),
+        };
         let all = self
             .blocks
             .iter()
-            .zip(&cache.layers)
+            .zip(&staged)
             .map(|(b, kv)| (&**b, ropes.of(b), Attend::Cached { kv, start }));
         let x = block::run(&x, all, false, true, self.compute())?.detach();
-        cache.len = start + t;
-        cache.batch = b;
         let logits = self
             .final_norm(&x)?
             .broadcast_matmul(&self.head_weight()?.detach().t()?)?;
-        Ok(to_f32(&logits)?.detach())
+        let logits = to_f32(&logits)?.detach();
+        cache.layers = staged;
+        cache.len = start + t;
+        cache.batch = b;
+        Ok(logits)
     }
 
     /// Generates up to `max_new_tokens` ids after `prompt` with a KV cache: the prompt in one
@@ -756,18 +784,7 @@ impl Decoder {
                 proj(&b.gate_up)?,
                 proj(&b.down)?,
             );
-            let n = &b.norms;
-            let opt = |t: &Option<Tensor>| t.as_ref().map(&base).transpose();
-            let norms = Norms {
-                attn: base(&n.attn)?,
-                qk: match &n.qk {
-                    Some((q, k)) => Some((base(q)?, base(k)?)),
-                    None => None,
-                },
-                post_attn: opt(&n.post_attn)?,
-                mlp: base(&n.mlp)?,
-                post_mlp: opt(&n.post_mlp)?,
-            };
+            let norms = b.norms.map(&base)?;
             blocks.push(Arc::new(Block {
                 norms,
                 qkv,
@@ -790,6 +807,7 @@ impl Decoder {
             lora: self.lora.clone(),
             checkpointing: false,
             rope: std::sync::Mutex::new(None),
+            rope_positions: std::sync::Mutex::new(None),
         })
     }
 
@@ -827,7 +845,8 @@ impl Decoder {
 }
 
 /// Keys and values of the positions seen so far, per block: `(B, Hkv, S, D)` each, in the
-/// compute dtype. Start with `KvCache::default()`; one cache per sequence batch. Drop it (or
+/// compute dtype, `S` every position for a full-attention block and the last `W - 1` for a
+/// sliding window of `W` keys (the ones a later query sees: the cache stays bounded). Start with `KvCache::default()`; one cache per sequence batch. Drop it (or
 /// [`KvCache::clear`]) when the weights change: its keys came from the old ones.
 #[derive(Debug, Default)]
 pub struct KvCache {
@@ -851,9 +870,22 @@ impl Clone for KvCache {
 }
 
 impl KvCache {
-    /// Positions held.
+    /// Positions seen (the absolute position of the next token).
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// Positions each block holds ([`Self::len`], or at most `W - 1` for a block with a
+    /// sliding window of `W` keys); empty before the first forward.
+    pub fn block_positions(&self) -> Vec<usize> {
+        self.layers
+            .iter()
+            .map(|l| {
+                let kv = l.lock().unwrap_or_else(|e| e.into_inner());
+                kv.as_ref()
+                    .map_or(0, |(k, _)| k.dims().get(2).copied().unwrap_or(0))
+            })
+            .collect()
     }
 
     /// True when nothing is cached.
