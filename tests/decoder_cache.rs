@@ -1,9 +1,13 @@
 //! The decoder's KV cache (issue 37 review): a sliding-window layer keeps only the positions a
 //! later query sees (bounded memory) and generation past several windows equals the full
-//! recompute; a forward that fails mid-way leaves the cache as it was (all or nothing).
+//! recompute; a forward that fails mid-way leaves the cache as it was (all or nothing). And
+//! the GGUF reader's errors name the file and key.
 
+use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
 use wick::models::family::{Family, LayerType};
+use wick::models::files::Gguf;
+use wick::models::tokenizer::TextTokenizer;
 use wick::models::{Decoder, DecoderConfig, DecoderWeights, FineTune, KvCache};
 use wick::params::ParamStore;
 use wick::Precision;
@@ -174,4 +178,74 @@ fn a_failed_forward_leaves_the_cache_as_it_was() {
     assert_eq!(cache.len(), len);
     forward(&a, &[6], &mut cache).unwrap();
     assert_eq!(cache.len(), len + 1);
+}
+
+/// A tensor-less GGUF of `meta` in a fresh temp folder.
+fn gguf_of(name: &str, meta: &[(&str, gguf_file::Value)]) -> std::path::PathBuf {
+    let dir =
+        std::env::temp_dir().join(format!("wick-decoder-cache-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(format!("{name}.gguf"));
+    let refs: Vec<(&str, &gguf_file::Value)> = meta.iter().map(|(k, v)| (*k, v)).collect();
+    gguf_file::write(&mut std::fs::File::create(&path).unwrap(), &refs, &[]).unwrap();
+    path
+}
+
+#[test]
+fn gguf_errors_name_the_file_and_key() {
+    use gguf_file::Value as V;
+    let base = || {
+        vec![
+            ("general.architecture", V::String("llama".into())),
+            ("llama.attention.head_count", V::U32(4)),
+            ("llama.embedding_length", V::U32(64)),
+            ("llama.context_length", V::U32(64)),
+            ("llama.block_count", V::U32(2)),
+            ("llama.feed_forward_length", V::U32(96)),
+            ("llama.attention.layer_norm_rms_epsilon", V::F32(1e-5)),
+            ("llama.vocab_size", V::U32(96)),
+        ]
+    };
+    for (key, bad) in [
+        ("llama.vocab_size", V::String("96".into())),
+        ("llama.attention.head_count_kv", V::String("2".into())),
+        (
+            "llama.attention.layer_norm_rms_epsilon",
+            V::String("eps".into()),
+        ),
+        ("llama.rope.freq_base", V::String("1e4".into())),
+        ("llama.block_count", V::String("2".into())),
+    ] {
+        let mut meta: Vec<(&str, V)> = base().into_iter().filter(|(k, _)| *k != key).collect();
+        meta.push((key, bad));
+        let path = gguf_of(&key.replace('.', "_"), &meta);
+        let err = Gguf::open(&path).unwrap().config().unwrap_err();
+        let msg = format!("{err:#}");
+        assert!(
+            msg.contains(key) && msg.contains(&path.display().to_string()),
+            "{key}: {msg}"
+        );
+    }
+    // a token_type list of another length than the tokens is refused, naming the key
+    let meta = vec![
+        ("general.architecture", V::String("llama".into())),
+        ("tokenizer.ggml.model", V::String("gpt2".into())),
+        (
+            "tokenizer.ggml.tokens",
+            V::Array(["a", "b", "c"].map(|s| V::String(s.into())).to_vec()),
+        ),
+        (
+            "tokenizer.ggml.token_type",
+            V::Array(vec![V::I32(1), V::I32(3)]),
+        ),
+    ];
+    let path = gguf_of("token_type", &meta);
+    let Err(err) = TextTokenizer::from_gguf(&Gguf::open(&path).unwrap()) else {
+        panic!("a token_type of 2 entries for 3 tokens was accepted")
+    };
+    let msg = format!("{err:#}");
+    assert!(
+        msg.contains("tokenizer.ggml.token_type has 2 entries"),
+        "{msg}"
+    );
 }

@@ -60,7 +60,10 @@ impl Gguf {
     }
 
     fn meta_usize(&self, key: &str) -> Result<usize> {
-        Ok(self.meta(key)?.to_u32().with_context(|| key.to_string())? as usize)
+        Ok(self
+            .meta(key)?
+            .to_u32()
+            .with_context(|| format!("{}: {key}", self.path.display()))? as usize)
     }
 
     /// The model's [`DecoderConfig`] from the `{arch}.*` metadata of `general.architecture`
@@ -119,19 +122,26 @@ impl Gguf {
         }
         let key = |s: &str| format!("{arch}.{s}");
         let get = |s: &str| self.content.metadata.get(&key(s));
+        // a mistyped value's error names the file and the key
+        let at = |s: &str| format!("{}: {}", self.path.display(), key(s));
         let heads = self.meta_usize(&key("attention.head_count"))?;
         let hidden = self.meta_usize(&key("embedding_length"))?;
         let vocab = match get("vocab_size") {
-            Some(v) => v.to_u32()? as usize,
+            Some(v) => v.to_u32().with_context(|| at("vocab_size"))? as usize,
             None => match self.content.tensor_infos.get("token_embd.weight") {
-                Some(t) => t.shape.dims()[0],
+                Some(t) => *t.shape.dims().first().with_context(|| {
+                    format!(
+                        "{}: token_embd.weight is a scalar; the token table is (vocab, hidden)",
+                        self.path.display()
+                    )
+                })?,
                 None => self.meta("tokenizer.ggml.tokens")?.to_vec()?.len(),
             },
         };
         let opt_u32 = |k: &str| self.content.metadata.get(k).and_then(|v| v.to_u32().ok());
         let opt_usize = |s: &str| -> Result<Option<usize>> {
             get(s)
-                .map(|v| Ok(v.to_u32().with_context(|| key(s))? as usize))
+                .map(|v| Ok(v.to_u32().with_context(|| at(s))? as usize))
                 .transpose()
         };
         let plain = hidden.checked_div(heads).unwrap_or(0);
@@ -165,14 +175,16 @@ impl Gguf {
             num_hidden_layers: layers,
             num_attention_heads: heads,
             num_key_value_heads: match get("attention.head_count_kv") {
-                Some(v) => v.to_u32()? as usize,
+                Some(v) => v.to_u32().with_context(|| at("attention.head_count_kv"))? as usize,
                 None => heads,
             },
             rms_norm_eps: self
                 .meta(&key("attention.layer_norm_rms_epsilon"))?
-                .to_f32()? as f64,
+                .to_f32()
+                .with_context(|| at("attention.layer_norm_rms_epsilon"))?
+                as f64,
             rope_theta: match get("rope.freq_base") {
-                Some(v) => v.to_f32()? as f64,
+                Some(v) => v.to_f32().with_context(|| at("rope.freq_base"))? as f64,
                 None => 10000.0,
             },
             rope_scaling: None,
@@ -230,7 +242,7 @@ impl Gguf {
                         .collect(),
                 );
                 config.rope_local_base_freq = Some(match get("rope.local_freq_base") {
-                    Some(v) => v.to_f32().context("rope.local_freq_base")? as f64,
+                    Some(v) => v.to_f32().with_context(|| at("rope.local_freq_base"))? as f64,
                     None => 10000.0,
                 });
                 // llama-model.cpp, LLM_ARCH_GEMMA3: f_attention_scale = type == LLM_TYPE_27B
@@ -337,7 +349,13 @@ impl Gguf {
         // scale) per frequency, with low_freq_factor 1, high_freq_factor 4 and original context
         // 8192 unless the config says otherwise: recognise those parameters
         let original = match get("rope.scaling.original_context_length") {
-            Some(v) => v.to_u32()? as usize,
+            Some(v) => v.to_u32().with_context(|| {
+                format!(
+                    "{}: {}",
+                    self.path.display(),
+                    key("rope.scaling.original_context_length")
+                )
+            })? as usize,
             None => 8192,
         };
         let llama3 = RopeScaling::Llama3 {
@@ -471,31 +489,6 @@ pub fn gguf_architecture_keys(family: Family) -> Vec<String> {
         .map(|s| format!("{arch}.{s}"))
         .collect()
 }
-
-/// The `llama.*` GGUF metadata keys [`Gguf::config`] reads or checks in a `llama` file
-/// ([`gguf_architecture_keys`] of [`Family::Llama`]).
-pub const GGUF_LLAMA_KEYS: &[&str] = &[
-    "llama.vocab_size",
-    "llama.context_length",
-    "llama.embedding_length",
-    "llama.feed_forward_length",
-    "llama.block_count",
-    "llama.attention.head_count",
-    "llama.attention.head_count_kv",
-    "llama.attention.layer_norm_rms_epsilon",
-    "llama.attention.key_length",
-    "llama.attention.value_length",
-    "llama.rope.freq_base",
-    "llama.rope.dimension_count",
-    "llama.rope.scaling.type",
-    "llama.rope.scaling.factor",
-    "llama.rope.scale_linear",
-    "llama.rope.scaling.original_context_length",
-    "llama.rope.scaling.finetuned",
-    "llama.expert_count",
-    "llama.expert_used_count",
-    "llama.attention.sliding_window",
-];
 
 /// Reads a GGUF file's config and weights ([`Gguf::weights`]).
 pub fn read_gguf(path: &Path) -> Result<DecoderWeights> {
@@ -641,7 +634,10 @@ pub fn read_safetensors(dir: &Path) -> Result<DecoderWeights> {
             if name.ends_with("rotary_emb.inv_freq") {
                 continue;
             }
-            tensors.insert(name, t.to_dtype(DType::F32)?);
+            let t = t
+                .to_dtype(DType::F32)
+                .with_context(|| format!("{}: casting {name} to f32", f.display()))?;
+            tensors.insert(name, t);
         }
     }
     if let Some(map) = &index {

@@ -138,9 +138,20 @@ impl TextTokenizer {
                 .to_vec()?
                 .iter()
                 .map(|t| t.to_i32())
-                .collect::<candle_core::Result<_>>()?,
+                .collect::<candle_core::Result<_>>()
+                .with_context(|| {
+                    format!("{file}: tokenizer.ggml.token_type must be a list of i32")
+                })?,
             None => vec![1; tokens.len()],
         };
+        if types.len() != tokens.len() {
+            bail!(
+                "{file}: tokenizer.ggml.token_type has {} entries but tokenizer.ggml.tokens has \
+                 {}; there must be one type per token",
+                types.len(),
+                tokens.len()
+            );
+        }
         let mut tokenizer = if spm {
             super::spm_tokenizer::build(gguf, &tokens)?
         } else {
