@@ -5,7 +5,7 @@
 // head h uses key/value head h / G, G = H / Hkv, read in place (K and V are never repeated in
 // memory); Hkv == H (G = 1) is multi-head attention, qkv (B, T, 3C).
 //
-//   S = scale * Q K^T (keys j <= i),  P = softmax(S),  O = P V
+//   S = scale * Q K^T (keys j <= i, and i - j < W with a sliding window),  P = softmax(S),  O = P V
 //   dV = P^T dO,  dP = dO V^T,  dS = P * (dP - D) with D_i = dO_i . O_i,
 //   dQ = scale * dS K,  dK = scale * dS^T Q
 //
@@ -43,13 +43,22 @@
 // Together: forward 0.208 -> 0.141 ms, backward 0.839 -> 0.646 ms. Two row fragments per warp
 // (128-row tiles, as FlashAttention-2's forward) were slower here: 247 registers, 2 blocks per SM.
 //
+// Sliding windows (transformers' sliding_window: query i sees key j iff j <= i and i - j < W, W
+// keys including its own): every tile kernel takes W (INT_MAX: plain causal attention, the
+// same tiles, masks and sums as without the argument, bit for bit). Tiles wholly outside every
+// row's window are skipped (the forward and dQ start at key tile att_first_key_tile, dK/dV
+// stops at query tile att_last_query_tile), so the work is O(T W); the tiles that cross the
+// window's lower edge (att_win_tile) mask i - j >= W in the same select as the causal mask.
+// Every row sees its own key, so no row is empty, but a row may see nothing of the first tiles
+// its block walks: the online softmax keeps m = -inf and P = 0 there (att_softmax_step).
+//
 // Needs sm_80+ (mma.sync with bf16/f16/TF32 operands); the launcher falls back below that.
 //
 // Entry points (TN = bf16 | f16 | f32 (3xTF32) | tf32 (f32 data, TF32 operands); scale2 = scale * log2(e); lse and dsum are (B, H, T) f32):
-//   attn_fwd_<TN>(qkv, out, lse, T, H, Hkv, scale2)          grid (ceil(T/64), B*H)
+//   attn_fwd_<TN>(qkv, out, lse, T, H, Hkv, scale2, W)       grid (ceil(T/64), B*H)
 //   attn_bwd_dot_<TN>(out, dout, dsum, rows, T, H)           D = rowsum(dO * O), rows = B*T*H, 256 threads
-//   attn_bwd_dkdv_<TN>(qkv, dout, lse, dsum, dqkv, T, H, Hkv, scale2, scale)  grid (ceil(T/64), B*Hkv)
-//   attn_bwd_dq_<TN>(qkv, dout, lse, dsum, dqkv, T, H, Hkv, scale2, scale)    grid (ceil(T/64), B*H)
+//   attn_bwd_dkdv_<TN>(qkv, dout, lse, dsum, dqkv, T, H, Hkv, scale2, scale, W)  grid (ceil(T/64), B*Hkv)
+//   attn_bwd_dq_<TN>(qkv, dout, lse, dsum, dqkv, T, H, Hkv, scale2, scale, W)    grid (ceil(T/64), B*H)
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -399,11 +408,14 @@ __device__ void attn_bwd_dot(const T* __restrict__ out, const T* __restrict__ do
 // On entry s holds the raw scores Q K^T; m is the running row maximum in the log2 domain
 // (times scale2) and l this lane's share of the running row sum. With MASK (the diagonal tile,
 // or one that reaches past T) keys after the row or past T are dropped; tiles below the
-// diagonal need no test. Rescales o and leaves P = 2^(scale2 s - m) in s. Key 0 is in the first
-// tile and visible to every row, so m is finite from then on.
-template <bool MASK>
+// diagonal need no test. With WIN (a tile that crosses the lower edge of a row's window, MASK
+// set too) keys with row - key >= W are dropped as well. Rescales o and leaves
+// P = 2^(scale2 s - m) in s. Without a window key 0 is in the first tile and visible to every
+// row, so m is finite from then on; with one, a row may see no key of a WIN tile before its
+// window starts: m stays -inf, P = 0, o and l are left as they are (zero).
+template <bool MASK, bool WIN = false>
 __device__ __forceinline__ void att_softmax_step(float (&s)[8][4], float (&o)[8][4], float (&m)[2], float (&l)[2],
-                                                 int k0, int row, int T_, float scale2, int c) {
+                                                 int k0, int row, int T_, float scale2, int c, int W = 0) {
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int nb = 0; nb < 8; nb++)
@@ -411,7 +423,8 @@ __device__ __forceinline__ void att_softmax_step(float (&s)[8][4], float (&o)[8]
         for (int i = 0; i < 4; i++) {
             if (MASK) {
                 const int key = k0 + nb * 8 + 2 * c + (i & 1);
-                if (key > row + 8 * (i >> 1) || key >= T_) s[nb][i] = -INFINITY;
+                if (key > row + 8 * (i >> 1) || key >= T_ || (WIN && row + 8 * (i >> 1) - key >= W))
+                    s[nb][i] = -INFINITY;
             }
             mx[i >> 1] = fmaxf(mx[i >> 1], s[nb][i]);
         }
@@ -422,9 +435,10 @@ __device__ __forceinline__ void att_softmax_step(float (&s)[8][4], float (&o)[8]
         mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
         mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
         const float mn = fmaxf(m[r], mx[r] * scale2);
-        alpha[r] = att_exp2(m[r] - mn);
+        const bool none = WIN && mn == -INFINITY;   // no key of the row seen yet
+        alpha[r] = none ? 1.0f : att_exp2(m[r] - mn);
         m[r] = mn;
-        ms[r] = -mn;
+        ms[r] = none ? 0.0f : -mn;
     }
 #pragma unroll
     for (int nb = 0; nb < 8; nb++)
@@ -464,11 +478,27 @@ __device__ __forceinline__ void att_fwd_store(T* __restrict__ out, float* __rest
     }
 }
 
-// Forward of one 64-row query tile: walks the key tiles up to it, the next tile's copy in
-// flight while the current one is used.
+// Sliding windows of W keys (W = INT_MAX: none). The first key tile that a query tile from q0
+// sees (its first row's first key is q0 - W + 1).
+__device__ __forceinline__ int att_first_key_tile(int q0, int W) {
+    const int first = q0 - W + 1;   // no overflow: q0 >= 0, W >= 1
+    return first > 0 ? first / ATT_TILE : 0;
+}
+// The last query tile (of `tiles`) that sees a key of the tile from k0 (its last key, k0 + 63,
+// is seen up to query k0 + 63 + W - 1).
+__device__ __forceinline__ int att_last_query_tile(int k0, int W, int tiles) {
+    const long last = ((long)k0 + ATT_TILE - 1 + W - 1) / ATT_TILE;
+    return last < tiles - 1 ? (int)last : tiles - 1;
+}
+// Whether the (query tile q0, key tile k0) pair holds a query/key pair outside the window
+// (query - key >= W), so that the tile needs the window mask.
+__device__ __forceinline__ bool att_win_tile(int q0, int k0, int W) { return q0 + (ATT_TILE - 1) - k0 >= W; }
+
+// Forward of one 64-row query tile: walks the key tiles up to it (from the first one its window
+// reaches), the next tile's copy in flight while the current one is used.
 template <typename Ops, typename T = typename Ops::T>
 __device__ void attn_fwd(const T* __restrict__ qkv, T* __restrict__ out, float* __restrict__ lse, int T_, int H,
-                         int Hkv, float scale2) {
+                         int Hkv, float scale2, int W) {
     // two stages of (K, V) tiles: stage s is tiles 2s, 2s + 1; Q passes through stage 1 first
     const int qt = gridDim.x - 1 - blockIdx.x;   // longest (last) query tiles first
     const int bh = blockIdx.y, b = bh / H, h = bh % H, kvh = h / (H / Hkv);
@@ -479,10 +509,11 @@ __device__ void attn_fwd(const T* __restrict__ qkv, T* __restrict__ out, float* 
     const T* v = row0 + (long)(H + Hkv + kvh) * ATT_D;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int q0 = qt * ATT_TILE, r0 = warp * 16 + g;
+    const int kt0 = att_first_key_tile(q0, W);
 
     att_load_tile<Ops>(att_tile<Ops>(2), row0 + h * ATT_D, q0, T_, s3);
-    att_load_tile<Ops>(att_tile<Ops>(0), k, 0, T_, s3);
-    att_load_tile<Ops>(att_tile<Ops>(1), v, 0, T_, s3);
+    att_load_tile<Ops>(att_tile<Ops>(0), k, kt0 * ATT_TILE, T_, s3);
+    att_load_tile<Ops>(att_tile<Ops>(1), v, kt0 * ATT_TILE, T_, s3);
     att_wait<Ops>();
     __syncthreads();
     typename Ops::AFrag qa;
@@ -492,15 +523,17 @@ __device__ void attn_fwd(const T* __restrict__ qkv, T* __restrict__ out, float* 
     float o[8][4];
     att_zero(o);
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-    for (int kt = 0; kt <= qt; kt++) {
-        const int k0 = kt * ATT_TILE, st = 2 * (kt & 1);
+    for (int kt = kt0; kt <= qt; kt++) {
+        const int k0 = kt * ATT_TILE, st = 2 * ((kt - kt0) & 1);
         if (kt < qt) {   // into the stage used one step ago: every warp is past it (barrier below)
             att_load_tile<Ops>(att_tile<Ops>(2 - st), k, k0 + ATT_TILE, T_, s3);
             att_load_tile<Ops>(att_tile<Ops>(3 - st), v, k0 + ATT_TILE, T_, s3);
         }
         float s[8][4];
         Ops::mm_nt(s, qa, att_tile<Ops>(st));
-        if (kt == qt)   // the diagonal tile, the only one that can also reach past T
+        if (att_win_tile(q0, k0, W))   // crosses a window's lower edge (and perhaps the diagonal)
+            att_softmax_step<true, true>(s, o, m, l, k0, q0 + r0, T_, scale2, c, W);
+        else if (kt == qt)   // the diagonal tile, the only one that can also reach past T
             att_softmax_step<true>(s, o, m, l, k0, q0 + r0, T_, scale2, c);
         else
             att_softmax_step<false>(s, o, m, l, k0, q0 + r0, T_, scale2, c);
@@ -513,12 +546,13 @@ __device__ void attn_fwd(const T* __restrict__ qkv, T* __restrict__ out, float* 
 
 // dV += P^T dO and dK += dS^T Q (unscaled) for the warp's key rows kr, kr + 8 against one staged
 // query tile (Qs, Ds = dO, Ls = L, Dd = D) from q0. With MASK (the diagonal tile, or one that
-// reaches past T) queries before the key or past T get P = 0.
-template <typename Ops, bool MASK>
+// reaches past T) queries before the key or past T get P = 0; with WIN (a tile crossing the
+// window's edge) also queries at W or more after the key.
+template <typename Ops, bool MASK, bool WIN = false>
 __device__ __forceinline__ void att_dkdv_step(float (&dk)[8][4], float (&dv)[8][4], const typename Ops::AFrag& ka,
                                               const typename Ops::AFrag& va, const typename Ops::Row* Qs,
                                               const typename Ops::Row* Ds, const float* Ls, const float* Dd, int q0,
-                                              int kr, int T_, float scale2, int c) {
+                                              int kr, int T_, float scale2, int c, int W = 0) {
     // P^T (keys x queries) = 2^(scale2 K Q^T - L)
     float p[8][4];
     Ops::mm_nt(p, ka, Qs);
@@ -528,7 +562,8 @@ __device__ __forceinline__ void att_dkdv_step(float (&dk)[8][4], float (&dv)[8][
         for (int i = 0; i < 4; i++) {
             const int col = nb * 8 + 2 * c + (i & 1);
             const float e = att_exp2(fmaf(p[nb][i], scale2, -Ls[col]));
-            p[nb][i] = (MASK && (q0 + col < kr + 8 * (i >> 1) || q0 + col >= T_)) ? 0.0f : e;
+            const int key = kr + 8 * (i >> 1);
+            p[nb][i] = (MASK && (q0 + col < key || q0 + col >= T_ || (WIN && q0 + col - key >= W))) ? 0.0f : e;
         }
     Ops::mm_nn(dv, p, Ds);   // dV += P^T dO
     // dP^T = V dO^T, then dS^T = P^T * (dP^T - D)
@@ -542,12 +577,13 @@ __device__ __forceinline__ void att_dkdv_step(float (&dk)[8][4], float (&dv)[8][
 }
 
 // dK, dV of one 64-row key tile of one key/value head: loops over the G query heads of its
-// group and, for each, over the query tiles at or after the key tile; the next (Q, dO, L, D)
-// tile's copy is in flight while the current one is used.
+// group and, for each, over the query tiles at or after the key tile (up to the last one a
+// window lets see it); the next (Q, dO, L, D) tile's copy is in flight while the current one
+// is used.
 template <typename Ops, typename T = typename Ops::T>
 __device__ void attn_bwd_dkdv(const T* __restrict__ qkv, const T* __restrict__ dout, const float* __restrict__ lse,
                               const float* __restrict__ dsum, T* __restrict__ dqkv, int T_, int H, int Hkv,
-                              float scale2, float scale) {
+                              float scale2, float scale, int W) {
     // two stages of (Q, dO) tiles: stage s is tiles 2s, 2s + 1; K and V pass through first
     __shared__ float Ls[2][ATT_TILE], Dd[2][ATT_TILE];
     const int kt = gridDim.x - 1 - blockIdx.x;   // first key tiles see the most queries: start them first
@@ -569,7 +605,7 @@ __device__ void attn_bwd_dkdv(const T* __restrict__ qkv, const T* __restrict__ d
     __syncthreads();
 
     // steps: (query head gi of the group, query tile kt + i), heads in order
-    const int per_head = gridDim.x - kt, steps = G * per_head;
+    const int per_head = att_last_query_tile(k0, W, gridDim.x) + 1 - kt, steps = G * per_head;
     auto stage = [&](int step, int st) {
         const int h = kvh * G + step / per_head, q0 = (kt + step % per_head) * ATT_TILE;
         att_load_tile<Ops>(att_tile<Ops>(2 * st), row0 + h * ATT_D, q0, T_, s3);
@@ -587,7 +623,10 @@ __device__ void attn_bwd_dkdv(const T* __restrict__ qkv, const T* __restrict__ d
     for (int step = 0; step < steps; step++) {
         const int st = step & 1, qt = kt + step % per_head, q0 = qt * ATT_TILE;
         if (step + 1 < steps) stage(step + 1, st ^ 1);
-        if (qt == kt || q0 + ATT_TILE > T_)
+        if (att_win_tile(q0, k0, W))
+            att_dkdv_step<Ops, true, true>(dk, dv, ka, va, att_tile<Ops>(2 * st), att_tile<Ops>(2 * st + 1), Ls[st], Dd[st], q0,
+                                           k0 + r0, T_, scale2, c, W);
+        else if (qt == kt || q0 + ATT_TILE > T_)
             att_dkdv_step<Ops, true>(dk, dv, ka, va, att_tile<Ops>(2 * st), att_tile<Ops>(2 * st + 1), Ls[st], Dd[st], q0, k0 + r0, T_,
                                    scale2, c);
         else
@@ -603,12 +642,14 @@ __device__ void attn_bwd_dkdv(const T* __restrict__ qkv, const T* __restrict__ d
 
 // dQ += dS K (unscaled) for the warp's query rows qr, qr + 8 (L, Dr their L and D) against one
 // staged key tile (Ks, Vs) from k0. With MASK (the diagonal tile, the only one that can reach
-// past T) keys after the row or past T get P = 0.
-template <typename Ops, bool MASK>
+// past T) keys after the row or past T get P = 0; with WIN (a tile crossing the window's edge)
+// also keys W or more before the row.
+template <typename Ops, bool MASK, bool WIN = false>
 __device__ __forceinline__ void att_dq_step(float (&dq)[8][4], const typename Ops::AFrag& qa,
                                             const typename Ops::AFrag& da, const typename Ops::Row* Ks,
                                             const typename Ops::Row* Vs, const float (&L)[2],
-                                            const float (&Dr)[2], int k0, int qr, int T_, float scale2, int c) {
+                                            const float (&Dr)[2], int k0, int qr, int T_, float scale2, int c,
+                                            int W = 0) {
     float p[8][4], dp[8][4];
     Ops::mm_nt(p, qa, Ks);    // S
     Ops::mm_nt(dp, da, Vs);   // dP = dO V^T
@@ -618,7 +659,8 @@ __device__ __forceinline__ void att_dq_step(float (&dq)[8][4], const typename Op
         for (int i = 0; i < 4; i++) {
             const int key = k0 + nb * 8 + 2 * c + (i & 1), r = i >> 1;
             const float e = att_exp2(fmaf(p[nb][i], scale2, -L[r]));
-            const float pr = (MASK && (key > qr + 8 * r || key >= T_)) ? 0.0f : e;
+            const float pr =
+                (MASK && (key > qr + 8 * r || key >= T_ || (WIN && qr + 8 * r - key >= W))) ? 0.0f : e;
             dp[nb][i] = pr * (dp[nb][i] - Dr[r]);   // dS
         }
     Ops::mm_nn(dq, dp, Ks);   // dQ += dS K
@@ -636,12 +678,12 @@ __device__ __forceinline__ void att_row_stats(const float* __restrict__ lse, con
     }
 }
 
-// dQ of one 64-row query tile: loops over the key tiles up to it, the next (K, V) tile's copy in
-// flight while the current one is used.
+// dQ of one 64-row query tile: loops over the key tiles up to it (from the first one its window
+// reaches), the next (K, V) tile's copy in flight while the current one is used.
 template <typename Ops, typename T = typename Ops::T>
 __device__ void attn_bwd_dq(const T* __restrict__ qkv, const T* __restrict__ dout, const float* __restrict__ lse,
                             const float* __restrict__ dsum, T* __restrict__ dqkv, int T_, int H, int Hkv,
-                            float scale2, float scale) {
+                            float scale2, float scale, int W) {
     // two stages of (K, V) tiles: stage s is tiles 2s, 2s + 1; dO passes through stage 1 first
     const int qt = gridDim.x - 1 - blockIdx.x;
     const int bh = blockIdx.y, b = bh / H, h = bh % H, kvh = h / (H / Hkv);
@@ -652,13 +694,14 @@ __device__ void attn_bwd_dq(const T* __restrict__ qkv, const T* __restrict__ dou
     const T* v = row0 + (long)(H + Hkv + kvh) * ATT_D;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int q0 = qt * ATT_TILE, r0 = warp * 16 + g;
+    const int kt0 = att_first_key_tile(q0, W);
     float L[2], Dr[2];
     att_row_stats(lse, dsum, bh, q0 + r0, T_, L, Dr);
-    // Q and dO through stage 1, key tile 0 into stage 0
+    // Q and dO through stage 1, key tile kt0 into stage 0
     att_load_tile<Ops>(att_tile<Ops>(2), row0 + h * ATT_D, q0, T_, s3);
     att_load_tile<Ops>(att_tile<Ops>(3), dout + (long)b * T_ * C + h * ATT_D, q0, T_, (long)C);
-    att_load_tile<Ops>(att_tile<Ops>(0), k, 0, T_, s3);
-    att_load_tile<Ops>(att_tile<Ops>(1), v, 0, T_, s3);
+    att_load_tile<Ops>(att_tile<Ops>(0), k, kt0 * ATT_TILE, T_, s3);
+    att_load_tile<Ops>(att_tile<Ops>(1), v, kt0 * ATT_TILE, T_, s3);
     att_wait<Ops>();
     __syncthreads();
     typename Ops::AFrag qa, da;
@@ -668,13 +711,16 @@ __device__ void attn_bwd_dq(const T* __restrict__ qkv, const T* __restrict__ dou
 
     float dq[8][4];
     att_zero(dq);
-    for (int kt = 0; kt <= qt; kt++) {
-        const int k0 = kt * ATT_TILE, st = 2 * (kt & 1);
+    for (int kt = kt0; kt <= qt; kt++) {
+        const int k0 = kt * ATT_TILE, st = 2 * ((kt - kt0) & 1);
         if (kt < qt) {
             att_load_tile<Ops>(att_tile<Ops>(2 - st), k, k0 + ATT_TILE, T_, s3);
             att_load_tile<Ops>(att_tile<Ops>(3 - st), v, k0 + ATT_TILE, T_, s3);
         }
-        if (kt == qt)
+        if (att_win_tile(q0, k0, W))
+            att_dq_step<Ops, true, true>(dq, qa, da, att_tile<Ops>(st), att_tile<Ops>(st + 1), L, Dr, k0, q0 + r0, T_, scale2, c,
+                                         W);
+        else if (kt == qt)
             att_dq_step<Ops, true>(dq, qa, da, att_tile<Ops>(st), att_tile<Ops>(st + 1), L, Dr, k0, q0 + r0, T_, scale2, c);
         else
             att_dq_step<Ops, false>(dq, qa, da, att_tile<Ops>(st), att_tile<Ops>(st + 1), L, Dr, k0, q0 + r0, T_, scale2, c);
@@ -687,8 +733,8 @@ __device__ void attn_bwd_dq(const T* __restrict__ qkv, const T* __restrict__ dou
 // Entry points; MB_*: the blocks per SM that __launch_bounds__ asks the register allocator for.
 #define ATT_ENTRIES(TN, OPS, MB_FWD, MB_DKDV, MB_DQ)                                                             \
 extern "C" __global__ void __launch_bounds__(ATT_THREADS, MB_FWD)                                                \
-    attn_fwd_##TN(const OPS::T* qkv, OPS::T* out, float* lse, int T_, int H, int Hkv, float scale2) {            \
-    attn_fwd<OPS>(qkv, out, lse, T_, H, Hkv, scale2);                                                            \
+    attn_fwd_##TN(const OPS::T* qkv, OPS::T* out, float* lse, int T_, int H, int Hkv, float scale2, int W) {     \
+    attn_fwd<OPS>(qkv, out, lse, T_, H, Hkv, scale2, W);                                                         \
 }                                                                                                                \
 extern "C" __global__ void __launch_bounds__(256)                                                                \
     attn_bwd_dot_##TN(const OPS::T* out, const OPS::T* dout, float* dsum, int rows, int T_, int H) {             \
@@ -696,11 +742,11 @@ extern "C" __global__ void __launch_bounds__(256)                               
 }                                                                                                                \
 extern "C" __global__ void __launch_bounds__(ATT_THREADS, MB_DKDV)                                               \
     attn_bwd_dkdv_##TN(const OPS::T* qkv, const OPS::T* dout, const float* lse, const float* dsum, OPS::T* dqkv, \
-                       int T_, int H, int Hkv, float scale2, float scale) {                                      \
-    attn_bwd_dkdv<OPS>(qkv, dout, lse, dsum, dqkv, T_, H, Hkv, scale2, scale);                                   \
+                       int T_, int H, int Hkv, float scale2, float scale, int W) {                               \
+    attn_bwd_dkdv<OPS>(qkv, dout, lse, dsum, dqkv, T_, H, Hkv, scale2, scale, W);                                \
 }                                                                                                                \
 extern "C" __global__ void __launch_bounds__(ATT_THREADS, MB_DQ)                                                 \
     attn_bwd_dq_##TN(const OPS::T* qkv, const OPS::T* dout, const float* lse, const float* dsum, OPS::T* dqkv,   \
-                     int T_, int H, int Hkv, float scale2, float scale) {                                        \
-    attn_bwd_dq<OPS>(qkv, dout, lse, dsum, dqkv, T_, H, Hkv, scale2, scale);                                     \
+                     int T_, int H, int Hkv, float scale2, float scale, int W) {                                 \
+    attn_bwd_dq<OPS>(qkv, dout, lse, dsum, dqkv, T_, H, Hkv, scale2, scale, W);                                  \
 }

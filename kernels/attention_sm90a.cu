@@ -237,13 +237,14 @@ __device__ __forceinline__ void att_tma_kv(const AttTensorMap& map, int kcol, in
 
 template <typename Ops, typename T = typename Ops::T>
 __device__ void attn_fwd_tma(const AttTensorMap& map, T* __restrict__ out, float* __restrict__ lse, int T_, int H,
-                             int Hkv, float scale2) {
+                             int Hkv, float scale2, int W) {
     __shared__ __align__(8) uint64_t bar[3];   // stage 0 (tiles 0, 1), stage 1 (tiles 2, 3), Q (tile 4)
     const int qt = gridDim.x - 1 - blockIdx.x;   // longest (last) query tiles first
     const int bh = blockIdx.y, b = bh / H, h = bh % H, kvh = h / (H / Hkv);
     const int kcol = (H + kvh) * ATT_D, vcol = (H + Hkv + kvh) * ATT_D;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int q0 = qt * ATT_TILE, r0 = warp * 16 + g;
+    const int kt0 = att_first_key_tile(q0, W);   // the first key tile the window reaches
     constexpr uint32_t BYTES = ATT_WG_TILE_BYTES;
     const bool issuer = threadIdx.x == 0;
 
@@ -251,7 +252,7 @@ __device__ void attn_fwd_tma(const AttTensorMap& map, T* __restrict__ out, float
     if (issuer) {
         att_bar_expect(&bar[2], BYTES);
         att_tma_tile(Ops::tile(4), map, h * ATT_D, q0, b, &bar[2]);
-        att_tma_kv<Ops>(map, kcol, vcol, 0, b, 0, bar);
+        att_tma_kv<Ops>(map, kcol, vcol, kt0 * ATT_TILE, b, 0, bar);
     }
     const typename Ops::AFrag qa{att_smem_addr(Ops::tile(4))};
     att_bar_wait(&bar[2], 0);
@@ -259,14 +260,16 @@ __device__ void attn_fwd_tma(const AttTensorMap& map, T* __restrict__ out, float
     float o[8][4];
     att_zero(o);
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-    for (int kt = 0; kt <= qt; kt++) {
-        const int k0 = kt * ATT_TILE, st = kt & 1;
+    for (int kt = kt0; kt <= qt; kt++) {
+        const int k0 = kt * ATT_TILE, st = (kt - kt0) & 1;
         // into the stage used one step ago: every warp is past it (barrier below)
         if (kt < qt && issuer) att_tma_kv<Ops>(map, kcol, vcol, k0 + ATT_TILE, b, 1 - st, bar);
-        att_bar_wait(&bar[st], (kt >> 1) & 1);
+        att_bar_wait(&bar[st], ((kt - kt0) >> 1) & 1);
         float s[8][4];
         Ops::mm_nt(s, qa, Ops::tile(2 * st));
-        if (kt == qt)   // the diagonal tile, the only one that can also reach past T
+        if (att_win_tile(q0, k0, W))   // crosses a window's lower edge (and perhaps the diagonal)
+            att_softmax_step<true, true>(s, o, m, l, k0, q0 + r0, T_, scale2, c, W);
+        else if (kt == qt)   // the diagonal tile, the only one that can also reach past T
             att_softmax_step<true>(s, o, m, l, k0, q0 + r0, T_, scale2, c);
         else
             att_softmax_step<false>(s, o, m, l, k0, q0 + r0, T_, scale2, c);
@@ -278,13 +281,13 @@ __device__ void attn_fwd_tma(const AttTensorMap& map, T* __restrict__ out, float
 
 extern "C" __global__ void __launch_bounds__(ATT_THREADS, 5)
     attn_fwd_tma_bf16(const __grid_constant__ AttTensorMap map, __nv_bfloat16* out, float* lse, int T_, int H,
-                      int Hkv, float scale2) {
-    attn_fwd_tma<AttWgmma<__nv_bfloat16>>(map, out, lse, T_, H, Hkv, scale2);
+                      int Hkv, float scale2, int W) {
+    attn_fwd_tma<AttWgmma<__nv_bfloat16>>(map, out, lse, T_, H, Hkv, scale2, W);
 }
 extern "C" __global__ void __launch_bounds__(ATT_THREADS, 5)
     attn_fwd_tma_f16(const __grid_constant__ AttTensorMap map, __half* out, float* lse, int T_, int H, int Hkv,
-                     float scale2) {
-    attn_fwd_tma<AttWgmma<__half>>(map, out, lse, T_, H, Hkv, scale2);
+                     float scale2, int W) {
+    attn_fwd_tma<AttWgmma<__half>>(map, out, lse, T_, H, Hkv, scale2, W);
 }
 
 // 64 floats (columns t0.. of row `row`) of an f32 matrix into dst (128-byte aligned), counted
@@ -303,7 +306,7 @@ __device__ __forceinline__ void att_tma_vec(float* dst, const AttTensorMap& map,
 template <typename Ops, typename T = typename Ops::T>
 __device__ void attn_bwd_dq_tma(const AttTensorMap& qkv, const AttTensorMap& dout, const float* __restrict__ lse,
                                 const float* __restrict__ dsum, T* __restrict__ dqkv, int T_, int H, int Hkv,
-                                float scale2, float scale) {
+                                float scale2, float scale, int W) {
     __shared__ __align__(8) uint64_t bar[3];   // stage 0, stage 1, the block's Q and dO
     const int qt = gridDim.x - 1 - blockIdx.x;
     const int bh = blockIdx.y, b = bh / H, h = bh % H, kvh = h / (H / Hkv);
@@ -311,6 +314,7 @@ __device__ void attn_bwd_dq_tma(const AttTensorMap& qkv, const AttTensorMap& dou
     const long s3 = (long)(H + 2 * Hkv) * ATT_D;   // qkv row stride
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int q0 = qt * ATT_TILE, r0 = warp * 16 + g;
+    const int kt0 = att_first_key_tile(q0, W);   // the first key tile the window reaches
     constexpr uint32_t BYTES = ATT_WG_TILE_BYTES;
     const bool issuer = threadIdx.x == 0;
     att_bars_init(bar);
@@ -318,7 +322,7 @@ __device__ void attn_bwd_dq_tma(const AttTensorMap& qkv, const AttTensorMap& dou
         att_bar_expect(&bar[2], 2 * BYTES);
         att_tma_tile(Ops::tile(4), qkv, h * ATT_D, q0, b, &bar[2]);
         att_tma_tile(Ops::tile(5), dout, h * ATT_D, q0, b, &bar[2]);
-        att_tma_kv<Ops>(qkv, kcol, vcol, 0, b, 0, bar);
+        att_tma_kv<Ops>(qkv, kcol, vcol, kt0 * ATT_TILE, b, 0, bar);
     }
     float L[2], Dr[2];
     att_row_stats(lse, dsum, bh, q0 + r0, T_, L, Dr);
@@ -327,11 +331,14 @@ __device__ void attn_bwd_dq_tma(const AttTensorMap& qkv, const AttTensorMap& dou
 
     float dq[8][4];
     att_zero(dq);
-    for (int kt = 0; kt <= qt; kt++) {
-        const int k0 = kt * ATT_TILE, st = kt & 1;
+    for (int kt = kt0; kt <= qt; kt++) {
+        const int k0 = kt * ATT_TILE, st = (kt - kt0) & 1;
         if (kt < qt && issuer) att_tma_kv<Ops>(qkv, kcol, vcol, k0 + ATT_TILE, b, 1 - st, bar);
-        att_bar_wait(&bar[st], (kt >> 1) & 1);
-        if (kt == qt)
+        att_bar_wait(&bar[st], ((kt - kt0) >> 1) & 1);
+        if (att_win_tile(q0, k0, W))
+            att_dq_step<Ops, true, true>(dq, qa, da, Ops::tile(2 * st), Ops::tile(2 * st + 1), L, Dr, k0, q0 + r0, T_,
+                                         scale2, c, W);
+        else if (kt == qt)
             att_dq_step<Ops, true>(dq, qa, da, Ops::tile(2 * st), Ops::tile(2 * st + 1), L, Dr, k0, q0 + r0, T_, scale2,
                                    c);
         else
@@ -348,7 +355,7 @@ __device__ void attn_bwd_dq_tma(const AttTensorMap& qkv, const AttTensorMap& dou
 template <typename Ops, typename T = typename Ops::T>
 __device__ void attn_bwd_dkdv_tma(const AttTensorMap& qkv, const AttTensorMap& dout, const AttTensorMap& lse,
                                   const AttTensorMap& dsum, T* __restrict__ dqkv, int T_, int H, int Hkv,
-                                  float scale2, float scale) {
+                                  float scale2, float scale, int W) {
     __shared__ __align__(128) float Ls[2][ATT_TILE], Dd[2][ATT_TILE];
     __shared__ __align__(8) uint64_t bar[3];   // stage 0, stage 1, the block's K and V
     const int kt = gridDim.x - 1 - blockIdx.x;   // first key tiles see the most queries: start them first
@@ -359,7 +366,8 @@ __device__ void attn_bwd_dkdv_tma(const AttTensorMap& qkv, const AttTensorMap& d
     constexpr uint32_t BYTES = ATT_WG_TILE_BYTES, VEC = ATT_TILE * 4;
     const bool issuer = threadIdx.x == 0;
     // steps: (query head gi of the group, query tile kt + i), heads in order
-    const int per_head = gridDim.x - kt, steps = G * per_head;
+    // (up to the last query tile the window lets see the key tile)
+    const int per_head = att_last_query_tile(k0, W, gridDim.x) + 1 - kt, steps = G * per_head;
     auto stage = [&](int step, int st) {
         const int h = kvh * G + step / per_head, q0 = (kt + step % per_head) * ATT_TILE;
         att_bar_expect(&bar[st], 2 * BYTES + 2 * VEC);
@@ -385,7 +393,10 @@ __device__ void attn_bwd_dkdv_tma(const AttTensorMap& qkv, const AttTensorMap& d
         const int st = step & 1, qt = kt + step % per_head, q0 = qt * ATT_TILE;
         if (step + 1 < steps && issuer) stage(step + 1, st ^ 1);
         att_bar_wait(&bar[st], (step >> 1) & 1);
-        if (qt == kt || q0 + ATT_TILE > T_)
+        if (att_win_tile(q0, k0, W))
+            att_dkdv_step<Ops, true, true>(dk, dv, ka, va, Ops::tile(2 * st), Ops::tile(2 * st + 1), Ls[st], Dd[st], q0,
+                                           k0 + r0, T_, scale2, c, W);
+        else if (qt == kt || q0 + ATT_TILE > T_)
             att_dkdv_step<Ops, true>(dk, dv, ka, va, Ops::tile(2 * st), Ops::tile(2 * st + 1), Ls[st], Dd[st], q0,
                                      k0 + r0, T_, scale2, c);
         else
@@ -402,14 +413,14 @@ __device__ void attn_bwd_dkdv_tma(const AttTensorMap& qkv, const AttTensorMap& d
     extern "C" __global__ void __launch_bounds__(ATT_THREADS, 4)                                                  \
         attn_bwd_dq_tma_##TN(const __grid_constant__ AttTensorMap qkv, const __grid_constant__ AttTensorMap dout, \
                              const float* lse, const float* dsum, OPS::T* dqkv, int T_, int H, int Hkv,         \
-                             float scale2, float scale) {                                                         \
-        attn_bwd_dq_tma<OPS>(qkv, dout, lse, dsum, dqkv, T_, H, Hkv, scale2, scale);                              \
+                             float scale2, float scale, int W) {                                                  \
+        attn_bwd_dq_tma<OPS>(qkv, dout, lse, dsum, dqkv, T_, H, Hkv, scale2, scale, W);                           \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS, 3) attn_bwd_dkdv_tma_##TN(                         \
         const __grid_constant__ AttTensorMap qkv, const __grid_constant__ AttTensorMap dout,                      \
         const __grid_constant__ AttTensorMap lse, const __grid_constant__ AttTensorMap dsum, OPS::T* dqkv, int T_, \
-        int H, int Hkv, float scale2, float scale) {                                                              \
-        attn_bwd_dkdv_tma<OPS>(qkv, dout, lse, dsum, dqkv, T_, H, Hkv, scale2, scale);                            \
+        int H, int Hkv, float scale2, float scale, int W) {                                                       \
+        attn_bwd_dkdv_tma<OPS>(qkv, dout, lse, dsum, dqkv, T_, H, Hkv, scale2, scale, W);                         \
     }
 ATT_TMA_BWD_ENTRIES(bf16, AttWgmma<__nv_bfloat16>)
 ATT_TMA_BWD_ENTRIES(f16, AttWgmma<__half>)

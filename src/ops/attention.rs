@@ -90,13 +90,60 @@ pub fn causal_attention(qkv: &Tensor, n_head: usize) -> Result<Tensor> {
 /// of `n_kv_head`, a last dimension that is not `(n_head + 2 n_kv_head) * Dh`, a non-float
 /// dtype. An empty `qkv` (B or T zero) gives an empty result.
 pub fn grouped_causal_attention(qkv: &Tensor, n_head: usize, n_kv_head: usize) -> Result<Tensor> {
+    grouped_window_attention(qkv, n_head, n_kv_head, None)
+}
+
+/// [`grouped_causal_attention`] with a sliding window: query `i` attends to keys `j` with
+/// `j <= i` and `i - j < W` (`W = window`, keys counted including the query's own;
+/// transformers' `sliding_window` as Mistral, Qwen2 and Gemma 3 use it). `None`, or a window
+/// of at least T, is [`grouped_causal_attention`] exactly (the same kernels, bit for bit).
+///
+/// The same single node, layouts, kernels and limits: the CPU reference skips the keys outside
+/// the window; the CUDA kernels (forward, dK/dV and dQ, on `mma.sync` and on Hopper's wgmma)
+/// mask the scores of keys `i - j >= W` inside the tiles that cross the window's edge and skip
+/// the key (or query) tiles entirely outside every row's window, so the work is O(T W) rather
+/// than O(T^2). Where the kernels do not apply (another head width on CUDA, other devices) it
+/// is the composition [`super::grouped_attention`] (scores materialised).
+///
+/// Errors (no panics): as [`grouped_causal_attention`], and `window == Some(0)` (every key
+/// masked).
+pub fn grouped_window_attention(
+    qkv: &Tensor,
+    n_head: usize,
+    n_kv_head: usize,
+    window: Option<usize>,
+) -> Result<Tensor> {
     let d = grouped_dims(qkv, n_head, n_kv_head)?;
+    let window = binding_window("grouped_window_attention", window, d.t)?;
     if d.b * d.t == 0 {
         return Tensor::zeros((d.b, d.t, d.c()), qkv.dtype(), qkv.device());
     }
-    match fused(qkv, d)? {
-        Some((y, _)) => Ok(y),
-        None => grouped_causal_attention_composed(qkv, n_head, n_kv_head),
+    match (fused(qkv, d, window)?, window) {
+        (Some((y, _)), _) => Ok(y),
+        (None, None) => grouped_causal_attention_composed(qkv, n_head, n_kv_head),
+        (None, Some(w)) => {
+            let (q, k, v) = super::decoder_ops::split_qkv(qkv, n_head, n_kv_head, d.dh)?;
+            super::decoder_ops::grouped_attention(
+                &q,
+                &k,
+                &v,
+                0,
+                Some(w),
+                1.0 / (d.dh as f64).sqrt(),
+            )
+        }
+    }
+}
+
+/// The window where it binds (`W < T`); `None` where every earlier key is seen. Refuses
+/// `Some(0)`.
+fn binding_window(op: &str, window: Option<usize>, t: usize) -> Result<Option<usize>> {
+    match window {
+        Some(0) => {
+            bail!("{op}: window Some(0) masks every key; use None (no window) or a window >= 1")
+        }
+        Some(w) if w < t => Ok(Some(w)),
+        _ => Ok(None),
     }
 }
 
@@ -110,12 +157,15 @@ pub(super) fn fused_attention(
     qkv: &Tensor,
     n_head: usize,
     n_kv_head: usize,
+    window: Option<usize>,
 ) -> Result<Option<(Tensor, AttentionOp)>> {
-    fused(qkv, grouped_dims(qkv, n_head, n_kv_head)?)
+    let d = grouped_dims(qkv, n_head, n_kv_head)?;
+    let window = binding_window("grouped_window_attention", window, d.t)?;
+    fused(qkv, d, window)
 }
 
-/// [`fused_attention`] for dimensions already checked.
-fn fused(qkv: &Tensor, d: Dims) -> Result<Option<(Tensor, AttentionOp)>> {
+/// [`fused_attention`] for dimensions already checked and a window that binds (or `None`).
+fn fused(qkv: &Tensor, d: Dims, window: Option<usize>) -> Result<Option<(Tensor, AttentionOp)>> {
     let fused = match qkv.device() {
         candle_core::Device::Cpu => true,
         candle_core::Device::Cuda(dev) => {
@@ -131,6 +181,7 @@ fn fused(qkv: &Tensor, d: Dims) -> Result<Option<(Tensor, AttentionOp)>> {
     let op: AttentionOp = Arc::new(Box::new(Attention {
         n_head: d.h,
         n_kv_head: d.hkv,
+        window,
         // f32 on TF32 operands where f32 GEMMs may use TF32 (candle's switch)
         tf32: candle_core::cuda::gemm_reduced_precision_f32(),
         lse: SideOutput::default(),
@@ -268,6 +319,8 @@ fn grouped_dims(qkv: &Tensor, n_head: usize, n_kv_head: usize) -> Result<Dims> {
 struct Attention {
     n_head: usize,
     n_kv_head: usize,
+    /// Keys seen per query (its own included) where that is fewer than T; `None`: causal.
+    window: Option<usize>,
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     tf32: bool,
     lse: SideOutput,
@@ -277,6 +330,7 @@ struct Attention {
 struct AttentionBwd {
     n_head: usize,
     n_kv_head: usize,
+    window: Option<usize>,
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     tf32: bool,
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -362,10 +416,15 @@ fn head_qkv<T: Elem>(qkv: &[T], d: Dims, bi: usize, hi: usize) -> [Vec<f32>; 3] 
     })
 }
 
-/// Row `i` of one head's probabilities (keys `0..=i`), f32.
-fn probs(q: &[f32], k: &[f32], i: usize, dh: usize, scale: f32) -> Vec<f32> {
+/// The first key query `i` sees: `0`, or `i + 1 - W` with a window of W keys.
+fn first_key(i: usize, window: Option<usize>) -> usize {
+    window.map_or(0, |w| (i + 1).saturating_sub(w))
+}
+
+/// Row `i` of one head's probabilities (keys `lo..=i`, `lo` = [`first_key`]), f32.
+fn probs(q: &[f32], k: &[f32], i: usize, lo: usize, dh: usize, scale: f32) -> Vec<f32> {
     let qi = &q[i * dh..(i + 1) * dh];
-    let mut p: Vec<f32> = (0..=i)
+    let mut p: Vec<f32> = (lo..=i)
         .map(|j| {
             let kj = &k[j * dh..(j + 1) * dh];
             scale * qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>()
@@ -385,7 +444,7 @@ fn probs(q: &[f32], k: &[f32], i: usize, dh: usize, scale: f32) -> Vec<f32> {
 
 /// CPU reference forward: `(B, T, (H + 2 Hkv) Dh)` → `(B, T, H Dh)`, one rayon task per
 /// `(b, query head)`.
-fn fwd_cpu<T: Elem>(qkv: &[T], d: Dims) -> Vec<T> {
+fn fwd_cpu<T: Elem>(qkv: &[T], d: Dims, window: Option<usize>) -> Vec<T> {
     let scale = 1.0 / (d.dh as f32).sqrt();
     let heads: Vec<Vec<f32>> = (0..d.b * d.h)
         .into_par_iter()
@@ -393,9 +452,10 @@ fn fwd_cpu<T: Elem>(qkv: &[T], d: Dims) -> Vec<T> {
             let [q, k, v] = head_qkv(qkv, d, bh / d.h, bh % d.h);
             let mut y = vec![0f32; d.t * d.dh];
             for i in 0..d.t {
-                let p = probs(&q, &k, i, d.dh, scale);
+                let lo = first_key(i, window);
+                let p = probs(&q, &k, i, lo, d.dh, scale);
                 let yi = &mut y[i * d.dh..(i + 1) * d.dh];
-                for (j, pj) in p.iter().enumerate() {
+                for (j, pj) in (lo..).zip(&p) {
                     for (o, vv) in yi.iter_mut().zip(&v[j * d.dh..(j + 1) * d.dh]) {
                         *o += pj * vv;
                     }
@@ -416,7 +476,7 @@ fn fwd_cpu<T: Elem>(qkv: &[T], d: Dims) -> Vec<T> {
 /// `dP = dy v^T`, `dS = P (dP - rowsum(dy * y))`, `dq = scale dS k`, `dk = scale dS^T q`,
 /// `dv = P^T dy` per query head (one rayon task each); the dk and dv of the query heads of a
 /// group are then summed in head order into their key/value head (deterministic).
-fn bwd_cpu<T: Elem>(qkv: &[T], dy: &[T], d: Dims) -> Vec<T> {
+fn bwd_cpu<T: Elem>(qkv: &[T], dy: &[T], d: Dims, window: Option<usize>) -> Vec<T> {
     let scale = 1.0 / (d.dh as f32).sqrt();
     let c = d.c();
     let dh = d.dh;
@@ -432,18 +492,20 @@ fn bwd_cpu<T: Elem>(qkv: &[T], dy: &[T], d: Dims) -> Vec<T> {
                 vec![0f32; d.t * dh],
             );
             for i in 0..d.t {
-                let p = probs(&q, &k, i, dh, scale);
+                let lo = first_key(i, window);
+                let p = probs(&q, &k, i, lo, dh, scale);
                 let g = &g_all[i * dh..(i + 1) * dh];
-                let dp: Vec<f32> = (0..=i)
+                let dp: Vec<f32> = (lo..=i)
                     .map(|j| g.iter().zip(&v[j * dh..]).map(|(a, b)| a * b).sum())
                     .collect();
                 let dsum: f32 = p.iter().zip(&dp).map(|(a, b)| a * b).sum(); // = dy_i . y_i
-                for j in 0..=i {
-                    let ds = p[j] * (dp[j] - dsum);
+                for j in lo..=i {
+                    let (pj, dpj) = (p[j - lo], dp[j - lo]);
+                    let ds = pj * (dpj - dsum);
                     for e in 0..dh {
                         dq[i * dh + e] += scale * ds * k[j * dh + e];
                         dk[j * dh + e] += scale * ds * q[i * dh + e];
-                        dv[j * dh + e] += p[j] * g[e];
+                        dv[j * dh + e] += pj * g[e];
                     }
                 }
             }
@@ -488,7 +550,7 @@ impl CustomOp1 for Attention {
         macro_rules! run {
             ($t:ty) => {{
                 let x = cpu_slice::<$t>(op, "qkv", s, l)?;
-                <$t as candle_core::WithDType>::to_cpu_storage_owned(fwd_cpu(x, d))
+                <$t as candle_core::WithDType>::to_cpu_storage_owned(fwd_cpu(x, d, self.window))
             }};
         }
         Ok((
@@ -504,7 +566,7 @@ impl CustomOp1 for Attention {
         l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let d = Dims::of(l, self.n_head, self.n_kv_head)?;
-        let (y, lse) = cuda::fwd(s, l, d, self.tf32)?;
+        let (y, lse) = cuda::fwd(s, l, d, self.window, self.tf32)?;
         self.lse
             .put(candle_core::Storage::Cuda(lse), d.b * d.h * d.t);
         Ok((y, Shape::from((d.b, d.t, d.c()))))
@@ -519,6 +581,7 @@ impl CustomOp1 for Attention {
         let op = AttentionBwd {
             n_head: self.n_head,
             n_kv_head: self.n_kv_head,
+            window: self.window,
             tf32: self.tf32,
             lse: self.lse.get(),
         };
@@ -553,7 +616,7 @@ impl CustomOp3 for AttentionBwd {
             ($t:ty) => {{
                 let x = cpu_slice::<$t>(op, "qkv", s, l)?;
                 let g = cpu_slice::<$t>(op, "dy", dy, ldy)?;
-                <$t as candle_core::WithDType>::to_cpu_storage_owned(bwd_cpu(x, g, d))
+                <$t as candle_core::WithDType>::to_cpu_storage_owned(bwd_cpu(x, g, d, self.window))
             }};
         }
         Ok((with_type!(op, s.dtype(), run), l.shape().clone()))
@@ -584,6 +647,7 @@ impl CustomOp3 for AttentionBwd {
                 dy: (dy, ldy),
                 lse,
                 d,
+                window: self.window,
                 tf32: self.tf32,
             })
         })?;
@@ -697,6 +761,8 @@ mod cuda {
         pub dy: In<'a>,
         pub lse: In<'a>,
         pub d: Dims,
+        /// Keys seen per query where fewer than T (`None`: causal).
+        pub window: Option<usize>,
         pub tf32: bool,
     }
 
@@ -743,14 +809,25 @@ mod cuda {
     }
 
     /// The arguments after the inputs of the backward's dK/dV and dQ kernels, the same in every
-    /// build: `(dqkv, T, H, Hkv, scale2, scale)`.
-    fn push_tail<'a>(lb: &mut LaunchArgs<'a>, a: &'a (u64, i32, i32, i32, f32, f32)) {
+    /// build: `(dqkv, T, H, Hkv, scale2, scale, W)`.
+    #[allow(clippy::type_complexity)]
+    fn push_tail<'a>(lb: &mut LaunchArgs<'a>, a: &'a (u64, i32, i32, i32, f32, f32, i32)) {
         lb.arg(&a.0)
             .arg(&a.1)
             .arg(&a.2)
             .arg(&a.3)
             .arg(&a.4)
-            .arg(&a.5);
+            .arg(&a.5)
+            .arg(&a.6);
+    }
+
+    /// The kernels' window argument W: keys seen per query, `i32::MAX` where every earlier key
+    /// is seen (no tile is then skipped or window-masked: the causal kernels' work exactly).
+    fn window_arg(window: Option<usize>, d: Dims) -> i32 {
+        match window {
+            Some(w) if w < d.t => w as i32,
+            _ => i32::MAX,
+        }
     }
 
     /// The kernels' name suffix: the dtype's, or `tf32` for f32 on plain TF32 operands.
@@ -784,6 +861,7 @@ mod cuda {
         s: &CudaStorage,
         l: &Layout,
         d: Dims,
+        window: Option<usize>,
         tf32: bool,
     ) -> Result<(CudaStorage, CudaStorage)> {
         let op = "causal_attention";
@@ -824,7 +902,14 @@ mod cuda {
                 Some(map) => lb.arg(map),
                 None => lb.arg(&xp),
             };
-            lb.arg(&yp).arg(&lp).arg(&t).arg(&h).arg(&hkv).arg(&scale2);
+            let win = window_arg(window, d);
+            lb.arg(&yp)
+                .arg(&lp)
+                .arg(&t)
+                .arg(&h)
+                .arg(&hkv)
+                .arg(&scale2)
+                .arg(&win);
             // SAFETY: qkv holds B*T*(H + 2 Hkv)*64 elements (16-byte aligned; the tensor map
             // describes exactly those), y B*T*C, lse B*H*T floats; H is a multiple of Hkv
             // (checked).
@@ -881,7 +966,7 @@ mod cuda {
             };
             // SAFETY: y and dy hold B*T*C elements, dsum B*H*T floats.
             unsafe { lb.launch(dot_cfg) }.w()?;
-            let tail_args = (op_, t, h, hkv, scale2, scale);
+            let tail_args = (op_, t, h, hkv, scale2, scale, window_arg(a.window, d));
             // dkdv: one block per (key tile, batch row, key/value head); dq: per query head.
             // The TMA kernels read L and D rows through tensor maps, whose row pitch (T floats)
             // must be a multiple of 16 bytes.

@@ -191,7 +191,7 @@ impl Step {
             Layer::Attention { n_head, n_kv_head } => {
                 // contiguous once: the op runs on (and its backward reads) this very tensor
                 let x = x.contiguous()?;
-                let Some((y, op)) = fused_attention(&x, n_head, n_kv_head)? else {
+                let Some((y, op)) = fused_attention(&x, n_head, n_kv_head, None)? else {
                     return Ok(None);
                 };
                 (x, y, Op::Attention(op))
@@ -213,14 +213,17 @@ impl Step {
                 window,
                 scale,
             } => {
-                // the fused attention where the window does not bind and the scale is the
-                // default (what window_causal_attention runs then), else the composition
+                // the fused attention, windowed where the window binds, where the scale is
+                // the default (what window_causal_attention runs then), else the composition
                 let d = qkv_head_dim("window_causal_attention", x, n_head, n_kv_head)?;
-                if !is_plain_causal(x.dim(1)?, d, window, scale) || window == Some(0) {
+                if !is_plain_causal(x.dim(1)?, d, None, scale) || window == Some(0) {
                     return Ok(None);
                 }
-                let plain = Layer::Attention { n_head, n_kv_head };
-                return Self::layer(&plain, x, want_x);
+                let x = x.contiguous()?;
+                let Some((y, op)) = fused_attention(&x, n_head, n_kv_head, window)? else {
+                    return Ok(None);
+                };
+                (x, y, Op::Attention(op))
             }
             // composition only
             Layer::QkNorm { .. }

@@ -3,8 +3,8 @@
 //! and GeGLU MLP, Qwen3's and Gemma 3's per-head `q_norm` / `k_norm`, and the attention of a
 //! KV-cached forward. Each is a composition of differentiable ops (candle's and wick's fused
 //! ones), so autograd gives the backward; [`window_causal_attention`] is the fused
-//! [`super::grouped_causal_attention`] wherever the window does not bind and the scale is the
-//! default.
+//! [`super::grouped_causal_attention`] (with its sliding window where that binds) wherever the
+//! scale is the default.
 //!
 //! Sources of the semantics: transformers' `modeling_mistral.py`, `modeling_qwen3.py` and
 //! `modeling_gemma3.py` (masks from `masking_utils.sliding_window_causal_mask_function`), and,
@@ -180,10 +180,12 @@ pub(super) fn split_qkv(
 /// query's own) and `scale` (`None`: `1 / sqrt(D)`; Gemma 3: `query_pre_attn_scalar^-0.5`).
 /// Returns `(B, T, H D)` in qkv's dtype.
 ///
-/// Where the window does not bind (`None` or `W >= T`) and the scale is the default (`None` or
-/// exactly `1 / sqrt(D)`) this is [`super::grouped_causal_attention`] (the fused kernels on CUDA
-/// with `D == 64` and on the CPU); otherwise [`grouped_attention`] of the split heads with
-/// `start = 0` (the mask as documented there; scores materialised). Differentiable either way.
+/// Where the scale is the default (`None` or exactly `1 / sqrt(D)`) this is the fused
+/// [`super::grouped_causal_attention`] (the window does not bind: `None` or `W >= T`) or its
+/// windowed form `ops::attention::grouped_window_attention` (the flash kernels on CUDA with
+/// `D == 64` and the CPU reference, keys outside the window skipped); otherwise
+/// [`grouped_attention`] of the split heads with `start = 0` (the mask as documented there;
+/// scores materialised). Differentiable either way.
 ///
 /// Errors (no panics): as [`super::grouped_causal_attention`] and [`grouped_attention`].
 pub fn window_causal_attention(
@@ -196,8 +198,9 @@ pub fn window_causal_attention(
     let op = "window_causal_attention";
     let d = qkv_head_dim(op, qkv, n_head, n_kv_head)?;
     let t = qkv.dim(1)?;
-    if is_plain_causal(t, d, window, scale) && window != Some(0) {
-        return super::grouped_causal_attention(qkv, n_head, n_kv_head);
+    if is_plain_causal(t, d, None, scale) && window != Some(0) {
+        // the default scale: the fused op, windowed where the window binds
+        return super::attention::grouped_window_attention(qkv, n_head, n_kv_head, window);
     }
     check_float(op, "qkv", qkv.dtype())?;
     let (q, k, v) = split_qkv(qkv, n_head, n_kv_head, d)?;

@@ -18,7 +18,8 @@
 //! | [`causal_attention`] | `y = softmax(q k^T / sqrt(Dh) + causal mask) v` per head, `(B, T, 3C) → (B, T, C)` (flash attention on CUDA) | f32, bf16, f16 | x's |
 //! | [`grouped_causal_attention`] | the same with `Hkv` key/value heads shared by `H / Hkv` query heads each (GQA), `(B, T, (H + 2Hkv) Dh) → (B, T, H Dh)`, K/V never repeated on CUDA | f32, bf16, f16 | x's |
 //! | [`grouped_attention`] | `y = softmax(q k^T * scale + mask) v`, q `(B, H, T, D)` at positions `start..start + T`, k/v `(B, Hkv, start + T, D)`, causal with an optional sliding window (composed, scores f32; the KV cache's and the windows' path) | f32, bf16, f16 | v's, `(B, T, H D)` |
-//! | [`window_causal_attention`] | [`grouped_causal_attention`] with a sliding window and a scale; the fused op where neither changes anything, else [`grouped_attention`] (composed) | f32, bf16, f16 | x's |
+//! | [`grouped_window_attention`] | [`grouped_causal_attention`] with a sliding window (W keys per query; flash kernels on CUDA skipping the tiles outside every window) | f32, bf16, f16 | x's |
+//! | [`window_causal_attention`] | [`grouped_causal_attention`] with a sliding window and a scale; the fused op ([`grouped_window_attention`]) where the scale is the default, else [`grouped_attention`] (composed) | f32, bf16, f16 | x's |
 //! | [`qk_rms_norm`] | per-head RMSNorm of the q and k parts of `(B, T, (H + 2Hkv) Dh)` (Qwen3's and Gemma 3's `q_norm`/`k_norm`), v unchanged (composed) | f32, bf16, f16 | x's |
 //! | [`geglu_tanh`] | `y = gelu_tanh(g) * u`, `(.., 2F) = [g \| u] → (.., F)` (Gemma 3's MLP activation; composed, f32) | f32, bf16, f16 | x's |
 //! | [`rotary_qkv`] | RoPE (`rotate_half` form) on the q and k heads of `(B, T, (H + 2Hkv) Dh)`, v copied; tables from [`rotary_tables`] | f32, bf16, f16 (tables f32) | x's |
@@ -102,7 +103,7 @@ mod swiglu;
 pub use act_linear::{act_linear, gelu_linear, Activation};
 pub use attention::{
     causal_attention, causal_attention_composed, grouped_causal_attention,
-    grouped_causal_attention_composed,
+    grouped_causal_attention_composed, grouped_window_attention,
 };
 pub use bias::bias_add;
 pub use cross_entropy::{cross_entropy_mean, cross_entropy_rows};

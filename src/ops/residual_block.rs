@@ -388,10 +388,10 @@ impl<'a> Layer<'a> {
             | Layer::SwiGlu
             | Layer::PaddedAttention { .. } => true,
             Layer::LoraLinear { dropout, .. } => dropout == 0.0,
-            Layer::WindowAttention { window, scale, .. } => {
+            Layer::WindowAttention { scale, .. } => {
                 // the head width whose default scale `scale` would be
                 let d = scale.map_or(1, |s| (1.0 / (s * s)).round().max(1.0) as usize);
-                super::decoder_ops::is_plain_causal(t, d, window, scale)
+                super::decoder_ops::is_plain_causal(t, d, None, scale)
             }
             Layer::QkNorm { .. }
             | Layer::Norm(_)
