@@ -282,110 +282,6 @@ fn kv_cache_decoding_equals_the_full_forward() {
         .is_err()); // batch 1 vs 2
 }
 
-/// The decoder as plain candle ops (no fused op): the independent reference for gradients.
-/// `adapters`: LoRA `(A, B)` by module name, scaled by `scaling`.
-fn composed_loss(
-    cfg: &DecoderConfig,
-    w: &HashMap<String, Tensor>,
-    adapters: &HashMap<String, (Tensor, Tensor)>,
-    scaling: f64,
-    ids: &Tensor,
-    targets: &Tensor,
-) -> Tensor {
-    let (b, t) = ids.dims2().unwrap();
-    let (c, h, hkv, d) = (
-        cfg.hidden_size,
-        cfg.num_attention_heads,
-        cfg.num_key_value_heads,
-        cfg.head_dim(),
-    );
-    let rms = |x: &Tensor, g: &Tensor| -> Tensor {
-        let ms = x.sqr().unwrap().mean_keepdim(D::Minus1).unwrap();
-        x.broadcast_div(&(ms + cfg.rms_norm_eps).unwrap().sqrt().unwrap())
-            .unwrap()
-            .broadcast_mul(g)
-            .unwrap()
-    };
-    let lin = |x: &Tensor, module: &str| -> Tensor {
-        let y = x
-            .broadcast_matmul(&w[&format!("{module}.weight")].t().unwrap())
-            .unwrap();
-        match adapters.get(module) {
-            Some((a, bm)) => {
-                let u = x.broadcast_matmul(&a.t().unwrap()).unwrap();
-                (y + (u.broadcast_matmul(&bm.t().unwrap()).unwrap() * scaling).unwrap()).unwrap()
-            }
-            None => y,
-        }
-    };
-    let inv: Vec<f32> = (0..d / 2)
-        .map(|i| (cfg.rope_theta.powf(-2.0 * i as f64 / d as f64)) as f32)
-        .collect();
-    let ang: Vec<f32> = (0..t)
-        .flat_map(|p| inv.iter().map(move |f| p as f32 * f))
-        .collect();
-    let ang = Tensor::from_vec(ang, (t, d / 2), &Device::Cpu).unwrap();
-    let (cos, sin) = (ang.cos().unwrap(), ang.sin().unwrap());
-    let rope = |x: &Tensor| -> Tensor {
-        // x: (B, heads, T, D)
-        let x1 = x.narrow(D::Minus1, 0, d / 2).unwrap();
-        let x2 = x.narrow(D::Minus1, d / 2, d / 2).unwrap();
-        let a = (x1.broadcast_mul(&cos).unwrap() - x2.broadcast_mul(&sin).unwrap()).unwrap();
-        let bb = (x2.broadcast_mul(&cos).unwrap() + x1.broadcast_mul(&sin).unwrap()).unwrap();
-        Tensor::cat(&[a, bb], D::Minus1).unwrap()
-    };
-    let heads = |x: Tensor, n: usize| {
-        x.reshape((b, t, n, d))
-            .unwrap()
-            .transpose(1, 2)
-            .unwrap()
-            .contiguous()
-            .unwrap()
-    };
-    let repeat = |x: Tensor| {
-        x.unsqueeze(2)
-            .unwrap()
-            .broadcast_as((b, hkv, h / hkv, t, d))
-            .unwrap()
-            .reshape((b, h, t, d))
-            .unwrap()
-    };
-    let mask = common::causal_mask(t, &Device::Cpu);
-    let embed = &w["model.embed_tokens.weight"];
-    let mut x = embed
-        .index_select(&ids.flatten_all().unwrap(), 0)
-        .unwrap()
-        .reshape((b, t, c))
-        .unwrap();
-    for i in 0..cfg.num_hidden_layers {
-        let p = format!("model.layers.{i}");
-        let n = rms(&x, &w[&format!("{p}.input_layernorm.weight")]);
-        let q = rope(&heads(lin(&n, &format!("{p}.self_attn.q_proj")), h));
-        let k = repeat(rope(&heads(lin(&n, &format!("{p}.self_attn.k_proj")), hkv)));
-        let v = repeat(heads(lin(&n, &format!("{p}.self_attn.v_proj")), hkv));
-        let s = (q.matmul(&k.t().unwrap()).unwrap() / (d as f64).sqrt()).unwrap();
-        let pr = candle_nn::ops::softmax(&s.broadcast_add(&mask).unwrap(), D::Minus1).unwrap();
-        let a = pr
-            .matmul(&v)
-            .unwrap()
-            .transpose(1, 2)
-            .unwrap()
-            .reshape((b, t, c))
-            .unwrap();
-        x = (x + lin(&a, &format!("{p}.self_attn.o_proj"))).unwrap();
-        let n = rms(&x, &w[&format!("{p}.post_attention_layernorm.weight")]);
-        let g = lin(&n, &format!("{p}.mlp.gate_proj"));
-        let u = lin(&n, &format!("{p}.mlp.up_proj"));
-        let m = (g.silu().unwrap() * u).unwrap();
-        x = (x + lin(&m, &format!("{p}.mlp.down_proj"))).unwrap();
-    }
-    let hn = rms(&x, &w["model.norm.weight"])
-        .reshape((b * t, c))
-        .unwrap();
-    let logits = hn.matmul(&embed.t().unwrap()).unwrap();
-    candle_nn::loss::cross_entropy(&logits, &targets.flatten_all().unwrap()).unwrap()
-}
-
 #[test]
 fn tiny_full_gradients_match_the_composition() {
     let weights = tiny();
@@ -402,7 +298,7 @@ fn tiny_full_gradients_match_the_composition() {
         .iter()
         .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
         .collect();
-    let ref_loss = composed_loss(
+    let ref_loss = common::decoder_reference::loss(
         &weights.config,
         &plain,
         &HashMap::new(),
@@ -545,7 +441,7 @@ fn lora_freezes_the_base_and_matches_the_composition() {
         }
     }
     assert_eq!(adapters.len(), 7 * 2);
-    let ref_loss = composed_loss(
+    let ref_loss = common::decoder_reference::loss(
         &weights.config,
         &weights.tensors,
         &adapters,
