@@ -173,9 +173,10 @@ pub enum Layer<'a> {
     /// Composition only.
     GeGlu,
     /// [`crate::ops::window_causal_attention`] of a `(B, T, (H + 2 Hkv) Dh)` qkv: a sliding
-    /// window and a scale. Where the window does not bind (`None` or `>= T`) and the scale is
-    /// the default (`None` or exactly `1 / sqrt(Dh)`) it is [`Layer::Attention`] (one node
-    /// under a sink); otherwise composition only.
+    /// window and a scale. With the default scale (`None` or exactly `1 / sqrt(Dh)`) it is one
+    /// node under a sink: [`Layer::Attention`] where the window does not bind, the fused
+    /// windowed op ([`crate::ops::grouped_window_attention`]) where it does; another scale is
+    /// composition only.
     WindowAttention {
         /// Query heads H.
         n_head: usize,
@@ -193,10 +194,11 @@ pub enum Layer<'a> {
         b: &'a [Tensor],
     },
     /// Inference only: attention of a KV-cached forward. From a `(B, T, (H + 2 Hkv) Dh)` qkv
-    /// (normed and rotated), k and v are appended to the cached ones in `kv` (`(B, Hkv,
-    /// start, Dh)` each; `None` when `start == 0`), stored back detached, and the queries of
+    /// (normed and rotated), k and v are appended to the cached ones in `kv` (`(B, Hkv, S,
+    /// Dh)` each: `S = start`, or with a window the last `min(start, W - 1)` positions, all a
+    /// later query can see; `None` when `start == 0`), stored back detached, and the queries of
     /// positions `start..start + T` attend as [`crate::ops::grouped_attention`] does, `(B, T, H
-    /// Dh)`. Errors when the cache does not hold exactly `start` positions. Composition only.
+    /// Dh)`. Errors when the cache does not hold that many positions. Composition only.
     CachedAttention {
         /// The layer's cache: k and v of positions `0..start`.
         kv: &'a std::sync::Mutex<Option<(Tensor, Tensor)>>,
@@ -238,8 +240,7 @@ pub enum Half<'a> {
 /// from one), an attention half would take the composed attention (CUDA with a head width
 /// other than 64), or a branch has a composition-only layer ([`Layer::QkNorm`],
 /// [`Layer::Norm`], [`Layer::GeGlu`], [`Layer::Bias`], [`Layer::CachedAttention`], a
-/// [`Layer::WindowAttention`] whose window binds or whose scale is not the default: known before
-/// any op runs), each half is the composition of its ops. The same values and gradients
+/// [`Layer::WindowAttention`] whose scale is not the default: known before any op runs), each half is the composition of its ops. The same values and gradients
 /// either way, bit for bit when the stack is x's only consumer (with another, candle sums x's
 /// gradients in another order). An empty `halves` returns x.
 ///
@@ -376,8 +377,8 @@ impl<'a> Layer<'a> {
 
     /// Whether a block node can run the layer, known before any work from the branch's
     /// sequence length `t`: false for the composition-only layers, and for a
-    /// [`Layer::WindowAttention`] whose window binds or whose scale is not `1 / sqrt(D)` for any
-    /// head width D (the step checks the actual one). A block whose branch has such a layer
+    /// [`Layer::WindowAttention`] whose scale is not `1 / sqrt(D)` for any head width D (the
+    /// step checks the actual one). A block whose branch has such a layer
     /// goes straight to the composition.
     pub(super) fn one_node_capable(&self, t: usize) -> bool {
         match *self {
@@ -526,7 +527,7 @@ fn one_node(x: &Tensor, halves: &[Half<'_>], compute: DType) -> Result<Option<Te
     // known before any work: norm parameters that prepare would cast (no longer the
     // variables); attention that takes the composition (head width other than 64) is only
     // known when its half is built
-    // composition-only layers (and binding windows) are known before any work too
+    // composition-only layers (and attention at another scale) are known before any work too
     let t = x.dims().iter().rev().nth(1).copied().unwrap_or(0);
     let applies = halves.iter().all(|h| h.norm().one_node_ok())
         && layers.iter().flatten().all(|l| l.one_node_capable(t))
