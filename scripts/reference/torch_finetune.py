@@ -73,6 +73,9 @@ def main():
     ap.add_argument("--modes", default="full,full_compile,lora")
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", default="cuda", help="cuda (the reference) or cpu (a smoke test)")
+    ap.add_argument("--random-weights", action="store_true",
+                    help="the GGUF's config with random weights (AutoConfig + from_config, seed 0): "
+                         "timing from a metadata-only GGUF, as wick's --random-weights")
     a = ap.parse_args()
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -132,7 +135,12 @@ def main():
         if cuda:
             torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).to(dev)
+        if a.random_weights:
+            from transformers import AutoConfig
+            cfg = AutoConfig.from_pretrained(d, gguf_file=f)
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).to(dev)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).to(dev)
         load_s = time.perf_counter() - t0
         r = {"load_s": load_s, "params": sum(p.numel() for p in model.parameters())}
         res["model_type"], res["vocab_size"] = model.config.model_type, model.config.vocab_size
