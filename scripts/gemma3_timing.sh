@@ -28,7 +28,7 @@ if [ "$PHASE" != torch ]; then
   xz -dc .gpu/finetune.xz > "$W/ft"; chmod +x "$W/ft"
   for m in full lora; do
     flag=(--full); [ $m = lora ] && flag=(--lora 16)
-    timeout "${WICK_TIMEOUT:-200}" "$W/ft" --device cuda --gguf "$G" --text "$T" --random-weights "${flag[@]}" "${SIZES[@]}" \
+    timeout "${WICK_TIMEOUT:-200}" "$W/ft" --device cuda --gguf "$G" --text "$T" --random-weights "${flag[@]}" "${SIZES[@]}" --max-new-tokens 0 \
       > "$OUT/wick_$m.log" 2>&1 || echo "wick $m: exit $?"
     grep -h "config with random\|ms/step\|validation" "$OUT/wick_$m.log" | cut -c1-300 || tail -3 "$OUT/wick_$m.log"
   done
