@@ -1,6 +1,8 @@
 //! Datasets and data loading.
 //!
 //! - [`dataset`]: the [`Dataset`] and [`Collate`] seams, [`TensorDataset`] (in-memory tensors).
+//! - [`chat`]: chat fine-tuning data: JSONL conversations and prompt/completion pairs, the
+//!   chat template, assistant-only labels, length policy, held-out split, Shakespeare dialogues.
 //! - [`text`]: [`TextWindows`], byte-level language-modelling windows over a text file.
 //! - [`mnist`]: the MNIST idx reader (raw or gzipped) for the data fetched by `scripts/`.
 //! - [`plays`]: Shakespeare's lines labelled by the genre of their play, split by play.
@@ -11,6 +13,7 @@
 //! - `staging` (feature `cuda`): pinned host staging and the copy stream behind the loader.
 
 pub mod buckets;
+pub mod chat;
 pub mod dataset;
 pub mod loader;
 pub mod mnist;
