@@ -30,18 +30,7 @@ const VOCAB: usize = 96;
 fn weights(family: Family, tied: bool) -> DecoderWeights {
     let mut config = DecoderConfig::tiny_family(family, VOCAB);
     config.tie_word_embeddings = tied;
-    let mut w = DecoderWeights::random(config, 11).unwrap();
-    for (name, t) in w.tensors.iter_mut() {
-        if t.rank() == 1 {
-            let seed = name.bytes().map(u64::from).sum::<u64>();
-            let noise: Vec<f32> = (0..t.elem_count() as u64)
-                .map(|i| (((i * 7919 + seed * 104729) % 1000) as f32 / 1000.0) - 0.5)
-                .collect();
-            let noise = Tensor::from_vec(noise, t.dims(), &Device::Cpu).unwrap();
-            *t = (&*t + noise).unwrap();
-        }
-    }
-    w
+    reference::drawn_weights(config, 11)
 }
 
 fn ids(b: usize, t: usize, seed: u64) -> (Tensor, Tensor) {

@@ -1113,18 +1113,7 @@ fn family_weights(family: Family, tied: bool) -> DecoderWeights {
     if family == Family::Gemma3 {
         config.query_pre_attn_scalar = Some(config.head_dim() as f64);
     }
-    let mut w = DecoderWeights::random(config, 23).unwrap();
-    for (name, t) in w.tensors.iter_mut() {
-        if t.rank() == 1 {
-            let seed = name.bytes().map(u64::from).sum::<u64>();
-            let noise: Vec<f32> = (0..t.elem_count() as u64)
-                .map(|i| (((i * 7919 + seed * 104729) % 1000) as f32 / 1000.0) - 0.5)
-                .collect();
-            let noise = Tensor::from_vec(noise, t.dims(), &Device::Cpu).unwrap();
-            *t = (&*t + noise).unwrap();
-        }
-    }
-    w
+    common::decoder_reference::drawn_weights(config, 23)
 }
 
 /// Every tensor of `a` is in `b` within `tol` (and `b` has no other).

@@ -6,7 +6,25 @@
 use candle_core::{DType, Device, Tensor, D};
 use std::collections::HashMap;
 use wick::models::family::{Activation, Family};
-use wick::models::DecoderConfig;
+use wick::models::{DecoderConfig, DecoderWeights};
+
+/// Random weights of `config` ([`DecoderWeights::random`], `seed`) with every 1-D tensor (norm
+/// gains, biases) moved by a fixed pattern in `[-0.5, 0.5)` away from its initial value, so
+/// that a dropped or misplaced gain or bias shows in the logits.
+pub fn drawn_weights(config: DecoderConfig, seed: u64) -> DecoderWeights {
+    let mut w = DecoderWeights::random(config, seed).unwrap();
+    for (name, t) in w.tensors.iter_mut() {
+        if t.rank() == 1 {
+            let salt = name.bytes().map(u64::from).sum::<u64>();
+            let noise: Vec<f32> = (0..t.elem_count() as u64)
+                .map(|i| (((i * 7919 + salt * 104729) % 1000) as f32 / 1000.0) - 0.5)
+                .collect();
+            let noise = Tensor::from_vec(noise, t.dims(), &Device::Cpu).unwrap();
+            *t = (&*t + noise).unwrap();
+        }
+    }
+    w
+}
 
 /// Logits `(B, T, V)` f32 of `ids: (B, T)` by the decoder written out in plain candle ops on
 /// the HF tensors `w` (f32, CPU; `Var`s for gradients), with LoRA `(A, B)` by module name
