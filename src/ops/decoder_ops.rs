@@ -259,19 +259,7 @@ pub fn qk_rms_norm(
 /// Errors (no panics): a scalar, an odd last dimension, a dtype other than f32/bf16/f16. An
 /// empty x gives an empty `(.., F)` result.
 pub fn geglu_tanh(x: &Tensor) -> Result<Tensor> {
-    let op = "geglu_tanh";
-    check_float(op, "x", x.dtype())?;
-    let Some(&f2) = x.dims().last() else {
-        bail!("{op}: x must have a last dimension of 2F (gate | up), found a scalar")
-    };
-    if f2 % 2 != 0 {
-        bail!(
-            "{op}: x's last dimension {f2} must be even: 2F columns, the gate then the up \
-             projection (shape {:?})",
-            x.dims()
-        )
-    }
-    let f = f2 / 2;
+    let f = super::swiglu::gated_width("geglu_tanh", x)?;
     if x.elem_count() == 0 {
         return x.narrow(D::Minus1, 0, f);
     }

@@ -28,7 +28,18 @@ use rayon::prelude::*;
 /// Errors (no panics): a scalar, an odd last dimension, a dtype other than f32/bf16/f16. An
 /// empty gate_up gives an empty `(.., F)` result.
 pub fn swiglu(gate_up: &Tensor) -> Result<Tensor> {
-    let op = "swiglu";
+    let f = gated_width("swiglu", gate_up)?;
+    if gate_up.elem_count() == 0 {
+        return gate_up.narrow(D::Minus1, 0, f);
+    }
+    gate_up.contiguous()?.apply_op1(SwiGlu)
+}
+
+/// The width F of a gated activation's input `gate_up: (.., 2F)` (the gate then the up
+/// projection), checked for [`swiglu`] and [`super::geglu_tanh`].
+///
+/// Errors: a dtype other than f32/bf16/f16, a scalar, an odd last dimension.
+pub(super) fn gated_width(op: &str, gate_up: &Tensor) -> Result<usize> {
     check_float(op, "gate_up", gate_up.dtype())?;
     let Some(&f2) = gate_up.dims().last() else {
         bail!("{op}: gate_up must have a last dimension of 2F (gate | up), found a scalar")
@@ -40,10 +51,7 @@ pub fn swiglu(gate_up: &Tensor) -> Result<Tensor> {
             gate_up.dims()
         )
     }
-    if gate_up.elem_count() == 0 {
-        return gate_up.narrow(D::Minus1, 0, f2 / 2);
-    }
-    gate_up.contiguous()?.apply_op1(SwiGlu)
+    Ok(f2 / 2)
 }
 
 /// The op of [`swiglu`] (for a block op that keeps it and calls its backward itself).
