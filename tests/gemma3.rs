@@ -8,7 +8,7 @@ mod common;
 use anyhow::Result;
 use candle_core::{Device, Tensor, D};
 use common::max_abs;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::OnceLock;
 use wick::models::family::{Family, LayerType};
 use wick::models::files;
@@ -35,19 +35,6 @@ fn model() -> &'static Decoder {
         (store, m)
     })
     .1
-}
-
-fn fixture() -> serde_json::Value {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gemma3_270m_reference.json");
-    serde_json::from_str(&std::fs::read_to_string(&p).expect("fixture")).expect("fixture json")
-}
-
-fn ids_of(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array()
-        .expect("array")
-        .iter()
-        .map(|x| x.as_u64().expect("id") as u32)
-        .collect()
 }
 
 fn row(ids: &[u32]) -> Tensor {
@@ -115,7 +102,7 @@ fn gguf_config_is_gemma3_270m() {
 /// transformers' (`Gemma3ForCausalLM`, f32, CPU, on the same dequantized weights).
 #[test]
 fn nll_and_greedy_tokens_equal_transformers() {
-    let fx = fixture();
+    let fx = common::fixture("gemma3_270m_reference.json");
     let m = model();
     let mut worst = 0f32;
     for (ids, want) in fx["ids"]
@@ -124,7 +111,7 @@ fn nll_and_greedy_tokens_equal_transformers() {
         .iter()
         .zip(fx["nll"].as_array().unwrap())
     {
-        let ids = ids_of(ids);
+        let ids = common::ids_of(ids);
         let got = nll(m, &ids);
         let want: Vec<f32> = want
             .as_array()
@@ -142,8 +129,8 @@ fn nll_and_greedy_tokens_equal_transformers() {
         worst < 1e-3,
         "per-token NLL differs from transformers' by {worst}"
     );
-    let prompt = ids_of(&fx["prompt_ids"]);
-    let want = ids_of(&fx["greedy"]);
+    let prompt = common::ids_of(&fx["prompt_ids"]);
+    let want = common::ids_of(&fx["greedy"]);
     let got = m.generate(&prompt, want.len(), 0.0, 0).unwrap();
     assert_eq!(got, want, "greedy tokens");
 }
@@ -188,8 +175,8 @@ fn candle_gemma3_last_logits(w: &DecoderWeights, act: &str, ids: &[u32]) -> Resu
 /// included) and to be far from Gemma 3's logits.
 #[test]
 fn last_logits_equal_candle_transformers() -> Result<()> {
-    let fx = fixture();
-    let prompt = ids_of(&fx["prompt_ids"]);
+    let fx = common::fixture("gemma3_270m_reference.json");
+    let prompt = common::ids_of(&fx["prompt_ids"]);
     let t = prompt.len();
     let ours = model()
         .forward_cached(&row(&prompt), &mut KvCache::default())?

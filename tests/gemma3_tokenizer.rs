@@ -7,7 +7,7 @@ mod common;
 use anyhow::Result;
 use candle_core::quantized::gguf_file;
 use common::tmp;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::OnceLock;
 use wick::models::files::Gguf;
 use wick::models::tokenizer::{Pretokenizer, TextTokenizer};
@@ -26,23 +26,10 @@ fn tokenizer() -> &'static TextTokenizer {
     })
 }
 
-fn fixture() -> serde_json::Value {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gemma3_270m_reference.json");
-    serde_json::from_str(&std::fs::read_to_string(&p).expect("fixture")).expect("fixture json")
-}
-
-fn ids_of(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array()
-        .expect("array")
-        .iter()
-        .map(|x| x.as_u64().expect("id") as u32)
-        .collect()
-}
-
 #[test]
 fn ids_and_decoding_equal_transformers() -> Result<()> {
     let tok = tokenizer();
-    let fx = fixture();
+    let fx = common::fixture("gemma3_270m_reference.json");
     assert_eq!(fx["add_bos_token"], true);
     assert!(tok.add_bos_token && !tok.add_eos_token);
     assert_eq!(tok.bos_token.as_deref(), Some("<bos>"));
@@ -57,7 +44,7 @@ fn ids_and_decoding_equal_transformers() -> Result<()> {
         .zip(fx["decoded"].as_array().unwrap())
     {
         let text = text.as_str().unwrap();
-        let want = ids_of(want);
+        let want = common::ids_of(want);
         assert_eq!(want[0], 2, "the fixture starts with <bos>");
         assert_eq!(tok.encode(text)?, want, "ids of {text:?}");
         assert_eq!(

@@ -9,7 +9,7 @@ use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var, D};
 use common::max_abs;
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::OnceLock;
 use wick::lora::{self, LoraConfig};
 use wick::models::files::{self, Gguf};
@@ -28,19 +28,6 @@ fn gguf_path() -> PathBuf {
 fn smollm2() -> &'static DecoderWeights {
     static W: OnceLock<DecoderWeights> = OnceLock::new();
     W.get_or_init(|| files::read_gguf(&gguf_path()).expect("reading the GGUF"))
-}
-
-fn fixture() -> serde_json::Value {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/smollm2_reference.json");
-    serde_json::from_str(&std::fs::read_to_string(&p).expect("fixture")).expect("fixture json")
-}
-
-fn ids_of(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array()
-        .expect("array")
-        .iter()
-        .map(|x| x.as_u64().expect("id") as u32)
-        .collect()
 }
 
 fn model(weights: &DecoderWeights, precision: Precision, ft: &FineTune) -> (ParamStore, Decoder) {
@@ -163,7 +150,7 @@ fn logits_and_greedy_tokens_match_candle_quantized_llama() {
 
 #[test]
 fn logits_and_tokenizer_match_transformers_fixture() {
-    let fx = fixture();
+    let fx = common::fixture("smollm2_reference.json");
     let tok = TextTokenizer::from_gguf(&Gguf::open(&gguf_path()).unwrap()).unwrap();
     for (text, ids) in fx["texts"]
         .as_array()
@@ -172,8 +159,16 @@ fn logits_and_tokenizer_match_transformers_fixture() {
         .zip(fx["ids"].as_array().unwrap())
     {
         let text = text.as_str().unwrap();
-        assert_eq!(tok.encode(text).unwrap(), ids_of(ids), "ids of {text:?}");
-        assert_eq!(tok.decode(&ids_of(ids)).unwrap(), text, "round trip");
+        assert_eq!(
+            tok.encode(text).unwrap(),
+            common::ids_of(ids),
+            "ids of {text:?}"
+        );
+        assert_eq!(
+            tok.decode(&common::ids_of(ids)).unwrap(),
+            text,
+            "round trip"
+        );
     }
     let chat: Vec<ChatMessage> =
         serde_json::from_value::<Vec<HashMap<String, String>>>(fx["chat"].clone())
@@ -188,7 +183,7 @@ fn logits_and_tokenizer_match_transformers_fixture() {
         tok.apply_chat_template(&chat, true).unwrap(),
         fx["chat_rendered"].as_str().unwrap()
     );
-    let prompt_ids = ids_of(&fx["prompt_ids"]);
+    let prompt_ids = common::ids_of(&fx["prompt_ids"]);
     assert_eq!(
         tok.encode(fx["prompt"].as_str().unwrap()).unwrap(),
         prompt_ids
@@ -239,7 +234,7 @@ fn logits_and_tokenizer_match_transformers_fixture() {
         assert!((a - b).abs() < 2e-3, "log-sum-exp {a} vs {b}");
     }
     let greedy = wick.generate(&prompt_ids, 16, 0.0, 0).unwrap();
-    assert_eq!(greedy, ids_of(&fx["greedy16"]));
+    assert_eq!(greedy, common::ids_of(&fx["greedy16"]));
 }
 
 fn tiny() -> DecoderWeights {

@@ -232,3 +232,21 @@ pub fn candle_transformers_llama_last_logits(dir: &Path, ids: &Tensor) -> anyhow
     let mut cache = llama::Cache::new(false, candle_core::DType::F32, &cfg, &Device::Cpu)?;
     Ok(model.forward(ids, 0, &mut cache)?)
 }
+
+/// A committed fixture, `tests/fixtures/{name}`, as JSON.
+pub fn fixture(name: &str) -> serde_json::Value {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name);
+    let text = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
+/// A fixture's JSON list of token ids.
+pub fn ids_of(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .expect("a list of ids")
+        .iter()
+        .map(|x| x.as_u64().expect("an id") as u32)
+        .collect()
+}
