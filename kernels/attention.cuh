@@ -48,17 +48,26 @@
 // same tiles, masks and sums as without the argument, bit for bit). Tiles wholly outside every
 // row's window are skipped (the forward and dQ start at key tile att_first_key_tile, dK/dV
 // stops at query tile att_last_query_tile), so the work is O(T W); the tiles that cross the
-// window's lower edge (att_win_tile) mask i - j >= W in the same select as the causal mask.
+// window's lower edge mask i - j >= W in the same select as the causal mask.
+// Packed documents (FlashAttention's varlen cu_seqlens; src/ops/segments.rs): query i sees key j
+// only if j >= first_key[i], the first token of i's document, another per-query lower bound;
+// the kernels take the (T,) tables first_key (forward, dQ) and last_query (dK/dV: the last token
+// of j's document, the highest query that sees key j), null for one document (no reads, the
+// same work as without). Both bounds combine into a row's lowest key att_row_lo and a key's
+// highest query att_key_hi; they are non-decreasing along the row, so whole tiles before a
+// query tile's first document are skipped as those outside the window are, and the tiles that
+// cross a boundary take the same masked step (WIN) as those crossing the window's edge.
 // Every row sees its own key, so no row is empty, but a row may see nothing of the first tiles
 // its block walks: the online softmax keeps m = -inf and P = 0 there (att_softmax_step).
 //
 // Needs sm_80+ (mma.sync with bf16/f16/TF32 operands); the launcher falls back below that.
 //
 // Entry points (TN = bf16 | f16 | f32 (3xTF32) | tf32 (f32 data, TF32 operands); scale2 = scale * log2(e); lse and dsum are (B, H, T) f32):
-//   attn_fwd_<TN>(qkv, out, lse, T, H, Hkv, scale2, W)       grid (ceil(T/64), B*H)
+//   attn_fwd_<TN>(qkv, out, lse, T, H, Hkv, scale2, W, first_key)       grid (ceil(T/64), B*H)
 //   attn_bwd_dot_<TN>(out, dout, dsum, rows, T, H)           D = rowsum(dO * O), rows = B*T*H, 256 threads
-//   attn_bwd_dkdv_<TN>(qkv, dout, lse, dsum, dqkv, T, H, Hkv, scale2, scale, W)  grid (ceil(T/64), B*Hkv)
-//   attn_bwd_dq_<TN>(qkv, dout, lse, dsum, dqkv, T, H, Hkv, scale2, scale, W)    grid (ceil(T/64), B*H)
+//   attn_bwd_dkdv_<TN>(qkv, dout, lse, dsum, dqkv, T, H, Hkv, scale2, scale, W, first_key, last_query)  grid (ceil(T/64), B*Hkv)
+//   attn_bwd_dq_<TN>(qkv, dout, lse, dsum, dqkv, T, H, Hkv, scale2, scale, W, first_key, last_query)    grid (ceil(T/64), B*H)
+// first_key, last_query: (T,) int tables shared by the B rows, or null (one document per row)
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -409,13 +418,15 @@ __device__ void attn_bwd_dot(const T* __restrict__ out, const T* __restrict__ do
 // (times scale2) and l this lane's share of the running row sum. With MASK (the diagonal tile,
 // or one that reaches past T) keys after the row or past T are dropped; tiles below the
 // diagonal need no test. With WIN (a tile that crosses the lower edge of a row's window, MASK
-// set too) keys with row - key >= W are dropped as well. Rescales o and leaves
-// P = 2^(scale2 s - m) in s. Without a window key 0 is in the first tile and visible to every
-// row, so m is finite from then on; with one, a row may see no key of a WIN tile before its
-// window starts: m stays -inf, P = 0, o and l are left as they are (zero).
+// set too) keys below the row's lowest key lo (att_row_lo: the window's and the document's
+// lower bound) are dropped as well. Rescales o and leaves P = 2^(scale2 s - m) in s. Without a
+// window or documents key 0 is in the first tile and visible to every row, so m is finite from
+// then on; with them, a row may see no key of a WIN tile before its window or document starts:
+// m stays -inf, P = 0, o and l are left as they are (zero).
 template <bool MASK, bool WIN = false>
 __device__ __forceinline__ void att_softmax_step(float (&s)[8][4], float (&o)[8][4], float (&m)[2], float (&l)[2],
-                                                 int k0, int row, int T_, float scale2, int c, int W = 0) {
+                                                 int k0, int row, int T_, float scale2, int c, int lo0 = 0,
+                                                 int lo1 = 0) {
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int nb = 0; nb < 8; nb++)
@@ -423,8 +434,7 @@ __device__ __forceinline__ void att_softmax_step(float (&s)[8][4], float (&o)[8]
         for (int i = 0; i < 4; i++) {
             if (MASK) {
                 const int key = k0 + nb * 8 + 2 * c + (i & 1);
-                if (key > row + 8 * (i >> 1) || key >= T_ || (WIN && row + 8 * (i >> 1) - key >= W))
-                    s[nb][i] = -INFINITY;
+                if (key > row + 8 * (i >> 1) || key >= T_ || (WIN && key < ((i >> 1) ? lo1 : lo0))) s[nb][i] = -INFINITY;
             }
             mx[i >> 1] = fmaxf(mx[i >> 1], s[nb][i]);
         }
@@ -478,27 +488,49 @@ __device__ __forceinline__ void att_fwd_store(T* __restrict__ out, float* __rest
     }
 }
 
-// Sliding windows of W keys (W = INT_MAX: none). The first key tile that a query tile from q0
-// sees (its first row's first key is q0 - W + 1).
-__device__ __forceinline__ int att_first_key_tile(int q0, int W) {
-    const int first = q0 - W + 1;   // no overflow: q0 >= 0, W >= 1
-    return first > 0 ? first / ATT_TILE : 0;
+// Lower bounds on the keys: sliding windows of W keys (W = INT_MAX: none) and the documents of
+// a packed row (first_key: the first token of each token's document, a (T,) table; null: one
+// document). Query `row` sees keys lo..row, lo = att_row_lo(row); key `key` is seen by queries
+// key..hi, hi = att_key_hi(key). Both bounds are non-decreasing along the row, so a query tile's
+// first row has its lowest lo and its last row its highest, and a key tile's first key has its
+// lowest hi and its last key its highest: the tile skipping and the tile masks below need only
+// those. Rows past T read the table's last entry (their results are never stored).
+__device__ __forceinline__ int att_row_lo(int row, int T_, int W, const int* __restrict__ first_key) {
+    const int w = row - W + 1;   // no overflow: row >= 0, W >= 1
+    if (first_key == nullptr) return w;
+    const int f = __ldg(first_key + (row < T_ ? row : T_ - 1));
+    return f > w ? f : w;
 }
-// The last query tile (of `tiles`) that sees a key of the tile from k0 (its last key, k0 + 63,
-// is seen up to query k0 + 63 + W - 1).
-__device__ __forceinline__ int att_last_query_tile(int k0, int W, int tiles) {
-    const long last = ((long)k0 + ATT_TILE - 1 + W - 1) / ATT_TILE;
-    return last < tiles - 1 ? (int)last : tiles - 1;
+__device__ __forceinline__ int att_key_hi(int key, int T_, int W, const int* __restrict__ last_query) {
+    const int w = W - 1 > 0x7fffffff - key ? 0x7fffffff : key + W - 1;   // saturated at INT_MAX
+    if (last_query == nullptr) return w;
+    const int l = __ldg(last_query + (key < T_ ? key : T_ - 1));
+    return l < w ? l : w;
 }
-// Whether the (query tile q0, key tile k0) pair holds a query/key pair outside the window
-// (query - key >= W), so that the tile needs the window mask.
-__device__ __forceinline__ bool att_win_tile(int q0, int k0, int W) { return q0 + (ATT_TILE - 1) - k0 >= W; }
+// The first key tile that the query tile from q0 sees (its first row's lowest key).
+__device__ __forceinline__ int att_first_key_tile(int q0, int T_, int W, const int* __restrict__ first_key) {
+    const int lo = att_row_lo(q0, T_, W, first_key);
+    return lo > 0 ? lo / ATT_TILE : 0;
+}
+// The last query tile (of `tiles`) that sees a key of the tile from k0 (its last key's highest
+// query).
+__device__ __forceinline__ int att_last_query_tile(int k0, int T_, int W, const int* __restrict__ last_query,
+                                                   int tiles) {
+    const int last = att_key_hi(k0 + ATT_TILE - 1, T_, W, last_query) / ATT_TILE;
+    return last < tiles - 1 ? last : tiles - 1;
+}
+// A query tile (from q0) meets the lower-bound mask in the key tile from k0 iff k0 < the highest
+// lo of its rows, that of its last row: q0 + 63 - k0 >= W for a window alone (the tile crosses
+// the window's lower edge), or a row whose document starts after k0.
+__device__ __forceinline__ int att_tile_lo(int q0, int T_, int W, const int* __restrict__ first_key) {
+    return att_row_lo(q0 + ATT_TILE - 1, T_, W, first_key);
+}
 
 // Forward of one 64-row query tile: walks the key tiles up to it (from the first one its window
 // reaches), the next tile's copy in flight while the current one is used.
 template <typename Ops, typename T = typename Ops::T>
 __device__ void attn_fwd(const T* __restrict__ qkv, T* __restrict__ out, float* __restrict__ lse, int T_, int H,
-                         int Hkv, float scale2, int W) {
+                         int Hkv, float scale2, int W, const int* __restrict__ first_key) {
     // two stages of (K, V) tiles: stage s is tiles 2s, 2s + 1; Q passes through stage 1 first
     const int qt = gridDim.x - 1 - blockIdx.x;   // longest (last) query tiles first
     const int bh = blockIdx.y, b = bh / H, h = bh % H, kvh = h / (H / Hkv);
@@ -509,7 +541,8 @@ __device__ void attn_fwd(const T* __restrict__ qkv, T* __restrict__ out, float* 
     const T* v = row0 + (long)(H + Hkv + kvh) * ATT_D;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int q0 = qt * ATT_TILE, r0 = warp * 16 + g;
-    const int kt0 = att_first_key_tile(q0, W);
+    const int kt0 = att_first_key_tile(q0, T_, W, first_key), tile_lo = att_tile_lo(q0, T_, W, first_key);
+    const int lo0 = att_row_lo(q0 + r0, T_, W, first_key), lo1 = att_row_lo(q0 + r0 + 8, T_, W, first_key);
 
     att_load_tile<Ops>(att_tile<Ops>(2), row0 + h * ATT_D, q0, T_, s3);
     att_load_tile<Ops>(att_tile<Ops>(0), k, kt0 * ATT_TILE, T_, s3);
@@ -531,8 +564,8 @@ __device__ void attn_fwd(const T* __restrict__ qkv, T* __restrict__ out, float* 
         }
         float s[8][4];
         Ops::mm_nt(s, qa, att_tile<Ops>(st));
-        if (att_win_tile(q0, k0, W))   // crosses a window's lower edge (and perhaps the diagonal)
-            att_softmax_step<true, true>(s, o, m, l, k0, q0 + r0, T_, scale2, c, W);
+        if (k0 < tile_lo)   // crosses a window's or a document's lower edge (and perhaps the diagonal)
+            att_softmax_step<true, true>(s, o, m, l, k0, q0 + r0, T_, scale2, c, lo0, lo1);
         else if (kt == qt)   // the diagonal tile, the only one that can also reach past T
             att_softmax_step<true>(s, o, m, l, k0, q0 + r0, T_, scale2, c);
         else
@@ -547,12 +580,13 @@ __device__ void attn_fwd(const T* __restrict__ qkv, T* __restrict__ out, float* 
 // dV += P^T dO and dK += dS^T Q (unscaled) for the warp's key rows kr, kr + 8 against one staged
 // query tile (Qs, Ds = dO, Ls = L, Dd = D) from q0. With MASK (the diagonal tile, or one that
 // reaches past T) queries before the key or past T get P = 0; with WIN (a tile crossing the
-// window's edge) also queries at W or more after the key.
+// window's or a document's edge) also queries after the key's highest query hi0, hi1
+// (att_key_hi).
 template <typename Ops, bool MASK, bool WIN = false>
 __device__ __forceinline__ void att_dkdv_step(float (&dk)[8][4], float (&dv)[8][4], const typename Ops::AFrag& ka,
                                               const typename Ops::AFrag& va, const typename Ops::Row* Qs,
                                               const typename Ops::Row* Ds, const float* Ls, const float* Dd, int q0,
-                                              int kr, int T_, float scale2, int c, int W = 0) {
+                                              int kr, int T_, float scale2, int c, int hi0 = 0, int hi1 = 0) {
     // P^T (keys x queries) = 2^(scale2 K Q^T - L)
     float p[8][4];
     Ops::mm_nt(p, ka, Qs);
@@ -563,7 +597,7 @@ __device__ __forceinline__ void att_dkdv_step(float (&dk)[8][4], float (&dv)[8][
             const int col = nb * 8 + 2 * c + (i & 1);
             const float e = att_exp2(fmaf(p[nb][i], scale2, -Ls[col]));
             const int key = kr + 8 * (i >> 1);
-            p[nb][i] = (MASK && (q0 + col < key || q0 + col >= T_ || (WIN && q0 + col - key >= W))) ? 0.0f : e;
+            p[nb][i] = (MASK && (q0 + col < key || q0 + col >= T_ || (WIN && q0 + col > ((i >> 1) ? hi1 : hi0)))) ? 0.0f : e;
         }
     Ops::mm_nn(dv, p, Ds);   // dV += P^T dO
     // dP^T = V dO^T, then dS^T = P^T * (dP^T - D)
@@ -583,7 +617,7 @@ __device__ __forceinline__ void att_dkdv_step(float (&dk)[8][4], float (&dv)[8][
 template <typename Ops, typename T = typename Ops::T>
 __device__ void attn_bwd_dkdv(const T* __restrict__ qkv, const T* __restrict__ dout, const float* __restrict__ lse,
                               const float* __restrict__ dsum, T* __restrict__ dqkv, int T_, int H, int Hkv,
-                              float scale2, float scale, int W) {
+                              float scale2, float scale, int W, const int* __restrict__ last_query) {
     // two stages of (Q, dO) tiles: stage s is tiles 2s, 2s + 1; K and V pass through first
     __shared__ float Ls[2][ATT_TILE], Dd[2][ATT_TILE];
     const int kt = gridDim.x - 1 - blockIdx.x;   // first key tiles see the most queries: start them first
@@ -605,7 +639,11 @@ __device__ void attn_bwd_dkdv(const T* __restrict__ qkv, const T* __restrict__ d
     __syncthreads();
 
     // steps: (query head gi of the group, query tile kt + i), heads in order
-    const int per_head = att_last_query_tile(k0, W, gridDim.x) + 1 - kt, steps = G * per_head;
+    const int per_head = att_last_query_tile(k0, T_, W, last_query, gridDim.x) + 1 - kt, steps = G * per_head;
+    // the highest query of the tile's first key (a query tile past it needs the mask) and of
+    // this thread's two keys
+    const int tile_hi = att_key_hi(k0, T_, W, last_query);
+    const int hi0 = att_key_hi(k0 + r0, T_, W, last_query), hi1 = att_key_hi(k0 + r0 + 8, T_, W, last_query);
     auto stage = [&](int step, int st) {
         const int h = kvh * G + step / per_head, q0 = (kt + step % per_head) * ATT_TILE;
         att_load_tile<Ops>(att_tile<Ops>(2 * st), row0 + h * ATT_D, q0, T_, s3);
@@ -623,9 +661,9 @@ __device__ void attn_bwd_dkdv(const T* __restrict__ qkv, const T* __restrict__ d
     for (int step = 0; step < steps; step++) {
         const int st = step & 1, qt = kt + step % per_head, q0 = qt * ATT_TILE;
         if (step + 1 < steps) stage(step + 1, st ^ 1);
-        if (att_win_tile(q0, k0, W))
+        if (q0 + ATT_TILE - 1 > tile_hi)   // crosses a window's or a document's upper edge
             att_dkdv_step<Ops, true, true>(dk, dv, ka, va, att_tile<Ops>(2 * st), att_tile<Ops>(2 * st + 1), Ls[st], Dd[st], q0,
-                                           k0 + r0, T_, scale2, c, W);
+                                           k0 + r0, T_, scale2, c, hi0, hi1);
         else if (qt == kt || q0 + ATT_TILE > T_)
             att_dkdv_step<Ops, true>(dk, dv, ka, va, att_tile<Ops>(2 * st), att_tile<Ops>(2 * st + 1), Ls[st], Dd[st], q0, k0 + r0, T_,
                                    scale2, c);
@@ -642,14 +680,14 @@ __device__ void attn_bwd_dkdv(const T* __restrict__ qkv, const T* __restrict__ d
 
 // dQ += dS K (unscaled) for the warp's query rows qr, qr + 8 (L, Dr their L and D) against one
 // staged key tile (Ks, Vs) from k0. With MASK (the diagonal tile, the only one that can reach
-// past T) keys after the row or past T get P = 0; with WIN (a tile crossing the window's edge)
-// also keys W or more before the row.
+// past T) keys after the row or past T get P = 0; with WIN (a tile crossing the window's or a
+// document's edge) also keys below the rows' lowest keys lo0, lo1 (att_row_lo).
 template <typename Ops, bool MASK, bool WIN = false>
 __device__ __forceinline__ void att_dq_step(float (&dq)[8][4], const typename Ops::AFrag& qa,
                                             const typename Ops::AFrag& da, const typename Ops::Row* Ks,
                                             const typename Ops::Row* Vs, const float (&L)[2],
                                             const float (&Dr)[2], int k0, int qr, int T_, float scale2, int c,
-                                            int W = 0) {
+                                            int lo0 = 0, int lo1 = 0) {
     float p[8][4], dp[8][4];
     Ops::mm_nt(p, qa, Ks);    // S
     Ops::mm_nt(dp, da, Vs);   // dP = dO V^T
@@ -660,7 +698,7 @@ __device__ __forceinline__ void att_dq_step(float (&dq)[8][4], const typename Op
             const int key = k0 + nb * 8 + 2 * c + (i & 1), r = i >> 1;
             const float e = att_exp2(fmaf(p[nb][i], scale2, -L[r]));
             const float pr =
-                (MASK && (key > qr + 8 * r || key >= T_ || (WIN && qr + 8 * r - key >= W))) ? 0.0f : e;
+                (MASK && (key > qr + 8 * r || key >= T_ || (WIN && key < (r ? lo1 : lo0)))) ? 0.0f : e;
             dp[nb][i] = pr * (dp[nb][i] - Dr[r]);   // dS
         }
     Ops::mm_nn(dq, dp, Ks);   // dQ += dS K
@@ -683,7 +721,7 @@ __device__ __forceinline__ void att_row_stats(const float* __restrict__ lse, con
 template <typename Ops, typename T = typename Ops::T>
 __device__ void attn_bwd_dq(const T* __restrict__ qkv, const T* __restrict__ dout, const float* __restrict__ lse,
                             const float* __restrict__ dsum, T* __restrict__ dqkv, int T_, int H, int Hkv,
-                            float scale2, float scale, int W) {
+                            float scale2, float scale, int W, const int* __restrict__ first_key) {
     // two stages of (K, V) tiles: stage s is tiles 2s, 2s + 1; dO passes through stage 1 first
     const int qt = gridDim.x - 1 - blockIdx.x;
     const int bh = blockIdx.y, b = bh / H, h = bh % H, kvh = h / (H / Hkv);
@@ -694,7 +732,8 @@ __device__ void attn_bwd_dq(const T* __restrict__ qkv, const T* __restrict__ dou
     const T* v = row0 + (long)(H + Hkv + kvh) * ATT_D;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int q0 = qt * ATT_TILE, r0 = warp * 16 + g;
-    const int kt0 = att_first_key_tile(q0, W);
+    const int kt0 = att_first_key_tile(q0, T_, W, first_key), tile_lo = att_tile_lo(q0, T_, W, first_key);
+    const int lo0 = att_row_lo(q0 + r0, T_, W, first_key), lo1 = att_row_lo(q0 + r0 + 8, T_, W, first_key);
     float L[2], Dr[2];
     att_row_stats(lse, dsum, bh, q0 + r0, T_, L, Dr);
     // Q and dO through stage 1, key tile kt0 into stage 0
@@ -717,9 +756,9 @@ __device__ void attn_bwd_dq(const T* __restrict__ qkv, const T* __restrict__ dou
             att_load_tile<Ops>(att_tile<Ops>(2 - st), k, k0 + ATT_TILE, T_, s3);
             att_load_tile<Ops>(att_tile<Ops>(3 - st), v, k0 + ATT_TILE, T_, s3);
         }
-        if (att_win_tile(q0, k0, W))
+        if (k0 < tile_lo)
             att_dq_step<Ops, true, true>(dq, qa, da, att_tile<Ops>(st), att_tile<Ops>(st + 1), L, Dr, k0, q0 + r0, T_, scale2, c,
-                                         W);
+                                         lo0, lo1);
         else if (kt == qt)
             att_dq_step<Ops, true>(dq, qa, da, att_tile<Ops>(st), att_tile<Ops>(st + 1), L, Dr, k0, q0 + r0, T_, scale2, c);
         else
@@ -733,8 +772,9 @@ __device__ void attn_bwd_dq(const T* __restrict__ qkv, const T* __restrict__ dou
 // Entry points; MB_*: the blocks per SM that __launch_bounds__ asks the register allocator for.
 #define ATT_ENTRIES(TN, OPS, MB_FWD, MB_DKDV, MB_DQ)                                                             \
 extern "C" __global__ void __launch_bounds__(ATT_THREADS, MB_FWD)                                                \
-    attn_fwd_##TN(const OPS::T* qkv, OPS::T* out, float* lse, int T_, int H, int Hkv, float scale2, int W) {     \
-    attn_fwd<OPS>(qkv, out, lse, T_, H, Hkv, scale2, W);                                                         \
+    attn_fwd_##TN(const OPS::T* qkv, OPS::T* out, float* lse, int T_, int H, int Hkv, float scale2, int W,       \
+                  const int* first_key) {                                                                        \
+    attn_fwd<OPS>(qkv, out, lse, T_, H, Hkv, scale2, W, first_key);                                              \
 }                                                                                                                \
 extern "C" __global__ void __launch_bounds__(256)                                                                \
     attn_bwd_dot_##TN(const OPS::T* out, const OPS::T* dout, float* dsum, int rows, int T_, int H) {             \
@@ -742,11 +782,13 @@ extern "C" __global__ void __launch_bounds__(256)                               
 }                                                                                                                \
 extern "C" __global__ void __launch_bounds__(ATT_THREADS, MB_DKDV)                                               \
     attn_bwd_dkdv_##TN(const OPS::T* qkv, const OPS::T* dout, const float* lse, const float* dsum, OPS::T* dqkv, \
-                       int T_, int H, int Hkv, float scale2, float scale, int W) {                               \
-    attn_bwd_dkdv<OPS>(qkv, dout, lse, dsum, dqkv, T_, H, Hkv, scale2, scale, W);                                \
+                       int T_, int H, int Hkv, float scale2, float scale, int W, const int* first_key,           \
+                       const int* last_query) {                                                                  \
+    attn_bwd_dkdv<OPS>(qkv, dout, lse, dsum, dqkv, T_, H, Hkv, scale2, scale, W, last_query);                    \
 }                                                                                                                \
 extern "C" __global__ void __launch_bounds__(ATT_THREADS, MB_DQ)                                                 \
     attn_bwd_dq_##TN(const OPS::T* qkv, const OPS::T* dout, const float* lse, const float* dsum, OPS::T* dqkv,   \
-                     int T_, int H, int Hkv, float scale2, float scale, int W) {                                 \
-    attn_bwd_dq<OPS>(qkv, dout, lse, dsum, dqkv, T_, H, Hkv, scale2, scale, W);                                  \
+                     int T_, int H, int Hkv, float scale2, float scale, int W, const int* first_key,             \
+                     const int* last_query) {                                                                    \
+    attn_bwd_dq<OPS>(qkv, dout, lse, dsum, dqkv, T_, H, Hkv, scale2, scale, W, first_key);                       \
 }

@@ -237,14 +237,16 @@ __device__ __forceinline__ void att_tma_kv(const AttTensorMap& map, int kcol, in
 
 template <typename Ops, typename T = typename Ops::T>
 __device__ void attn_fwd_tma(const AttTensorMap& map, T* __restrict__ out, float* __restrict__ lse, int T_, int H,
-                             int Hkv, float scale2, int W) {
+                             int Hkv, float scale2, int W, const int* __restrict__ first_key) {
     __shared__ __align__(8) uint64_t bar[3];   // stage 0 (tiles 0, 1), stage 1 (tiles 2, 3), Q (tile 4)
     const int qt = gridDim.x - 1 - blockIdx.x;   // longest (last) query tiles first
     const int bh = blockIdx.y, b = bh / H, h = bh % H, kvh = h / (H / Hkv);
     const int kcol = (H + kvh) * ATT_D, vcol = (H + Hkv + kvh) * ATT_D;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int q0 = qt * ATT_TILE, r0 = warp * 16 + g;
-    const int kt0 = att_first_key_tile(q0, W);   // the first key tile the window reaches
+    // the first key tile the window and the document reach; the rows' lowest keys
+    const int kt0 = att_first_key_tile(q0, T_, W, first_key), tile_lo = att_tile_lo(q0, T_, W, first_key);
+    const int lo0 = att_row_lo(q0 + r0, T_, W, first_key), lo1 = att_row_lo(q0 + r0 + 8, T_, W, first_key);
     constexpr uint32_t BYTES = ATT_WG_TILE_BYTES;
     const bool issuer = threadIdx.x == 0;
 
@@ -267,8 +269,8 @@ __device__ void attn_fwd_tma(const AttTensorMap& map, T* __restrict__ out, float
         att_bar_wait(&bar[st], ((kt - kt0) >> 1) & 1);
         float s[8][4];
         Ops::mm_nt(s, qa, Ops::tile(2 * st));
-        if (att_win_tile(q0, k0, W))   // crosses a window's lower edge (and perhaps the diagonal)
-            att_softmax_step<true, true>(s, o, m, l, k0, q0 + r0, T_, scale2, c, W);
+        if (k0 < tile_lo)   // crosses a window's or a document's lower edge (and perhaps the diagonal)
+            att_softmax_step<true, true>(s, o, m, l, k0, q0 + r0, T_, scale2, c, lo0, lo1);
         else if (kt == qt)   // the diagonal tile, the only one that can also reach past T
             att_softmax_step<true>(s, o, m, l, k0, q0 + r0, T_, scale2, c);
         else
@@ -281,13 +283,13 @@ __device__ void attn_fwd_tma(const AttTensorMap& map, T* __restrict__ out, float
 
 extern "C" __global__ void __launch_bounds__(ATT_THREADS, 5)
     attn_fwd_tma_bf16(const __grid_constant__ AttTensorMap map, __nv_bfloat16* out, float* lse, int T_, int H,
-                      int Hkv, float scale2, int W) {
-    attn_fwd_tma<AttWgmma<__nv_bfloat16>>(map, out, lse, T_, H, Hkv, scale2, W);
+                      int Hkv, float scale2, int W, const int* first_key) {
+    attn_fwd_tma<AttWgmma<__nv_bfloat16>>(map, out, lse, T_, H, Hkv, scale2, W, first_key);
 }
 extern "C" __global__ void __launch_bounds__(ATT_THREADS, 5)
     attn_fwd_tma_f16(const __grid_constant__ AttTensorMap map, __half* out, float* lse, int T_, int H, int Hkv,
-                     float scale2, int W) {
-    attn_fwd_tma<AttWgmma<__half>>(map, out, lse, T_, H, Hkv, scale2, W);
+                     float scale2, int W, const int* first_key) {
+    attn_fwd_tma<AttWgmma<__half>>(map, out, lse, T_, H, Hkv, scale2, W, first_key);
 }
 
 // 64 floats (columns t0.. of row `row`) of an f32 matrix into dst (128-byte aligned), counted
@@ -306,7 +308,7 @@ __device__ __forceinline__ void att_tma_vec(float* dst, const AttTensorMap& map,
 template <typename Ops, typename T = typename Ops::T>
 __device__ void attn_bwd_dq_tma(const AttTensorMap& qkv, const AttTensorMap& dout, const float* __restrict__ lse,
                                 const float* __restrict__ dsum, T* __restrict__ dqkv, int T_, int H, int Hkv,
-                                float scale2, float scale, int W) {
+                                float scale2, float scale, int W, const int* __restrict__ first_key) {
     __shared__ __align__(8) uint64_t bar[3];   // stage 0, stage 1, the block's Q and dO
     const int qt = gridDim.x - 1 - blockIdx.x;
     const int bh = blockIdx.y, b = bh / H, h = bh % H, kvh = h / (H / Hkv);
@@ -314,7 +316,9 @@ __device__ void attn_bwd_dq_tma(const AttTensorMap& qkv, const AttTensorMap& dou
     const long s3 = (long)(H + 2 * Hkv) * ATT_D;   // qkv row stride
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int q0 = qt * ATT_TILE, r0 = warp * 16 + g;
-    const int kt0 = att_first_key_tile(q0, W);   // the first key tile the window reaches
+    // the first key tile the window and the document reach; the rows' lowest keys
+    const int kt0 = att_first_key_tile(q0, T_, W, first_key), tile_lo = att_tile_lo(q0, T_, W, first_key);
+    const int lo0 = att_row_lo(q0 + r0, T_, W, first_key), lo1 = att_row_lo(q0 + r0 + 8, T_, W, first_key);
     constexpr uint32_t BYTES = ATT_WG_TILE_BYTES;
     const bool issuer = threadIdx.x == 0;
     att_bars_init(bar);
@@ -335,9 +339,9 @@ __device__ void attn_bwd_dq_tma(const AttTensorMap& qkv, const AttTensorMap& dou
         const int k0 = kt * ATT_TILE, st = (kt - kt0) & 1;
         if (kt < qt && issuer) att_tma_kv<Ops>(qkv, kcol, vcol, k0 + ATT_TILE, b, 1 - st, bar);
         att_bar_wait(&bar[st], ((kt - kt0) >> 1) & 1);
-        if (att_win_tile(q0, k0, W))
+        if (k0 < tile_lo)
             att_dq_step<Ops, true, true>(dq, qa, da, Ops::tile(2 * st), Ops::tile(2 * st + 1), L, Dr, k0, q0 + r0, T_,
-                                         scale2, c, W);
+                                         scale2, c, lo0, lo1);
         else if (kt == qt)
             att_dq_step<Ops, true>(dq, qa, da, Ops::tile(2 * st), Ops::tile(2 * st + 1), L, Dr, k0, q0 + r0, T_, scale2,
                                    c);
@@ -355,7 +359,7 @@ __device__ void attn_bwd_dq_tma(const AttTensorMap& qkv, const AttTensorMap& dou
 template <typename Ops, typename T = typename Ops::T>
 __device__ void attn_bwd_dkdv_tma(const AttTensorMap& qkv, const AttTensorMap& dout, const AttTensorMap& lse,
                                   const AttTensorMap& dsum, T* __restrict__ dqkv, int T_, int H, int Hkv,
-                                  float scale2, float scale, int W) {
+                                  float scale2, float scale, int W, const int* __restrict__ last_query) {
     __shared__ __align__(128) float Ls[2][ATT_TILE], Dd[2][ATT_TILE];
     __shared__ __align__(8) uint64_t bar[3];   // stage 0, stage 1, the block's K and V
     const int kt = gridDim.x - 1 - blockIdx.x;   // first key tiles see the most queries: start them first
@@ -366,8 +370,12 @@ __device__ void attn_bwd_dkdv_tma(const AttTensorMap& qkv, const AttTensorMap& d
     constexpr uint32_t BYTES = ATT_WG_TILE_BYTES, VEC = ATT_TILE * 4;
     const bool issuer = threadIdx.x == 0;
     // steps: (query head gi of the group, query tile kt + i), heads in order
-    // (up to the last query tile the window lets see the key tile)
-    const int per_head = att_last_query_tile(k0, W, gridDim.x) + 1 - kt, steps = G * per_head;
+    // (up to the last query tile the window and the document let see the key tile)
+    const int per_head = att_last_query_tile(k0, T_, W, last_query, gridDim.x) + 1 - kt, steps = G * per_head;
+    // the highest query of the tile's first key (a query tile past it needs the mask) and of
+    // this thread's two keys
+    const int tile_hi = att_key_hi(k0, T_, W, last_query);
+    const int hi0 = att_key_hi(k0 + r0, T_, W, last_query), hi1 = att_key_hi(k0 + r0 + 8, T_, W, last_query);
     auto stage = [&](int step, int st) {
         const int h = kvh * G + step / per_head, q0 = (kt + step % per_head) * ATT_TILE;
         att_bar_expect(&bar[st], 2 * BYTES + 2 * VEC);
@@ -393,9 +401,9 @@ __device__ void attn_bwd_dkdv_tma(const AttTensorMap& qkv, const AttTensorMap& d
         const int st = step & 1, qt = kt + step % per_head, q0 = qt * ATT_TILE;
         if (step + 1 < steps && issuer) stage(step + 1, st ^ 1);
         att_bar_wait(&bar[st], (step >> 1) & 1);
-        if (att_win_tile(q0, k0, W))
+        if (q0 + ATT_TILE - 1 > tile_hi)   // crosses a window's or a document's upper edge
             att_dkdv_step<Ops, true, true>(dk, dv, ka, va, Ops::tile(2 * st), Ops::tile(2 * st + 1), Ls[st], Dd[st], q0,
-                                           k0 + r0, T_, scale2, c, W);
+                                           k0 + r0, T_, scale2, c, hi0, hi1);
         else if (qt == kt || q0 + ATT_TILE > T_)
             att_dkdv_step<Ops, true>(dk, dv, ka, va, Ops::tile(2 * st), Ops::tile(2 * st + 1), Ls[st], Dd[st], q0,
                                      k0 + r0, T_, scale2, c);
@@ -413,14 +421,14 @@ __device__ void attn_bwd_dkdv_tma(const AttTensorMap& qkv, const AttTensorMap& d
     extern "C" __global__ void __launch_bounds__(ATT_THREADS, 4)                                                  \
         attn_bwd_dq_tma_##TN(const __grid_constant__ AttTensorMap qkv, const __grid_constant__ AttTensorMap dout, \
                              const float* lse, const float* dsum, OPS::T* dqkv, int T_, int H, int Hkv,         \
-                             float scale2, float scale, int W) {                                                  \
-        attn_bwd_dq_tma<OPS>(qkv, dout, lse, dsum, dqkv, T_, H, Hkv, scale2, scale, W);                           \
+                             float scale2, float scale, int W, const int* first_key, const int* last_query) {     \
+        attn_bwd_dq_tma<OPS>(qkv, dout, lse, dsum, dqkv, T_, H, Hkv, scale2, scale, W, first_key);                \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS, 3) attn_bwd_dkdv_tma_##TN(                         \
         const __grid_constant__ AttTensorMap qkv, const __grid_constant__ AttTensorMap dout,                      \
         const __grid_constant__ AttTensorMap lse, const __grid_constant__ AttTensorMap dsum, OPS::T* dqkv, int T_, \
-        int H, int Hkv, float scale2, float scale, int W) {                                                       \
-        attn_bwd_dkdv_tma<OPS>(qkv, dout, lse, dsum, dqkv, T_, H, Hkv, scale2, scale, W);                         \
+        int H, int Hkv, float scale2, float scale, int W, const int* first_key, const int* last_query) {           \
+        attn_bwd_dkdv_tma<OPS>(qkv, dout, lse, dsum, dqkv, T_, H, Hkv, scale2, scale, W, last_query);             \
     }
 ATT_TMA_BWD_ENTRIES(bf16, AttWgmma<__nv_bfloat16>)
 ATT_TMA_BWD_ENTRIES(f16, AttWgmma<__half>)

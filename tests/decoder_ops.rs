@@ -399,6 +399,7 @@ fn stacked(k: &Block, window: Option<usize>, scale: Option<f64>) -> Result<Tenso
             n_kv_head: HKV,
             window,
             scale,
+            segments: None,
         },
         Layer::Linear {
             parts: std::slice::from_ref(k.w(4)),
@@ -499,6 +500,7 @@ fn non_binding_window_is_one_node() -> Result<()> {
                 n_kv_head: HKV,
                 window,
                 scale,
+                segments: None,
             },
             Layer::Linear {
                 parts: std::slice::from_ref(k.w(4)),
@@ -652,6 +654,7 @@ fn cached_attention_in_one_call_and_two() -> Result<()> {
                 n_kv_head: HKV,
                 window,
                 scale: Some(0.3),
+                segments: None,
             },
             Layer::Linear {
                 parts: std::slice::from_ref(k.w(4)),

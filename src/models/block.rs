@@ -339,6 +339,7 @@ impl<'a> Prepared<'a> {
                 n_kv_head,
                 window: s.window,
                 scale: s.scale,
+                segments: None,
             },
             Attend::Cached { kv, start } => Layer::CachedAttention {
                 kv,

@@ -44,7 +44,7 @@
 //!   products are summed (CUTLASS's `OpMultiplyAddFastF32`, which PyTorch's memory-efficient
 //!   attention uses for f32), about f32's accuracy at three times the tensor-core work.
 
-use super::{check_float, cpu_slice, Elem, SideOutput};
+use super::{check_float, cpu_slice, Elem, Segments, SideOutput};
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use half::{bf16, f16};
@@ -118,7 +118,7 @@ pub fn grouped_window_attention(
     if d.b * d.t == 0 {
         return Tensor::zeros((d.b, d.t, d.c()), qkv.dtype(), qkv.device());
     }
-    match (fused(qkv, d, window)?, window) {
+    match (fused(qkv, d, Masks::window(window))?, window) {
         (Some((y, _)), _) => Ok(y),
         (None, None) => grouped_causal_attention_composed(qkv, n_head, n_kv_head),
         (None, Some(w)) => {
@@ -137,7 +137,7 @@ pub fn grouped_window_attention(
 
 /// The window where it binds (`W < T`); `None` where every earlier key is seen. Refuses
 /// `Some(0)`.
-fn binding_window(op: &str, window: Option<usize>, t: usize) -> Result<Option<usize>> {
+pub(super) fn binding_window(op: &str, window: Option<usize>, t: usize) -> Result<Option<usize>> {
     match window {
         Some(0) => {
             bail!("{op}: window Some(0) masks every key; use None (no window) or a window >= 1")
@@ -161,11 +161,57 @@ pub(super) fn fused_attention(
 ) -> Result<Option<(Tensor, AttentionOp)>> {
     let d = grouped_dims(qkv, n_head, n_kv_head)?;
     let window = binding_window("grouped_window_attention", window, d.t)?;
-    fused(qkv, d, window)
+    fused(qkv, d, Masks::window(window))
+}
+
+/// What a fused attention node adds to plain causal attention at the default scale.
+#[derive(Clone, Debug, Default)]
+pub(super) struct Masks {
+    /// Keys seen per query (its own included) where that is fewer than T; `None`: causal.
+    pub window: Option<usize>,
+    /// The score scale; `None`: `1 / sqrt(Dh)`.
+    pub scale: Option<f64>,
+    /// Documents of a packed row (FlashAttention's varlen `cu_seqlens`): query i sees no key
+    /// before `first_key[i]`; `None`: one document.
+    pub segments: Option<Segments>,
+}
+
+impl Masks {
+    fn window(window: Option<usize>) -> Self {
+        Self {
+            window,
+            ..Self::default()
+        }
+    }
+
+    /// The score scale as the kernels and the CPU reference use it.
+    fn scale(&self, d: Dims) -> f32 {
+        match self.scale {
+            Some(s) => s as f32,
+            None => 1.0 / (d.dh as f32).sqrt(),
+        }
+    }
+
+    /// The first key of each query's document on the host (CPU reference).
+    fn first_keys(&self) -> Option<&[u32]> {
+        self.segments.as_ref().map(Segments::first_key_host)
+    }
+}
+
+/// [`fused_attention`] for dimensions already checked, a window that binds (or `None`), a
+/// checked scale and segments on qkv's device whose length is T.
+pub(super) fn fused_with(
+    qkv: &Tensor,
+    n_head: usize,
+    n_kv_head: usize,
+    masks: Masks,
+) -> Result<Option<(Tensor, AttentionOp)>> {
+    let d = grouped_dims(qkv, n_head, n_kv_head)?;
+    fused(qkv, d, masks)
 }
 
 /// [`fused_attention`] for dimensions already checked and a window that binds (or `None`).
-fn fused(qkv: &Tensor, d: Dims, window: Option<usize>) -> Result<Option<(Tensor, AttentionOp)>> {
+fn fused(qkv: &Tensor, d: Dims, masks: Masks) -> Result<Option<(Tensor, AttentionOp)>> {
     let fused = match qkv.device() {
         candle_core::Device::Cpu => true,
         candle_core::Device::Cuda(dev) => {
@@ -181,7 +227,7 @@ fn fused(qkv: &Tensor, d: Dims, window: Option<usize>) -> Result<Option<(Tensor,
     let op: AttentionOp = Arc::new(Box::new(Attention {
         n_head: d.h,
         n_kv_head: d.hkv,
-        window,
+        masks,
         // f32 on TF32 operands where f32 GEMMs may use TF32 (candle's switch)
         tf32: candle_core::cuda::gemm_reduced_precision_f32(),
         lse: SideOutput::default(),
@@ -319,8 +365,7 @@ fn grouped_dims(qkv: &Tensor, n_head: usize, n_kv_head: usize) -> Result<Dims> {
 struct Attention {
     n_head: usize,
     n_kv_head: usize,
-    /// Keys seen per query (its own included) where that is fewer than T; `None`: causal.
-    window: Option<usize>,
+    masks: Masks,
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     tf32: bool,
     lse: SideOutput,
@@ -330,7 +375,7 @@ struct Attention {
 struct AttentionBwd {
     n_head: usize,
     n_kv_head: usize,
-    window: Option<usize>,
+    masks: Masks,
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     tf32: bool,
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -338,7 +383,7 @@ struct AttentionBwd {
 }
 
 /// Problem shape: batch, sequence, query heads, key/value heads, head width.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 struct Dims {
     b: usize,
     t: usize,
@@ -416,9 +461,11 @@ fn head_qkv<T: Elem>(qkv: &[T], d: Dims, bi: usize, hi: usize) -> [Vec<f32>; 3] 
     })
 }
 
-/// The first key query `i` sees: `0`, or `i + 1 - W` with a window of W keys.
-fn first_key(i: usize, window: Option<usize>) -> usize {
-    window.map_or(0, |w| (i + 1).saturating_sub(w))
+/// The first key query `i` sees: `0`, or `i + 1 - W` with a window of W keys, and not before
+/// the first token of its document (`docs[i]`, packed rows).
+fn first_key(i: usize, window: Option<usize>, docs: Option<&[u32]>) -> usize {
+    let w = window.map_or(0, |w| (i + 1).saturating_sub(w));
+    docs.map_or(w, |f| w.max(f[i] as usize))
 }
 
 /// Row `i` of one head's probabilities (keys `lo..=i`, `lo` = [`first_key`]), f32.
@@ -444,15 +491,15 @@ fn probs(q: &[f32], k: &[f32], i: usize, lo: usize, dh: usize, scale: f32) -> Ve
 
 /// CPU reference forward: `(B, T, (H + 2 Hkv) Dh)` → `(B, T, H Dh)`, one rayon task per
 /// `(b, query head)`.
-fn fwd_cpu<T: Elem>(qkv: &[T], d: Dims, window: Option<usize>) -> Vec<T> {
-    let scale = 1.0 / (d.dh as f32).sqrt();
+fn fwd_cpu<T: Elem>(qkv: &[T], d: Dims, masks: &Masks) -> Vec<T> {
+    let (scale, window, docs) = (masks.scale(d), masks.window, masks.first_keys());
     let heads: Vec<Vec<f32>> = (0..d.b * d.h)
         .into_par_iter()
         .map(|bh| {
             let [q, k, v] = head_qkv(qkv, d, bh / d.h, bh % d.h);
             let mut y = vec![0f32; d.t * d.dh];
             for i in 0..d.t {
-                let lo = first_key(i, window);
+                let lo = first_key(i, window, docs);
                 let p = probs(&q, &k, i, lo, d.dh, scale);
                 let yi = &mut y[i * d.dh..(i + 1) * d.dh];
                 for (j, pj) in (lo..).zip(&p) {
@@ -476,8 +523,8 @@ fn fwd_cpu<T: Elem>(qkv: &[T], d: Dims, window: Option<usize>) -> Vec<T> {
 /// `dP = dy v^T`, `dS = P (dP - rowsum(dy * y))`, `dq = scale dS k`, `dk = scale dS^T q`,
 /// `dv = P^T dy` per query head (one rayon task each); the dk and dv of the query heads of a
 /// group are then summed in head order into their key/value head (deterministic).
-fn bwd_cpu<T: Elem>(qkv: &[T], dy: &[T], d: Dims, window: Option<usize>) -> Vec<T> {
-    let scale = 1.0 / (d.dh as f32).sqrt();
+fn bwd_cpu<T: Elem>(qkv: &[T], dy: &[T], d: Dims, masks: &Masks) -> Vec<T> {
+    let (scale, window, docs) = (masks.scale(d), masks.window, masks.first_keys());
     let c = d.c();
     let dh = d.dh;
     let heads: Vec<[Vec<f32>; 3]> = (0..d.b * d.h)
@@ -492,7 +539,7 @@ fn bwd_cpu<T: Elem>(qkv: &[T], dy: &[T], d: Dims, window: Option<usize>) -> Vec<
                 vec![0f32; d.t * dh],
             );
             for i in 0..d.t {
-                let lo = first_key(i, window);
+                let lo = first_key(i, window, docs);
                 let p = probs(&q, &k, i, lo, dh, scale);
                 let g = &g_all[i * dh..(i + 1) * dh];
                 let dp: Vec<f32> = (lo..=i)
@@ -550,7 +597,7 @@ impl CustomOp1 for Attention {
         macro_rules! run {
             ($t:ty) => {{
                 let x = cpu_slice::<$t>(op, "qkv", s, l)?;
-                <$t as candle_core::WithDType>::to_cpu_storage_owned(fwd_cpu(x, d, self.window))
+                <$t as candle_core::WithDType>::to_cpu_storage_owned(fwd_cpu(x, d, &self.masks))
             }};
         }
         Ok((
@@ -566,7 +613,7 @@ impl CustomOp1 for Attention {
         l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let d = Dims::of(l, self.n_head, self.n_kv_head)?;
-        let (y, lse) = cuda::fwd(s, l, d, self.window, self.tf32)?;
+        let (y, lse) = cuda::fwd(s, l, d, &self.masks, self.tf32)?;
         self.lse
             .put(candle_core::Storage::Cuda(lse), d.b * d.h * d.t);
         Ok((y, Shape::from((d.b, d.t, d.c()))))
@@ -581,7 +628,7 @@ impl CustomOp1 for Attention {
         let op = AttentionBwd {
             n_head: self.n_head,
             n_kv_head: self.n_kv_head,
-            window: self.window,
+            masks: self.masks.clone(),
             tf32: self.tf32,
             lse: self.lse.get(),
         };
@@ -616,7 +663,7 @@ impl CustomOp3 for AttentionBwd {
             ($t:ty) => {{
                 let x = cpu_slice::<$t>(op, "qkv", s, l)?;
                 let g = cpu_slice::<$t>(op, "dy", dy, ldy)?;
-                <$t as candle_core::WithDType>::to_cpu_storage_owned(bwd_cpu(x, g, d, self.window))
+                <$t as candle_core::WithDType>::to_cpu_storage_owned(bwd_cpu(x, g, d, &self.masks))
             }};
         }
         Ok((with_type!(op, s.dtype(), run), l.shape().clone()))
@@ -647,7 +694,7 @@ impl CustomOp3 for AttentionBwd {
                 dy: (dy, ldy),
                 lse,
                 d,
-                window: self.window,
+                masks: &self.masks,
                 tf32: self.tf32,
             })
         })?;
@@ -659,8 +706,8 @@ impl CustomOp3 for AttentionBwd {
 /// `kernels/attention_sm90a.cu` (the same kernels on wgmma, Hopper).
 #[cfg(feature = "cuda")]
 mod cuda {
-    use super::{Dims, HEAD_DIM};
-    use crate::cuda::launch::{alloc, dtype_name, in_ptr, out_ptr, In};
+    use super::{Dims, Masks, Segments, HEAD_DIM};
+    use crate::cuda::launch::{alloc, dtype_name, in_ptr, out_ptr, with_saved, In};
     use crate::cuda::tensor_map::TensorMap;
     use candle_core::backend::BackendStorage;
     use candle_core::cuda::cudarc::driver::sys::CUfunction_attribute;
@@ -761,8 +808,8 @@ mod cuda {
         pub dy: In<'a>,
         pub lse: In<'a>,
         pub d: Dims,
-        /// Keys seen per query where fewer than T (`None`: causal).
-        pub window: Option<usize>,
+        /// The window where it binds, the scale, the documents of a packed row.
+        pub masks: &'a Masks,
         pub tf32: bool,
     }
 
@@ -809,16 +856,47 @@ mod cuda {
     }
 
     /// The arguments after the inputs of the backward's dK/dV and dQ kernels, the same in every
-    /// build: `(dqkv, T, H, Hkv, scale2, scale, W)`.
+    /// build: `(dqkv, T, H, Hkv, scale2, scale, W, first_key, last_query)`.
     #[allow(clippy::type_complexity)]
-    fn push_tail<'a>(lb: &mut LaunchArgs<'a>, a: &'a (u64, i32, i32, i32, f32, f32, i32)) {
+    fn push_tail<'a>(
+        lb: &mut LaunchArgs<'a>,
+        a: &'a (u64, i32, i32, i32, f32, f32, i32, u64, u64),
+    ) {
         lb.arg(&a.0)
             .arg(&a.1)
             .arg(&a.2)
             .arg(&a.3)
             .arg(&a.4)
             .arg(&a.5)
-            .arg(&a.6);
+            .arg(&a.6)
+            .arg(&a.7)
+            .arg(&a.8);
+    }
+
+    /// Runs `f` with the device addresses of the documents' `(first_key, last_query)` tables
+    /// (`(T,)` u32, read as int by the kernels), `(0, 0)` (null: one document) without
+    /// segments; the tables stay borrowed for the whole of `f`.
+    fn with_tables<R>(
+        op: &str,
+        masks: &Masks,
+        stream: &candle_core::cuda::cudarc::driver::CudaStream,
+        f: impl FnOnce(u64, u64) -> Result<R>,
+    ) -> Result<R> {
+        let seg = masks.segments.as_ref();
+        with_saved(op, "first_key", seg.map(Segments::first_key), |fk| {
+            with_saved(op, "last_query", seg.map(Segments::last_query), |lq| {
+                let fk = fk
+                    .map(|(s, l)| in_ptr(op, "first_key", s, l, stream))
+                    .transpose()?;
+                let lq = lq
+                    .map(|(s, l)| in_ptr(op, "last_query", s, l, stream))
+                    .transpose()?;
+                f(
+                    fk.as_ref().map_or(0, |p| p.0),
+                    lq.as_ref().map_or(0, |p| p.0),
+                )
+            })
+        })
     }
 
     /// The kernels' window argument W: keys seen per query, `i32::MAX` where every earlier key
@@ -851,8 +929,9 @@ mod cuda {
         }
     }
 
-    fn scales(d: Dims) -> (f32, f32) {
-        let scale = 1.0 / (d.dh as f32).sqrt();
+    /// `(scale * log2(e), scale)`: the kernels' exponent and gradient scales.
+    fn scales(d: Dims, masks: &Masks) -> (f32, f32) {
+        let scale = masks.scale(d);
         (scale * std::f32::consts::LOG2_E, scale)
     }
 
@@ -861,7 +940,7 @@ mod cuda {
         s: &CudaStorage,
         l: &Layout,
         d: Dims,
-        window: Option<usize>,
+        masks: &Masks,
         tf32: bool,
     ) -> Result<(CudaStorage, CudaStorage)> {
         let op = "causal_attention";
@@ -885,7 +964,8 @@ mod cuda {
             let func =
                 dev.get_or_load_custom_func(&kernels.entry(name), kernels.module, kernels.ptx)?;
             allow_smem(&func, &cfg)?;
-            let (t, h, hkv, (scale2, _)) = (d.t as i32, d.h as i32, d.hkv as i32, scales(d));
+            let (t, h, hkv) = (d.t as i32, d.h as i32, d.hkv as i32);
+            let (scale2, _) = scales(d, masks);
             let map = if kernels.tma {
                 // qkv as (B, T, W) read in 64 x 64 tiles (kernels/attention_sm90a.cu)
                 Some(TensorMap::swizzled_128b(
@@ -902,18 +982,22 @@ mod cuda {
                 Some(map) => lb.arg(map),
                 None => lb.arg(&xp),
             };
-            let win = window_arg(window, d);
-            lb.arg(&yp)
-                .arg(&lp)
-                .arg(&t)
-                .arg(&h)
-                .arg(&hkv)
-                .arg(&scale2)
-                .arg(&win);
-            // SAFETY: qkv holds B*T*(H + 2 Hkv)*64 elements (16-byte aligned; the tensor map
-            // describes exactly those), y B*T*C, lse B*H*T floats; H is a multiple of Hkv
-            // (checked).
-            unsafe { lb.launch(cfg) }.w()?;
+            let win = window_arg(masks.window, d);
+            with_tables(op, masks, &stream, |first_key, _| {
+                lb.arg(&yp)
+                    .arg(&lp)
+                    .arg(&t)
+                    .arg(&h)
+                    .arg(&hkv)
+                    .arg(&scale2)
+                    .arg(&win)
+                    .arg(&first_key);
+                // SAFETY: qkv holds B*T*(H + 2 Hkv)*64 elements (16-byte aligned; the tensor map
+                // describes exactly those), y B*T*C, lse B*H*T floats; H is a multiple of Hkv
+                // (checked); first_key is null or T u32 (the public function checks its length).
+                unsafe { lb.launch(cfg) }.w()?;
+                Ok(())
+            })?;
         }
         Ok((y, lse))
     }
@@ -952,7 +1036,7 @@ mod cuda {
             let (dp, _gd) = out_ptr(&mut dsum, &stream)?;
             let (op_, _go) = out_ptr(&mut dqkv, &stream)?;
             let (t, h, hkv, rows_i) = (d.t as i32, d.h as i32, d.hkv as i32, rows as i32);
-            let (scale2, scale) = scales(d);
+            let (scale2, scale) = scales(d, a.masks);
             // D = rowsum(dy * y): 16 bytes of a (b, t, h) row per lane, 8 warps per block
             // striding over the rows (at most 16 blocks per SM of an H100/H200)
             let func = load("attn_bwd_dot")?;
@@ -966,45 +1050,49 @@ mod cuda {
             };
             // SAFETY: y and dy hold B*T*C elements, dsum B*H*T floats.
             unsafe { lb.launch(dot_cfg) }.w()?;
-            let tail_args = (op_, t, h, hkv, scale2, scale, window_arg(a.window, d));
-            // dkdv: one block per (key tile, batch row, key/value head); dq: per query head.
-            // The TMA kernels read L and D rows through tensor maps, whose row pitch (T floats)
-            // must be a multiple of 16 bytes.
-            if kernels.tma && d.t % 4 == 0 {
-                let qm = TensorMap::swizzled_128b(qp, dtype, [d.b, d.t, d.w()], TILE_BOX)?;
-                let om = TensorMap::swizzled_128b(gp, dtype, [d.b, d.t, d.c()], TILE_BOX)?;
-                let lm = TensorMap::rows_f32(lp, [d.b * d.h, d.t], TILE as u32)?;
-                let dm = TensorMap::rows_f32(dp, [d.b * d.h, d.t], TILE as u32)?;
-                let func = load("attn_bwd_dkdv_tma")?;
-                allow_smem(&func, &cfgs[0])?;
-                let mut lb = func.builder();
-                lb.arg(&qm).arg(&om).arg(&lm).arg(&dm);
-                push_tail(&mut lb, &tail_args);
-                // SAFETY: the maps describe qkv (B, T, (H + 2 Hkv) * 64), dy (B, T, C), lse and
-                // dsum (B*H, T) exactly; dqkv holds B*T*(H + 2 Hkv)*64 elements, of which this
-                // kernel writes the k and v columns.
-                unsafe { lb.launch(cfgs[0]) }.w()?;
-                let func = load("attn_bwd_dq_tma")?;
-                allow_smem(&func, &cfgs[1])?;
-                let mut lb = func.builder();
-                lb.arg(&qm).arg(&om).arg(&lp).arg(&dp);
-                push_tail(&mut lb, &tail_args);
-                // SAFETY: as above; lse and dsum hold B*H*T floats; this kernel writes the q
-                // columns.
-                unsafe { lb.launch(cfgs[1]) }.w()?;
-            } else {
-                for (name, cfg) in ["attn_bwd_dkdv", "attn_bwd_dq"].into_iter().zip(cfgs) {
-                    let func = load(name)?;
-                    allow_smem(&func, &cfg)?;
+            let win = window_arg(a.masks.window, d);
+            with_tables(op, a.masks, &stream, |first_key, last_query| {
+                let tail_args = (op_, t, h, hkv, scale2, scale, win, first_key, last_query);
+                // dkdv: one block per (key tile, batch row, key/value head); dq: per query head.
+                // The TMA kernels read L and D rows through tensor maps, whose row pitch (T floats)
+                // must be a multiple of 16 bytes.
+                if kernels.tma && d.t % 4 == 0 {
+                    let qm = TensorMap::swizzled_128b(qp, dtype, [d.b, d.t, d.w()], TILE_BOX)?;
+                    let om = TensorMap::swizzled_128b(gp, dtype, [d.b, d.t, d.c()], TILE_BOX)?;
+                    let lm = TensorMap::rows_f32(lp, [d.b * d.h, d.t], TILE as u32)?;
+                    let dm = TensorMap::rows_f32(dp, [d.b * d.h, d.t], TILE as u32)?;
+                    let func = load("attn_bwd_dkdv_tma")?;
+                    allow_smem(&func, &cfgs[0])?;
                     let mut lb = func.builder();
-                    lb.arg(&qp).arg(&gp).arg(&lp).arg(&dp);
+                    lb.arg(&qm).arg(&om).arg(&lm).arg(&dm);
                     push_tail(&mut lb, &tail_args);
-                    // SAFETY: qkv and dqkv hold B*T*(H + 2 Hkv)*64 elements (16-byte aligned), dy
-                    // B*T*C, lse and dsum B*H*T floats; dkdv writes the k and v columns, dq the q
-                    // columns; H is a multiple of Hkv (checked).
-                    unsafe { lb.launch(cfg) }.w()?;
+                    // SAFETY: the maps describe qkv (B, T, (H + 2 Hkv) * 64), dy (B, T, C), lse and
+                    // dsum (B*H, T) exactly; dqkv holds B*T*(H + 2 Hkv)*64 elements, of which this
+                    // kernel writes the k and v columns.
+                    unsafe { lb.launch(cfgs[0]) }.w()?;
+                    let func = load("attn_bwd_dq_tma")?;
+                    allow_smem(&func, &cfgs[1])?;
+                    let mut lb = func.builder();
+                    lb.arg(&qm).arg(&om).arg(&lp).arg(&dp);
+                    push_tail(&mut lb, &tail_args);
+                    // SAFETY: as above; lse and dsum hold B*H*T floats; this kernel writes the q
+                    // columns.
+                    unsafe { lb.launch(cfgs[1]) }.w()?;
+                } else {
+                    for (name, cfg) in ["attn_bwd_dkdv", "attn_bwd_dq"].into_iter().zip(cfgs) {
+                        let func = load(name)?;
+                        allow_smem(&func, &cfg)?;
+                        let mut lb = func.builder();
+                        lb.arg(&qp).arg(&gp).arg(&lp).arg(&dp);
+                        push_tail(&mut lb, &tail_args);
+                        // SAFETY: qkv and dqkv hold B*T*(H + 2 Hkv)*64 elements (16-byte aligned), dy
+                        // B*T*C, lse and dsum B*H*T floats; dkdv writes the k and v columns, dq the q
+                        // columns; H is a multiple of Hkv (checked).
+                        unsafe { lb.launch(cfg) }.w()?;
+                    }
                 }
-            }
+                Ok(())
+            })?;
         }
         Ok(dqkv)
     }

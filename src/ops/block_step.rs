@@ -21,6 +21,7 @@ use super::padded_attention::PaddedAttention;
 use super::residual_block::{stacked, Layer, NormParams};
 use super::rotary::{self, Rotary};
 use super::swiglu::SwiGlu;
+use super::varlen_attention::fused_varlen_attention;
 use crate::grad_sink::offer;
 use candle_core::{bail, CustomOp1, CustomOp3, DType, Result, Tensor};
 
@@ -212,6 +213,25 @@ impl Step {
                 n_kv_head,
                 window,
                 scale,
+                segments: Some(seg),
+            } => {
+                // packed documents: the fused varlen op (what grouped_varlen_attention runs)
+                let x = x.contiguous()?;
+                if x.elem_count() == 0 {
+                    return Ok(None);
+                }
+                let fused = fused_varlen_attention(&x, n_head, n_kv_head, window, scale, seg)?;
+                let Some((y, op)) = fused else {
+                    return Ok(None);
+                };
+                (x, y, Op::Attention(op))
+            }
+            Layer::WindowAttention {
+                n_head,
+                n_kv_head,
+                window,
+                scale,
+                segments: None,
             } => {
                 // the fused attention, windowed where the window binds, where the scale is
                 // the default (what window_causal_attention runs then), else the composition

@@ -46,6 +46,25 @@ pub fn grouped_attention(
     window: Option<usize>,
     scale: f64,
 ) -> Result<Tensor> {
+    grouped_attention_masked(q, k, v, start, window, scale, None)
+}
+
+/// [`grouped_attention`] with an optional per-token document mask (packed rows,
+/// [`super::grouped_varlen_attention_composed`]): `first_key: (S,)` u32 on q's device, the
+/// first key that the query at absolute position `p` may see (the first token of its
+/// document); key `j < first_key[p]` is hidden as well. The mask is built on the device from
+/// the table (no host synchronisation). `None` is [`grouped_attention`].
+///
+/// Errors: as [`grouped_attention`], and a `first_key` that is not `(S,)`.
+pub(super) fn grouped_attention_masked(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    start: usize,
+    window: Option<usize>,
+    scale: f64,
+    first_key: Option<&Tensor>,
+) -> Result<Tensor> {
     let op = "grouped_attention";
     for (what, t) in [("q", q), ("k", k), ("v", v)] {
         check_float(op, what, t.dtype())?;
@@ -86,7 +105,16 @@ pub fn grouped_attention(
         return Tensor::zeros((b, t, h * d), v.dtype(), v.device());
     }
     let g = h / hkv;
-    let mask = window_mask(t, s, start, window);
+    let window = window_mask(t, s, start, window)
+        .map(|m| Tensor::from_vec(m, (t, s), q.device()))
+        .transpose()?;
+    let docs = first_key
+        .map(|f| document_mask(op, f, t, s, start))
+        .transpose()?;
+    let mask = match (window, docs) {
+        (Some(w), Some(d)) => Some((w + d)?),
+        (w, d) => w.or(d),
+    };
     // query head h = kv G + g at rows g T..(g + 1) T of its key/value head's (G T, D)
     let q = q.to_dtype(DType::F32)?.reshape((b, hkv, g * t, d))?;
     let k = k.to_dtype(DType::F32)?;
@@ -94,7 +122,7 @@ pub fn grouped_attention(
     let scores = match mask {
         Some(m) => scores
             .reshape((b, hkv, g, t, s))?
-            .broadcast_add(&Tensor::from_vec(m, (t, s), q.device())?)?
+            .broadcast_add(&m)?
             .reshape((b, hkv, g * t, s))?,
         None => scores,
     };
@@ -119,6 +147,28 @@ fn window_mask(t: usize, s: usize, start: usize, window: Option<usize>) -> Optio
         })
         .collect();
     m.iter().any(|v| *v != 0.0).then_some(m)
+}
+
+/// The additive `(T, S)` document mask of [`grouped_attention_masked`] (0 where key `j >=
+/// first_key[start + i]`, -inf before), built on first_key's device.
+fn document_mask(op: &str, first_key: &Tensor, t: usize, s: usize, start: usize) -> Result<Tensor> {
+    if first_key.dims() != [s] {
+        bail!(
+            "{op}: the documents' first_key table must be (S,) = ({s},), one entry per \
+             position; found {:?}",
+            first_key.dims()
+        )
+    }
+    let dev = first_key.device();
+    let first = first_key
+        .to_dtype(DType::U32)?
+        .narrow(0, start, t)?
+        .reshape((t, 1))?;
+    let keys = Tensor::arange(0u32, s as u32, dev)?.reshape((1, s))?;
+    let seen = keys.broadcast_ge(&first)?; // (T, S) u8
+    let zero = Tensor::zeros((t, s), DType::F32, dev)?;
+    let hidden = Tensor::full(f32::NEG_INFINITY, (t, s), dev)?;
+    seen.where_cond(&zero, &hidden)
 }
 
 /// The head width `D` of a fused `(B, T, (H + 2 Hkv) D)` projection, checked.

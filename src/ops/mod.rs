@@ -20,6 +20,7 @@
 //! | [`grouped_attention`] | `y = softmax(q k^T * scale + mask) v`, q `(B, H, T, D)` at positions `start..start + T`, k/v `(B, Hkv, start + T, D)`, causal with an optional sliding window (composed, scores f32; the KV cache's and the windows' path) | f32, bf16, f16 | v's, `(B, T, H D)` |
 //! | [`grouped_window_attention`] | [`grouped_causal_attention`] with a sliding window (W keys per query; flash kernels on CUDA skipping the tiles outside every window) | f32, bf16, f16 | x's |
 //! | [`window_causal_attention`] | [`grouped_causal_attention`] with a sliding window and a scale; the fused op ([`grouped_window_attention`]) where the scale is the default, else [`grouped_attention`] (composed) | f32, bf16, f16 | x's |
+//! | [`grouped_varlen_attention`] / [`grouped_varlen_attention_composed`] | [`window_causal_attention`] over the documents packed in one `(1, N)` row ([`Segments`]: FlashAttention's varlen `cu_seqlens`), query i seeing keys of its own document only (flash kernels on CUDA skipping the tiles before a query tile's first document; the composition materialises a document mask) | f32, bf16, f16 | x's |
 //! | [`qk_rms_norm`] | per-head RMSNorm of the q and k parts of `(B, T, (H + 2Hkv) Dh)` (Qwen3's and Gemma 3's `q_norm`/`k_norm`), v unchanged (composed) | f32, bf16, f16 | x's |
 //! | [`geglu_tanh`] | `y = gelu_tanh(g) * u`, `(.., 2F) = [g \| u] → (.., F)` (Gemma 3's MLP activation; composed, f32) | f32, bf16, f16 | x's |
 //! | [`rotary_qkv`] | RoPE (`rotate_half` form) on the q and k heads of `(B, T, (H + 2Hkv) Dh)`, v copied; tables from [`rotary_tables`] | f32, bf16, f16 (tables f32) | x's |
@@ -97,8 +98,10 @@ mod residual;
 mod residual_block;
 mod rms_norm;
 mod rotary;
+mod segments;
 mod softmax;
 mod swiglu;
+mod varlen_attention;
 
 pub use act_linear::{act_linear, gelu_linear, Activation};
 pub use attention::{
@@ -124,8 +127,10 @@ pub use residual_block::{
 };
 pub use rms_norm::{rms_norm, rms_norm_with_dtype};
 pub use rotary::{rotary_qkv, rotary_tables, rotary_tables_from_inv_freq};
+pub use segments::Segments;
 pub use softmax::{causal_softmax_last_dim, key_padding_softmax_last_dim, softmax_last_dim};
 pub use swiglu::swiglu;
+pub use varlen_attention::{grouped_varlen_attention, grouped_varlen_attention_composed};
 
 use candle_core::{bail, CpuStorage, DType, Layout, Result, Storage, Tensor};
 use half::{bf16, f16};

@@ -176,7 +176,8 @@ pub enum Layer<'a> {
     /// window and a scale. With the default scale (`None` or exactly `1 / sqrt(Dh)`) it is one
     /// node under a sink: [`Layer::Attention`] where the window does not bind, the fused
     /// windowed op ([`crate::ops::grouped_window_attention`]) where it does; another scale is
-    /// composition only.
+    /// composition only. With `segments` (packed documents, `B == 1`) it is
+    /// [`crate::ops::grouped_varlen_attention`], one node under a sink at any scale.
     WindowAttention {
         /// Query heads H.
         n_head: usize,
@@ -186,6 +187,9 @@ pub enum Layer<'a> {
         window: Option<usize>,
         /// The score scale; `None`: `1 / sqrt(Dh)`.
         scale: Option<f64>,
+        /// The documents packed in the row (FlashAttention's varlen `cu_seqlens`): queries
+        /// see keys of their own document only; `None`: one sequence per batch row.
+        segments: Option<&'a super::Segments>,
     },
     /// [`crate::ops::bias_add`] of the stacked parts `b` (a bias after a LoRA linear, whose op
     /// has none: Qwen2's q/k/v biases). The bias is cast to x's dtype. Composition only.
@@ -389,6 +393,10 @@ impl<'a> Layer<'a> {
             | Layer::SwiGlu
             | Layer::PaddedAttention { .. } => true,
             Layer::LoraLinear { dropout, .. } => dropout == 0.0,
+            // packed documents: the fused varlen op at any scale
+            Layer::WindowAttention {
+                segments: Some(_), ..
+            } => true,
             Layer::WindowAttention { scale, .. } => {
                 // the head width whose default scale `scale` would be
                 let d = scale.map_or(1, |s| (1.0 / (s * s)).round().max(1.0) as usize);
@@ -451,7 +459,15 @@ impl<'a> Layer<'a> {
                 n_kv_head,
                 window,
                 scale,
+                segments: None,
             } => super::window_causal_attention(x, n_head, n_kv_head, window, scale),
+            Layer::WindowAttention {
+                n_head,
+                n_kv_head,
+                window,
+                scale,
+                segments: Some(seg),
+            } => super::grouped_varlen_attention(x, n_head, n_kv_head, window, scale, seg),
             Layer::Bias { b } => {
                 let Some(b) = stacked(b)? else {
                     bail!("block op: a bias layer without parts; pass at least one (C,) bias")
