@@ -3,6 +3,8 @@
 //! - [`dataset`]: the [`Dataset`] and [`Collate`] seams, [`TensorDataset`] (in-memory tensors).
 //! - [`chat`]: chat fine-tuning data: JSONL conversations and prompt/completion pairs, the
 //!   chat template, assistant-only labels, length policy, held-out split, Shakespeare dialogues.
+//! - [`packing`]: chat examples into training batches, packed without padding (variable-length
+//!   attention) or padded, the trained targets gathered on the host.
 //! - [`text`]: [`TextWindows`], byte-level language-modelling windows over a text file.
 //! - [`mnist`]: the MNIST idx reader (raw or gzipped) for the data fetched by `scripts/`.
 //! - [`plays`]: Shakespeare's lines labelled by the genre of their play, split by play.
@@ -17,6 +19,7 @@ pub mod chat;
 pub mod dataset;
 pub mod loader;
 pub mod mnist;
+pub mod packing;
 pub mod plays;
 pub mod sampler;
 #[cfg(feature = "cuda")]

@@ -249,6 +249,8 @@ pub(super) struct Block {
 pub(super) enum Attend<'a> {
     /// Self-attention over the sequence itself (training, full recompute).
     Sequence,
+    /// Self-attention inside each document of a packed row (training).
+    Packed(&'a ops::Segments),
     /// Attention over a KV cache holding positions `0..start`, which the layer extends.
     Cached {
         /// The block's cached `(K, V)`, each `(B, Hkv, start, D)`.
@@ -256,6 +258,13 @@ pub(super) enum Attend<'a> {
         /// Positions already cached.
         start: usize,
     },
+}
+
+impl<'a> Attend<'a> {
+    /// Self-attention over the sequence, or inside the documents of a packed row.
+    pub fn over(segments: Option<&'a ops::Segments>) -> Self {
+        segments.map_or(Attend::Sequence, Attend::Packed)
+    }
 }
 
 /// A block's layers and applied gains, owned so that the halves can borrow them.
@@ -340,6 +349,13 @@ impl<'a> Prepared<'a> {
                 window: s.window,
                 scale: s.scale,
                 segments: None,
+            },
+            Attend::Packed(docs) => Layer::WindowAttention {
+                n_head,
+                n_kv_head,
+                window: s.window,
+                scale: s.scale,
+                segments: Some(docs),
             },
             Attend::Cached { kv, start } => Layer::CachedAttention {
                 kv,

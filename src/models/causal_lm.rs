@@ -7,6 +7,7 @@
 use super::config::DecoderConfig;
 use super::decoder::{Decoder, DecoderWeights, KvCache};
 use super::tokenizer::TextTokenizer;
+use crate::data::packing::TrainBatch;
 use crate::lora::LoraConfig;
 use crate::params::ParamStore;
 use anyhow::{Context, Result};
@@ -24,6 +25,9 @@ pub trait CausalLm: Send + Sync + Sized {
     fn device(&self) -> &Device;
     /// Mean next-token cross-entropy of `ids` against `targets`, in training mode.
     fn loss(&self, ids: &Tensor, targets: &Tensor) -> Result<Tensor>;
+    /// Mean cross-entropy over the trained targets of a packed or padded chat batch, in
+    /// training mode.
+    fn batch_loss(&self, batch: &TrainBatch) -> Result<Tensor>;
     /// Logits of `ids` at positions `cache.len()..`, extending the cache (prefill or decode).
     fn forward_cached(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor>;
     /// Up to `max_new_tokens` ids after `prompt` (greedy at temperature 0), each handed to
@@ -70,6 +74,9 @@ impl CausalLm for Decoder {
     }
     fn loss(&self, ids: &Tensor, targets: &Tensor) -> Result<Tensor> {
         Decoder::loss(self, ids, targets)
+    }
+    fn batch_loss(&self, batch: &TrainBatch) -> Result<Tensor> {
+        Decoder::batch_loss(self, batch)
     }
     fn forward_cached(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
         Decoder::forward_cached(self, ids, cache)

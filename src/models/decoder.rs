@@ -18,6 +18,7 @@
 use super::block::{self, adapted_outs, Attend, Block, Norms, Proj, Spec};
 use super::config::{DecoderConfig, EMBED, FINAL_NORM, HEAD};
 use super::family::LINEARS;
+use crate::data::packing::TrainBatch;
 use crate::lora::{LoraAdapter, LoraConfig};
 use crate::ops;
 use crate::params::{ParamStore, Role};
@@ -172,6 +173,18 @@ impl Ropes {
     fn rows(&self, start: usize, t: usize) -> Result<Self> {
         let rows = |(c, s): &(Tensor, Tensor)| -> Result<(Tensor, Tensor)> {
             Ok((c.narrow(0, start, t)?, s.narrow(0, start, t)?))
+        };
+        Ok(Self {
+            global: rows(&self.global)?,
+            local: self.local.as_ref().map(rows).transpose()?,
+        })
+    }
+
+    /// The rows of `positions` (`(N,)` u32, e.g. a packed batch's restarting positions),
+    /// gathered: `(N, D/2)` each.
+    fn gather(&self, positions: &Tensor) -> Result<Self> {
+        let rows = |(c, s): &(Tensor, Tensor)| -> Result<(Tensor, Tensor)> {
+            Ok((c.index_select(positions, 0)?, s.index_select(positions, 0)?))
         };
         Ok(Self {
             global: rows(&self.global)?,
@@ -475,15 +488,68 @@ impl Decoder {
                 self.config.max_position_embeddings
             );
         }
-        let ropes = self.rope_tables(t)?;
+        let h = self.hidden(ids, self.rope_tables(t)?, None)?;
+        let h = h.reshape((b * t, self.config.hidden_size))?;
+        let y = targets.flatten_all()?;
+        Ok(ops::linear_cross_entropy_rows(&h, &self.head_weight()?, &y)?.mean_all()?)
+    }
+
+    /// Mean cross-entropy (f32 scalar) over the trained targets of `batch` (packed without
+    /// padding, or padded: [`crate::data::packing`]), transformers' loss of a batch whose
+    /// labels are `-100` outside the trained tokens. Only the rows of trained targets reach
+    /// the head. Training mode, as [`Decoder::loss`].
+    ///
+    /// Errors: a batch with no trained target; a document or row longer than
+    /// `max_position_embeddings`; ids outside the vocabulary (CPU); a failing op.
+    pub fn batch_loss(&self, batch: &TrainBatch) -> Result<Tensor> {
+        let (_, t) = self.check_ids(&batch.ids, "batch_loss")?;
+        let n = batch.trained_targets();
+        if n == 0 {
+            bail!("Decoder::batch_loss: the batch has no trained target; nothing to learn from")
+        }
+        let longest = match batch.segments() {
+            Some(s) => s
+                .cu_seqlens()
+                .windows(2)
+                .map(|w| w[1] - w[0])
+                .max()
+                .unwrap_or(0),
+            None => t,
+        };
+        if longest > self.config.max_position_embeddings {
+            bail!(
+                "Decoder::batch_loss: an example of {longest} tokens exceeds \
+                 max_position_embeddings {}; lower the maximum example length",
+                self.config.max_position_embeddings
+            );
+        }
+        let ropes = match batch.segments() {
+            Some(s) => Arc::new(self.position_tables(longest)?.gather(s.positions())?),
+            None => self.rope_tables(t)?,
+        };
+        let h = self.hidden(&batch.ids, ropes, batch.shared_segments())?;
+        let h = h.flatten(0, 1)?.index_select(&batch.rows, 0)?;
+        let sum = ops::linear_cross_entropy_rows(&h, &self.head_weight()?, &batch.targets)?;
+        Ok(sum.sum_all()?.affine(1.0 / n as f64, 0.0)?)
+    }
+
+    /// The blocks and the final norm of `ids: (B, T)` in training mode: `(B, T, C)` in the
+    /// compute dtype. `segments`: the documents of a packed row (attention inside each).
+    fn hidden(
+        &self,
+        ids: &Tensor,
+        ropes: Arc<Ropes>,
+        segments: Option<Arc<ops::Segments>>,
+    ) -> Result<Tensor> {
         let mut x = self.embed_ids(ids)?;
         let compute = self.compute();
         if self.checkpointing {
             // each block a segment recomputed in the backward, run as its per-op composition
             for b in &self.blocks {
-                let (block, ropes) = (b.clone(), ropes.clone());
+                let (block, ropes, docs) = (b.clone(), ropes.clone(), segments.clone());
                 let segment: crate::recompute::SegmentFn = Arc::new(move |x: &Tensor| {
-                    let one = std::iter::once((&*block, ropes.of(&block), Attend::Sequence));
+                    let attend = Attend::over(docs.as_deref());
+                    let one = std::iter::once((&*block, ropes.of(&block), attend));
                     block::run(x, one, true, true, compute)
                         .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
                 });
@@ -491,16 +557,11 @@ impl Decoder {
             }
         } else {
             // the L blocks as one stack: one graph node under the engine's backward
-            let all = self
-                .blocks
-                .iter()
-                .map(|b| (&**b, ropes.of(b), Attend::Sequence));
+            let attend = Attend::over(segments.as_deref());
+            let all = self.blocks.iter().map(|b| (&**b, ropes.of(b), attend));
             x = block::run(&x, all, true, false, compute)?;
         }
-        let c = self.config.hidden_size;
-        let h = self.final_norm(&x)?.reshape((b * t, c))?;
-        let y = targets.flatten_all()?;
-        Ok(ops::linear_cross_entropy_rows(&h, &self.head_weight()?, &y)?.mean_all()?)
+        self.final_norm(&x)
     }
 
     /// Logits `(B, T, V)` f32 of `ids: (B, T)` at positions `cache.len()..`, appending the
