@@ -462,3 +462,74 @@ fn shakespeare_dialogues_counts_and_lengths() -> Result<()> {
     }
     Ok(())
 }
+
+/// `data/<rel>` when scripts/fetch_chitchat.sh has been run; `None` (with a printed note) when
+/// not: the Chit-Chat data set is optional for now (CI does not fetch it yet).
+fn chitchat_file(rel: &str) -> Option<PathBuf> {
+    let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("data/chitchat")
+        .join(rel);
+    if p.exists() {
+        Some(p)
+    } else {
+        println!(
+            "skipped: {} is missing (run scripts/fetch_chitchat.sh to fetch it)",
+            p.display()
+        );
+        None
+    }
+}
+
+/// The Chit-Chat Challenge conversations (PyPI chitchat-dataset==0.9.0, MIT), converted by
+/// scripts/chitchat_to_jsonl.py: every line read, the turns alternate user / assistant and end
+/// on the assistant, and every example tokenizes with SmolLM2's template; prints the length
+/// distribution.
+#[test]
+fn chitchat_conversations_read_and_lengths() -> Result<()> {
+    let (Some(train), Some(eval)) = (chitchat_file("train.jsonl"), chitchat_file("eval.jsonl"))
+    else {
+        return Ok(());
+    };
+    let train = read_jsonl(&train)?;
+    let eval = read_jsonl(&eval)?;
+    assert_eq!((train.len(), eval.len()), (10_086, 469));
+    for e in train.iter().chain(&eval) {
+        let n = e.messages.len();
+        assert!((2..=16).contains(&n) && n % 2 == 0, "{n} turns");
+        for (k, m) in e.messages.iter().enumerate() {
+            let want = if k % 2 == 0 { "user" } else { "assistant" };
+            assert_eq!(m.role, want);
+            assert!(!m.content.is_empty() && m.content.trim() == m.content);
+        }
+    }
+
+    let tok = smollm2();
+    for (name, set) in [("train", &train), ("held-out", &eval)] {
+        let (toks, r) = prepare(set, &tok, TrainOn::Assistant, 1 << 20, Truncation::Drop)?;
+        assert_eq!(r.kept, set.len());
+        assert_eq!(r.merged_boundaries, 0);
+        println!("Chit-Chat {name}: {r}");
+        let lens: Vec<usize> = toks.iter().map(|t| t.ids.len()).collect();
+        let ans: Vec<usize> = toks.iter().map(|t| t.trained_targets()).collect();
+        let turns: Vec<usize> = set.iter().map(|e| e.messages.len()).collect();
+        println!(
+            "{name}: {} examples, turns p50 {} p90 {}; tokens per example (SmolLM2 template) \
+             p50 {} p90 {} p99 {} max {}; assistant tokens p50 {} p90 {} max {}",
+            set.len(),
+            percentile(&turns, 50.0),
+            percentile(&turns, 90.0),
+            percentile(&lens, 50.0),
+            percentile(&lens, 90.0),
+            percentile(&lens, 99.0),
+            percentile(&lens, 100.0),
+            percentile(&ans, 50.0),
+            percentile(&ans, 90.0),
+            percentile(&ans, 100.0),
+        );
+        for m in [512, 1024, 2048] {
+            let over = lens.iter().filter(|&&l| l > m).count();
+            println!("  over {m} tokens: {over}");
+        }
+    }
+    Ok(())
+}
