@@ -58,6 +58,7 @@ pub mod data;
 pub mod dist;
 pub mod doctor;
 pub mod engine;
+pub mod finetune;
 pub mod grad_sink;
 pub mod grads;
 pub mod lora;

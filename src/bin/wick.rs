@@ -7,6 +7,7 @@
 //! wick doctor [--json] [--require cuda|cpu] [--precision 32|bf16-mixed|16-mixed]
 //! wick plot METRICS.csv [-o loss.png] [--phases PHASES.csv [--phases-out phases.png]]
 //! wick launch --nproc-per-node N [--nnodes M --node-rank R --master-addr A --master-port P] -- PROGRAM ARGS
+//! wick finetune --config run.toml [--device cpu|cuda] [--resume]
 //! ```
 //!
 //! `bench optim` and `bench step` are the library's [`wick::bench`] modules (see their docs);
@@ -24,6 +25,12 @@
 //! (`step,epoch,loss,val_loss,lr,grad_norm,loss_scale,samples_per_s`), and with `--phases` a
 //! bar chart of the per-phase step time; the pictures go beside the CSV unless `-o` says
 //! otherwise.
+//!
+//! `finetune` fine-tunes a model on chat data as the TOML file says ([`wick::finetune`];
+//! docs/finetune.md lists every key): a progress bar, metrics and plots, evaluation on the
+//! held-out conversations, checkpoints and resume, the LoRA adapter and the merged model. A
+//! bad config is an error naming the key and the file (exit status 1); Ctrl-C saves a
+//! checkpoint and exits with status 130.
 //!
 //! Numeric flags refuse values that make no sense with the flag's name and range
 //! (`--steps 0`, `--iters -1`: `invalid value '-1' for '--iters <ITERS>': must be a whole
@@ -63,6 +70,22 @@ enum Command {
     Plot(PlotArgs),
     /// Start and supervise the local ranks of a data-parallel job (torchrun's contract).
     Launch(LaunchArgs),
+    /// Fine-tune a model on chat data (JSONL conversations) as a TOML config says.
+    Finetune(FinetuneArgs),
+}
+
+/// `wick finetune --config run.toml [--device cpu|cuda] [--resume]` (see `wick::finetune`).
+#[derive(clap::Args, Debug)]
+struct FinetuneArgs {
+    /// The run's TOML config (docs/finetune.md lists its keys; examples/configs/ has examples).
+    #[arg(long, value_name = "FILE")]
+    config: std::path::PathBuf,
+    /// Override the config's `device`: cpu or cuda.
+    #[arg(long)]
+    device: Option<String>,
+    /// Continue from the newest checkpoint under the config's save.dir (as `resume = true`).
+    #[arg(long)]
+    resume: bool,
 }
 
 /// `wick launch --nproc-per-node N [--nnodes M --node-rank R --master-addr A --master-port P]
@@ -154,6 +177,25 @@ fn main() -> Result<()> {
         Command::Doctor(args) => doctor(&args),
         Command::Plot(args) => plot(&args),
         Command::Launch(args) => launch(args),
+        Command::Finetune(args) => finetune(&args),
+    }
+}
+
+fn finetune(args: &FinetuneArgs) -> Result<()> {
+    wick::cli::init_logging();
+    let overrides = wick::finetune::Overrides {
+        device: args.device.clone(),
+        resume: args.resume,
+    };
+    match wick::finetune::run(&args.config, &overrides)? {
+        wick::finetune::Outcome::Finished(_) => Ok(()),
+        wick::finetune::Outcome::Interrupted(path) => {
+            println!(
+                "interrupted: saved {} (continue with --resume or resume = true)",
+                path.display()
+            );
+            std::process::exit(wick::checkpoint::INTERRUPTED_EXIT_CODE);
+        }
     }
 }
 
