@@ -32,6 +32,9 @@
 //! `--tiny` swaps the model for a random 2-block config (CPU smoke runs: its losses and text are
 //! noise); `--random-weights` keeps the GGUF's config with random weights (timing runs from a
 //! GGUF that carries only the tokenizer and config).
+//!
+//! Reading the model, saving adapters and HF folders, and checking a checkpoint against the run
+//! are [`wick::finetune`]'s, shared with `wick finetune --config run.toml` (chat data).
 
 use anyhow::{bail, ensure, Context, Result};
 use candle_core::{Device, Tensor};
@@ -42,17 +45,15 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 use wick::checkpoint::{self, Checkpointer};
 use wick::cli::{dropout, non_negative_f64, non_negative_usize, positive_f64, positive_usize};
-use wick::lora::{self, LoraConfig};
-use wick::models::files;
+use wick::finetune::model::{self as model_files, ModelSpec, Weights};
+use wick::finetune::{resume as resume_check, save};
+use wick::lora::LoraConfig;
 use wick::models::tokenizer::{safe_cut, TextTokenizer};
 use wick::models::{CausalLm, Source};
-use wick::models::{Decoder, DecoderConfig, DecoderWeights, FineTune, KvCache};
+use wick::models::{Decoder, DecoderWeights, FineTune, KvCache};
 use wick::optim::LrSchedule;
 use wick::throughput::{Throughput, Unit};
 use wick::{Engine, EngineConfig, ParamStore, Precision};
-
-/// Positions of the `--tiny` model (its rotary tables): `--context` above this is refused.
-const TINY_POSITIONS: usize = 512;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -191,9 +192,20 @@ impl Args {
     /// The model's name for headers and the adapter's `base_model_name_or_path`: the file's
     /// or folder's name up to its first dot (`SmolLM2-135M-Instruct`).
     fn model_name(&self) -> String {
-        let name = self.model_path().file_name().unwrap_or_default();
-        let name = name.to_string_lossy();
-        name.split('.').next().unwrap_or_default().to_string()
+        model_files::model_name(self.model_path())
+    }
+
+    /// The model and the weights `--tiny` / `--random-weights` ask for.
+    fn spec(&self) -> Result<ModelSpec> {
+        let weights = match (self.tiny, self.random_weights) {
+            (true, _) => Weights::Tiny,
+            (_, true) => Weights::Random,
+            _ => Weights::Pretrained,
+        };
+        Ok(ModelSpec {
+            source: self.source()?,
+            weights,
+        })
     }
 
     /// The model's file or folder, as [`Args::source`] picks it.
@@ -411,8 +423,10 @@ fn run_fingerprint(a: &Args, plan: &Plan) -> serde_json::Value {
     serde_json::json!({
         "mode": plan.mode,
         "lora": lora,
-        "model": if a.tiny { "tiny".to_string() } else if a.random_weights {
-            "random-weights".to_string() } else { a.model_path().display().to_string() },
+        "model": match a.spec() {
+            Ok(spec) => spec.fingerprint(),
+            Err(_) => a.model_path().display().to_string(),
+        },
         "precision": a.precision.name(),
         "context": a.context,
         "batch": a.batch,
@@ -449,21 +463,9 @@ fn check_resume(
             a.checkpoint_dir.display()
         );
     };
-    let state = checkpoint::read_state(&path).context("--resume")?;
-    let theirs = &state.extra["run"];
-    let differ: Vec<String> = fingerprint
-        .as_object()
-        .into_iter()
-        .flatten()
-        .filter(|(k, v)| theirs.get(k.as_str()) != Some(v))
-        .map(|(k, v)| format!("{k} {} (this run: {v})", theirs[k.as_str()]))
-        .collect();
-    ensure!(
-        differ.is_empty(),
-        "--resume: {} was made by a different run: {}; pass the original run's flags",
-        path.display(),
-        differ.join(", ")
-    );
+    let state =
+        resume_check::check_prior(&path, fingerprint, None, "pass the original run's flags")
+            .context("--resume")?;
     let step = state.step as usize;
     ensure!(
         step < total_steps,
@@ -485,17 +487,6 @@ fn out_dir(flag: &Option<Option<PathBuf>>, default: &str) -> Option<PathBuf> {
         .map(|d| d.clone().unwrap_or_else(|| PathBuf::from(default)))
 }
 
-/// Writes an HF folder: the weights and config, then the tokenizer files.
-fn save_hf_folder(
-    weights: &DecoderWeights,
-    tok: &TextTokenizer,
-    dir: &Path,
-    positions: usize,
-) -> Result<()> {
-    files::save_pretrained(weights, dir)?;
-    tok.save_pretrained(dir, positions)
-}
-
 /// The model's weights, its tokenizer and the tokenized text.
 struct Loaded {
     weights: DecoderWeights,
@@ -512,18 +503,14 @@ struct Loaded {
 /// exactly the checkpointing run's count), and as many validation tokens as its batches span.
 fn load_model_and_data(a: &Args, total_steps: usize, keep_train: Option<usize>) -> Result<Loaded> {
     let t0 = Instant::now();
-    let source = a.source()?;
-    let gguf_config = source.config().with_context(|| {
+    let spec = a.spec()?;
+    let shape = spec.shape().with_context(|| {
         format!(
             "{} (for the default model, run scripts/fetch_smollm2.sh)",
-            source.path().display()
+            spec.source.path().display()
         )
     })?;
-    let positions = if a.tiny {
-        TINY_POSITIONS
-    } else {
-        gguf_config.max_position_embeddings
-    };
+    let positions = shape.positions;
     ensure!(
         a.context <= positions,
         "--context {} exceeds the {} positions of {}; pass --context {positions} or less",
@@ -532,20 +519,11 @@ fn load_model_and_data(a: &Args, total_steps: usize, keep_train: Option<usize>) 
         if a.tiny {
             "the --tiny model".to_string()
         } else {
-            format!("{} (its context length)", source.path().display())
+            format!("{} (its context length)", spec.source.path().display())
         }
     );
-    let tok = source.tokenizer()?;
-    let weights = if a.tiny {
-        let mut c = DecoderConfig::tiny_family(gguf_config.model_type, gguf_config.vocab_size);
-        c.max_position_embeddings = TINY_POSITIONS;
-        c.eos_token_id = gguf_config.eos_token_id;
-        DecoderWeights::random(c, a.seed)?
-    } else if a.random_weights {
-        DecoderWeights::random(gguf_config, a.seed)?
-    } else {
-        source.weights()?
-    };
+    let tok = spec.source.tokenizer()?;
+    let weights = spec.weights(&shape, a.seed)?;
     let load_s = t0.elapsed().as_secs_f64();
     let text = std::fs::read_to_string(&a.text).with_context(|| {
         format!(
@@ -851,24 +829,16 @@ fn save_outputs(
         "runs/finetune/adapter"
     };
     if let Some(dir) = out_dir(&a.save, default) {
+        // with the tokenizer files, as PEFT's trainers do
         match model.lora() {
-            Some(l) => {
-                lora::save_adapter_tensors(
-                    model.adapter_masters(store)?,
-                    l,
-                    &a.model_name(),
-                    &dir,
-                )?;
-                // as PEFT's trainers do: AutoTokenizer.from_pretrained(adapter folder) works
-                tok.save_pretrained(&dir, positions)?;
-            }
-            None => save_hf_folder(&model.merged_weights(store)?, tok, &dir, positions)?,
+            Some(_) => save::save_adapter(model, store, tok, &a.model_name(), &dir, positions)?,
+            None => save::save_merged(model, store, tok, &dir, positions)?,
         }
         println!("saved to {}", dir.display());
         interrupted()?;
     }
     if let Some(dir) = out_dir(&a.save_merged, "runs/finetune/merged") {
-        save_hf_folder(&model.merged_weights(store)?, tok, &dir, positions)?;
+        save::save_merged(model, store, tok, &dir, positions)?;
         println!("saved the merged model to {}", dir.display());
         interrupted()?;
     }
