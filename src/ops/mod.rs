@@ -27,6 +27,7 @@
 //! | [`swiglu`] | `y = silu(g) * u`, `(.., 2F) = [g \| u] → (.., F)` (Llama's MLP activation) | f32, bf16, f16 | x's |
 //! | [`lora_linear`] / [`lora_linear_grouped`] | `y = x W^T + s (x A^T) B^T`, W frozen (no gradient), the LoRA updates of stacked modules inside the node | x: f32, bf16, f16; W, A, B: the compute dtype | W's |
 //! | [`linear_cross_entropy_rows`] | `loss = lse(h W^T) - (h W^T)[t]` per row, the logits never a graph tensor | f32, bf16, f16 | f32 loss |
+//! | [`linear_cross_entropy_sum`] | `loss = sum_r lse(h_r W^T) - (h_r W^T)[t_r]`, chunks of rows with the gradient made in the forward (Liger's fused linear cross-entropy): at most `chunk x V` logits at once, [`IGNORE_INDEX`] rows skipped | f32, bf16, f16 | rank-0 f32 loss |
 //! | [`residual_add`] | `out = x + f32(y)`, the residual stream f32, the branch in any float dtype (elementwise) | x f32, y f32/bf16/f16 | f32 |
 //! | [`cross_entropy_rows`] | `loss = lse(x) - x[t]` per row, `dx = g (softmax(x) - onehot(t))` | f32, bf16, f16 | f32 loss, x's dx |
 //! | [`cross_entropy_mean`] | `loss = mean_r(lse(x[r]) - x[r][t[r]])`, one node with its `g / N` backward | f32, bf16, f16 | rank-0 f32 loss, x's dx |
@@ -80,6 +81,7 @@ mod act_linear;
 mod attention;
 mod bias;
 mod block_step;
+mod chunked_cross_entropy;
 mod cross_entropy;
 mod decoder_ops;
 mod embedding;
@@ -109,6 +111,9 @@ pub use attention::{
     grouped_causal_attention_composed, grouped_window_attention,
 };
 pub use bias::bias_add;
+pub use chunked_cross_entropy::{
+    default_chunk_rows, linear_cross_entropy_sum, DEFAULT_CHUNK_LOGITS, IGNORE_INDEX,
+};
 pub use cross_entropy::{cross_entropy_mean, cross_entropy_rows};
 pub use decoder_ops::{geglu_tanh, grouped_attention, qk_rms_norm, window_causal_attention};
 pub use embedding::embedding;
