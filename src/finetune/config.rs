@@ -1,9 +1,10 @@
 //! The TOML file of `wick finetune --config FILE` ([`FinetuneConfig`]): one table per concern,
 //! every table `deny_unknown_fields` (a misspelt key is an error naming the key, its line and
-//! the file), values checked after parsing with errors that name the key (`tuning.r must be
-//! >= 1`). Defaults that depend on another key (the learning rate on the method, the packing
-//! budget on the maximum length) are filled in by [`FinetuneConfig::from_toml_file`], so the
-//! parsed config says exactly what runs. docs/finetune.md documents every key.
+//! the file), values checked after parsing with errors that name the key
+//! (`tuning.r must be >= 1`). Defaults that depend on another key (the learning rate on the
+//! method, the packing budget on the maximum length) are filled in by
+//! [`FinetuneConfig::from_toml_file`] and [`FinetuneConfig::fit_to_model`], so the parsed
+//! config says exactly what runs. docs/finetune.md documents every key.
 
 use crate::lora::LoraConfig;
 use crate::models::FineTune;
@@ -474,7 +475,7 @@ impl FinetuneConfig {
             _ => {}
         }
         ensure!(
-            !(!d.eval.is_empty() && d.eval_fraction.is_some()),
+            d.eval.is_empty() || d.eval_fraction.is_none(),
             "[data] has both eval and eval_fraction: give one"
         );
         if let Some(f) = d.eval_fraction {
