@@ -6,8 +6,8 @@
 //! ([`DecoderConfig::model_type`]) plus the switches of [`super::family`].
 //!
 //! After the blocks: the final RMSNorm and the head (tied to the token table when the config
-//! says so), with the head and the cross-entropy as one node
-//! ([`ops::linear_cross_entropy_rows`]). The residual stream is f32; the GEMMs run in the
+//! says so), with the head and the cross-entropy as one node computed in chunks of rows
+//! ([`ops::linear_cross_entropy_sum`]: the `(tokens, vocabulary)` logits never exist whole). The residual stream is f32; the GEMMs run in the
 //! compute dtype; the norms, RoPE, softmax and the gated activations compute in f32
 //! ([`crate::precision`]). RoPE is transformers' `rotate_half` form (pairs `(i, i + D/2)`);
 //! GGUF files of the `llama` architecture store q/k rows permuted for llama.cpp's interleaved
@@ -491,7 +491,8 @@ impl Decoder {
         let h = self.hidden(ids, self.rope_tables(t)?, None)?;
         let h = h.reshape((b * t, self.config.hidden_size))?;
         let y = targets.flatten_all()?;
-        Ok(ops::linear_cross_entropy_rows(&h, &self.head_weight()?, &y)?.mean_all()?)
+        let sum = ops::linear_cross_entropy_sum(&h, &self.head_weight()?, &y, None)?;
+        Ok(sum.affine(1.0 / (b * t) as f64, 0.0)?)
     }
 
     /// Mean cross-entropy (f32 scalar) over the trained targets of `batch` (packed without
@@ -529,8 +530,8 @@ impl Decoder {
         };
         let h = self.hidden(&batch.ids, ropes, batch.shared_segments())?;
         let h = h.flatten(0, 1)?.index_select(&batch.rows, 0)?;
-        let sum = ops::linear_cross_entropy_rows(&h, &self.head_weight()?, &batch.targets)?;
-        Ok(sum.sum_all()?.affine(1.0 / n as f64, 0.0)?)
+        let sum = ops::linear_cross_entropy_sum(&h, &self.head_weight()?, &batch.targets, None)?;
+        Ok(sum.affine(1.0 / n as f64, 0.0)?)
     }
 
     /// The blocks and the final norm of `ids: (B, T)` in training mode: `(B, T, C)` in the
