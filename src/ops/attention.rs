@@ -36,6 +36,13 @@
 //! kernels when T is not a multiple of 4 (the L and D rows' tensor maps need a 16-byte row
 //! pitch), and `WICK_ATTENTION_LOADS=cp` selects them everywhere, for comparisons.
 //!
+//! The same kernels take two per-query lower bounds on the keys: a sliding window
+//! ([`grouped_window_attention`]) and the documents of a packed row
+//! ([`super::grouped_varlen_attention`], FlashAttention's varlen `cu_seqlens`: the per-token
+//! tables of [`super::Segments`], read by the kernels, null for one document); whole tiles below
+//! every row's bound are skipped and the tiles that cross it masked. The score scale is an
+//! argument of the kernels (`1 / sqrt(Dh)` unless the varlen op is given another).
+//!
 //! f32 runs on TF32 tensor cores in one of two modes, chosen when the forward runs:
 //! - where f32 GEMMs may use TF32 (candle's `gemm_reduced_precision_f32`, which
 //!   [`crate::perf::PerfSettings`]`::tf32` sets; PyTorch's `allow_tf32`), every product takes
@@ -977,13 +984,13 @@ mod cuda {
             } else {
                 None
             };
-            let mut lb = func.builder();
-            match &map {
-                Some(map) => lb.arg(map),
-                None => lb.arg(&xp),
-            };
             let win = window_arg(masks.window, d);
             with_tables(op, masks, &stream, |first_key, _| {
+                let mut lb = func.builder();
+                match &map {
+                    Some(map) => lb.arg(map),
+                    None => lb.arg(&xp),
+                };
                 lb.arg(&yp)
                     .arg(&lp)
                     .arg(&t)
