@@ -454,9 +454,8 @@ impl Gpt {
     /// Mean next-token cross-entropy (f32 scalar) of `ids: (B, T)` against `targets: (B, T)`,
     /// as the reference computes it: `cross_entropy(logits.float().view(-1, V), y.view(-1))`.
     ///
-    /// The head and the loss are one graph node ([`crate::ops::linear_cross_entropy_sum`],
-    /// divided by `B*T`): the logits exist a chunk of rows at a time, their gradients are made
-    /// in the forward and freed by the backward: backpropagate through the result once.
+    /// The head and the loss are one graph node ([`crate::ops::linear_cross_entropy_rows`]),
+    /// which frees the logits in the backward: backpropagate through the result once.
     ///
     /// Errors: as [`Gpt::forward`], and `targets` of another shape or a non-integer dtype.
     pub fn loss(&self, ids: &Tensor, targets: &Tensor) -> Result<Tensor> {
@@ -467,13 +466,13 @@ impl Gpt {
                 ids.dims()
             );
         }
-        // head and loss as one node (ops::linear_cross_entropy_sum): at most a chunk of the
-        // (B*T, V) logits exists at once (1024 of gpt2_124m's 16384 x 50304 rows, 103 MB in
-        // bf16, instead of 1.6 GB and as much again for their gradient)
+        // head and loss as one node (ops::linear_cross_entropy_rows; the GPT benchmarks were
+        // measured with it, the chunked linear_cross_entropy_sum not yet on a GPU): the (B*T, V) logits are
+        // never a graph tensor, so their gradient needs no zero-filled buffer and add (4 x 1.6
+        // GB of traffic at gpt2_124m's 16384 x 50304 bf16 logits) and is freed after use
         let h = self.hidden_rows(ids)?;
         let t = targets.flatten_all()?;
-        let n = t.dim(0)?;
-        crate::ops::linear_cross_entropy_sum(&h, &self.head_weight()?, &t, None)? / n as f64
+        crate::ops::linear_cross_entropy_rows(&h, &self.head_weight()?, &t)?.mean_all()
     }
 
     /// Generates `max_new_tokens` ids after `prompt`, one at a time (no KV cache: each step
