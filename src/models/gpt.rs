@@ -468,8 +468,8 @@ impl Gpt {
         }
         // head and loss as one node (ops::linear_cross_entropy_rows; the GPT benchmarks were
         // measured with it, the chunked linear_cross_entropy_sum not yet on a GPU): the (B*T, V)
-        // logits are never a graph tensor, so their gradient needs no zero-filled buffer and add (4 x 1.6
-        // GB of traffic at gpt2_124m's 16384 x 50304 bf16 logits) and is freed after use
+        // logits are never a graph tensor, so their gradient needs no zero-filled buffer and add
+        // (4 x 1.6 GB of traffic at gpt2_124m's 16384 x 50304 bf16 logits) and is freed after use
         let h = self.hidden_rows(ids)?;
         let t = targets.flatten_all()?;
         crate::ops::linear_cross_entropy_rows(&h, &self.head_weight()?, &t)?.mean_all()
