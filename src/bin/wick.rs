@@ -162,8 +162,23 @@ enum Bench {
     Step(wick::bench::step::StepArgs),
 }
 
-fn main() -> Result<()> {
-    match Cli::parse().command {
+fn main() {
+    // a closed pipe (`wick ... | head`) ends the process quietly, as for other Unix tools,
+    // instead of a panic in println!
+    #[cfg(unix)]
+    // SAFETY: restoring the default disposition of SIGPIPE before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+    // errors as one line of causes, without a backtrace (RUST_BACKTRACE is for panics)
+    if let Err(e) = run(Cli::parse().command) {
+        eprintln!("Error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(command: Command) -> Result<()> {
+    match command {
         Command::Bench {
             what: Bench::Optim(args),
         } => wick::bench::optim::run(&args),
