@@ -217,7 +217,7 @@ fn half_dtypes_are_within_their_rounding_of_an_f32_computation() -> Result<()> {
 
 #[test]
 fn the_sum_over_n_is_the_rows_op_mean() -> Result<()> {
-    // what gpt.rs's loss computes: sum / N against linear_cross_entropy_rows(..).mean_all()
+    // what Decoder::loss computes: sum / N, against linear_cross_entropy_rows(..).mean_all()
     let dev = Device::Cpu;
     let (n, c, v) = (33, 16, 40);
     let h = rand_t(&[n, c], -1.0, 1.0, 8, DType::F32, &dev);

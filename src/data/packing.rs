@@ -142,7 +142,7 @@ impl TrainBatch {
         let mut cu = vec![0usize];
         for (e, ex) in examples.iter().enumerate() {
             check(e, ex)?;
-            collect_targets(ex, ids.len(), &mut rows, &mut targets)?;
+            collect_targets(e, ex, ids.len(), &mut rows, &mut targets)?;
             ids.extend_from_slice(&ex.ids);
             cu.push(ids.len());
         }
@@ -167,7 +167,7 @@ impl TrainBatch {
         let (mut ids, mut rows, mut targets) = (Vec::new(), Vec::new(), Vec::new());
         for (e, ex) in examples.iter().enumerate() {
             check(e, ex)?;
-            collect_targets(ex, e * t, &mut rows, &mut targets)?;
+            collect_targets(e, ex, e * t, &mut rows, &mut targets)?;
             ids.extend_from_slice(&ex.ids);
             ids.resize((e + 1) * t, 0);
         }
@@ -231,8 +231,10 @@ fn check(e: usize, ex: &Tokenized) -> Result<()> {
     Ok(())
 }
 
-/// Appends the rows (offset by `base`) and targets of `ex`'s trained next-token predictions.
+/// Appends the rows (offset by `base`) and targets of the trained next-token predictions of
+/// `ex`, example `e` of the batch.
 fn collect_targets(
+    e: usize,
     ex: &Tokenized,
     base: usize,
     rows: &mut Vec<u32>,
@@ -243,9 +245,15 @@ fn collect_targets(
             continue;
         }
         let Ok(t) = u32::try_from(l) else {
-            bail!("label {l} at position {k} is neither {IGNORE_INDEX} nor a token id")
+            bail!(
+                "example {e} of the batch: label {l} at position {k} is neither {IGNORE_INDEX} \
+                 nor a token id"
+            )
         };
-        rows.push(u32::try_from(base + k - 1)?);
+        let Ok(row) = u32::try_from(base + k - 1) else {
+            bail!("example {e} of the batch: the batch exceeds 2^32 positions; use fewer examples")
+        };
+        rows.push(row);
         targets.push(t);
     }
     Ok(())

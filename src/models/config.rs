@@ -624,7 +624,7 @@ impl DecoderConfig {
                 self.head_dim()
             );
         }
-        let positive = |x: Option<f64>| x.map_or(true, |x| x.is_finite() && x > 0.0);
+        let positive = |x: Option<f64>| x.is_none_or(|x| x.is_finite() && x > 0.0);
         if !(self.rms_norm_eps > 0.0
             && positive(Some(self.rope_theta))
             && positive(self.rope_local_base_freq)

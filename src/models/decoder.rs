@@ -7,11 +7,11 @@
 //!
 //! After the blocks: the final RMSNorm and the head (tied to the token table when the config
 //! says so), with the head and the cross-entropy as one node computed in chunks of rows
-//! ([`ops::linear_cross_entropy_sum`]: the `(tokens, vocabulary)` logits never exist whole). The residual stream is f32; the GEMMs run in the
-//! compute dtype; the norms, RoPE, softmax and the gated activations compute in f32
-//! ([`crate::precision`]). RoPE is transformers' `rotate_half` form (pairs `(i, i + D/2)`);
-//! GGUF files of the `llama` architecture store q/k rows permuted for llama.cpp's interleaved
-//! form, which [`super::files`] undoes on load.
+//! ([`ops::linear_cross_entropy_sum`]: the `(tokens, vocabulary)` logits never exist whole).
+//! The residual stream is f32; the GEMMs run in the compute dtype; the norms, RoPE, softmax
+//! and the gated activations compute in f32 ([`crate::precision`]). RoPE is transformers'
+//! `rotate_half` form (pairs `(i, i + D/2)`); GGUF files of the `llama` architecture store q/k
+//! rows permuted for llama.cpp's interleaved form, which [`super::files`] undoes on load.
 //!
 //! Inference ([`Decoder::forward_cached`], [`Decoder::generate`]) keeps a KV cache per block.
 
@@ -469,7 +469,9 @@ impl Decoder {
     /// Mean next-token cross-entropy (f32 scalar) of `ids: (B, T)` against `targets: (B, T)`
     /// (transformers' `cross_entropy(logits.float().view(-1, V), y.view(-1))`), the model in
     /// training mode (LoRA dropout on). The head and the loss are one node: backpropagate
-    /// through the result once.
+    /// through the result once. A target equal to [`ops::IGNORE_INDEX`] (i64 `-100`; u32
+    /// `u32::MAX`) adds zero loss and gradient but still counts in the `B * T` of the mean
+    /// (transformers divides by the trained targets: use [`Decoder::batch_loss`] for that).
     ///
     /// Errors: ids not `(B, T)` integers, `T` over `max_position_embeddings`, targets of
     /// another shape, ids or targets outside the vocabulary (CPU), a failing op.
@@ -846,7 +848,7 @@ impl Decoder {
                 proj(&b.gate_up)?,
                 proj(&b.down)?,
             );
-            let norms = b.norms.map(&base)?;
+            let norms = b.norms.map(base)?;
             blocks.push(Arc::new(Block {
                 norms,
                 qkv,

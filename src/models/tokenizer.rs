@@ -203,7 +203,7 @@ impl TextTokenizer {
                 .and_then(|v| v.to_u32().ok())
                 .and_then(|id| tokens.get(id as usize).cloned())
         };
-        Ok(Self {
+        Self {
             tokenizer,
             chat_template: gguf
                 .content
@@ -217,7 +217,7 @@ impl TextTokenizer {
             add_bos_token,
             add_eos_token,
         }
-        .with_post_processor()?)
+        .with_post_processor()
     }
 
     /// The tokenizer of a Hugging Face folder: `dir/tokenizer.json` as it is (normaliser,

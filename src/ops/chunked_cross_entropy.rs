@@ -28,8 +28,9 @@
 //! the two gradient GEMMs too; detach `h` and `w` to skip them), and `dW` is read and written
 //! once per chunk (`N / k` passes over `V x C` f32).
 
+use super::check_device;
 use super::cross_entropy::cross_entropy_rows_no_bwd;
-use super::{check_device, check_float};
+use super::linear_cross_entropy::{check_head, storage_copy};
 use candle_core::{
     bail, CpuStorage, CustomOp2, DType, Device, Layout, Result, Shape, Storage, Tensor,
 };
@@ -95,21 +96,7 @@ pub fn linear_cross_entropy_sum(
     chunk_rows: Option<usize>,
 ) -> Result<Tensor> {
     let op = "linear_cross_entropy_sum";
-    check_float(op, "h", h.dtype())?;
-    let ((n, c), (v, cw)) = match (h.dims(), w.dims()) {
-        (&[n, c], &[v, cw]) => ((n, c), (v, cw)),
-        (dh, dw) => bail!("{op}: h must be (N, C) and w (V, C), found {dh:?} and {dw:?}"),
-    };
-    if c != cw || v == 0 {
-        bail!("{op}: h is ({n}, {c}) and w ({v}, {cw}); w must be (V, C) with V > 0 and C = {c}")
-    }
-    if h.dtype() != w.dtype() {
-        bail!(
-            "{op}: h is {:?} but w is {:?}; cast both to the compute dtype",
-            h.dtype(),
-            w.dtype()
-        )
-    }
+    let (n, c, v) = check_head(op, h, w)?;
     match targets.dims() {
         &[m] if m == n => {}
         d => bail!("{op}: targets must be (N,) = ({n},) to match h ({n}, {c}), found {d:?}"),
@@ -120,7 +107,6 @@ pub fn linear_cross_entropy_sum(
             targets.dtype()
         )
     }
-    check_device(op, "w", h, w)?;
     check_device(op, "targets", h, targets)?;
     if chunk_rows == Some(0) {
         bail!("{op}: chunk_rows must be at least 1 (None picks a default)")
@@ -364,13 +350,6 @@ struct SumNode {
     grads: Mutex<Option<Held>>,
 }
 
-impl SumNode {
-    fn loss_copy(&self) -> Result<Storage> {
-        let (s, l) = self.loss.storage_and_layout();
-        s.try_clone(l)
-    }
-}
-
 impl CustomOp2 for SumNode {
     fn name(&self) -> &'static str {
         "linear_cross_entropy_sum"
@@ -383,7 +362,7 @@ impl CustomOp2 for SumNode {
         _w: &CpuStorage,
         _lw: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        match self.loss_copy()? {
+        match storage_copy(&self.loss)? {
             Storage::Cpu(s) => Ok((s, Shape::from(()))),
             _ => bail!("linear_cross_entropy_sum: the loss is not on the CPU (internal error)"),
         }
@@ -397,7 +376,7 @@ impl CustomOp2 for SumNode {
         _w: &candle_core::CudaStorage,
         _lw: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        match self.loss_copy()? {
+        match storage_copy(&self.loss)? {
             Storage::Cuda(s) => Ok((s, Shape::from(()))),
             _ => bail!("linear_cross_entropy_sum: the loss is not on the GPU (internal error)"),
         }

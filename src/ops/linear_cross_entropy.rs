@@ -33,22 +33,7 @@ use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Sto
 /// that row's loss is NaN (as [`super::cross_entropy_rows`]).
 pub fn linear_cross_entropy_rows(h: &Tensor, w: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let op = "linear_cross_entropy";
-    check_float(op, "h", h.dtype())?;
-    let ((n, c), (v, cw)) = match (h.dims(), w.dims()) {
-        (&[n, c], &[v, cw]) => ((n, c), (v, cw)),
-        (dh, dw) => bail!("{op}: h must be (N, C) and w (V, C), found {dh:?} and {dw:?}"),
-    };
-    if c != cw || v == 0 {
-        bail!("{op}: h is ({n}, {c}) and w ({v}, {cw}); w must be (V, C) with V > 0 and C = {c}")
-    }
-    if h.dtype() != w.dtype() {
-        bail!(
-            "{op}: h is {:?} but w is {:?}; cast both to the compute dtype",
-            h.dtype(),
-            w.dtype()
-        )
-    }
-    check_device(op, "w", h, w)?;
+    let (n, _, _) = check_head(op, h, w)?;
     // contiguous operands for candle's CUDA GEMM (a no-op for the usual contiguous inputs)
     let (hc, wc) = (h.detach().contiguous()?, w.detach().contiguous()?);
     let logits = hc.matmul(&wc.t()?)?; // (N, V), no graph
@@ -68,6 +53,35 @@ pub fn linear_cross_entropy_rows(h: &Tensor, w: &Tensor, targets: &Tensor) -> Re
     )
 }
 
+/// Checks a head's operands `h: (N, C)` and `w: (V, C)`: the same float dtype, the same
+/// device, `V > 0`. Returns `(N, C, V)`.
+pub(super) fn check_head(op: &str, h: &Tensor, w: &Tensor) -> Result<(usize, usize, usize)> {
+    check_float(op, "h", h.dtype())?;
+    let ((n, c), (v, cw)) = match (h.dims(), w.dims()) {
+        (&[n, c], &[v, cw]) => ((n, c), (v, cw)),
+        (dh, dw) => bail!("{op}: h must be (N, C) and w (V, C), found {dh:?} and {dw:?}"),
+    };
+    if c != cw || v == 0 {
+        bail!("{op}: h is ({n}, {c}) and w ({v}, {cw}); w must be (V, C) with V > 0 and C = {c}")
+    }
+    if h.dtype() != w.dtype() {
+        bail!(
+            "{op}: h is {:?} but w is {:?}; cast both to the compute dtype",
+            h.dtype(),
+            w.dtype()
+        )
+    }
+    check_device(op, "w", h, w)?;
+    Ok((n, c, v))
+}
+
+/// A copy of the storage of `t`, a result computed before a graph node's forward, which that
+/// forward hands out as its output.
+pub(super) fn storage_copy(t: &Tensor) -> Result<Storage> {
+    let (s, l) = t.storage_and_layout();
+    s.try_clone(l)
+}
+
 /// The graph node: its forward hands out the loss computed above (an `N`-float copy), its
 /// backward the gradients of `h` and `w`.
 struct HeadLoss {
@@ -77,13 +91,6 @@ struct HeadLoss {
     logits: SideOutput,
     /// The cross-entropy's backward, with its forward's per-row lse.
     ce_bwd: CrossEntropyBwd,
-}
-
-impl HeadLoss {
-    fn loss_copy(&self) -> Result<Storage> {
-        let (s, l) = self.loss.storage_and_layout();
-        s.try_clone(l)
-    }
 }
 
 impl CustomOp2 for HeadLoss {
@@ -98,7 +105,7 @@ impl CustomOp2 for HeadLoss {
         _w: &CpuStorage,
         _lw: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        match self.loss_copy()? {
+        match storage_copy(&self.loss)? {
             Storage::Cpu(s) => Ok((s, self.loss.shape().clone())),
             _ => bail!("linear_cross_entropy: the loss is not on the CPU (internal error)"),
         }
@@ -112,7 +119,7 @@ impl CustomOp2 for HeadLoss {
         _w: &candle_core::CudaStorage,
         _lw: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        match self.loss_copy()? {
+        match storage_copy(&self.loss)? {
             Storage::Cuda(s) => Ok((s, self.loss.shape().clone())),
             _ => bail!("linear_cross_entropy: the loss is not on the GPU (internal error)"),
         }

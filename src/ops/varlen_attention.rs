@@ -127,9 +127,8 @@ fn check(
     }
     if segments.len() != n {
         bail!(
-            "{op}: segments cover {} tokens (cu_seqlens ends at {}) but qkv holds N = {n}; \
-             build the Segments of this very row",
-            segments.len(),
+            "{op}: segments cover {} tokens (the last cu_seqlens offset) but qkv holds N = \
+             {n}; build the Segments of this very row",
             segments.len()
         )
     }
