@@ -1,8 +1,9 @@
 //! Writes the micro-batches that `wick finetune --config FILE` trains on, in order, one JSON
-//! line each (`{"ids": [[...], ...], "labels": [[...], ...]}`: [`wick::data::packing::
-//! write_steps_jsonl`]), so that `scripts/reference/torch_chat_sft.py` trains PyTorch on the
-//! very same conversations, grouped the same way (issue 38 item 6). The plan is the command's
-//! own ([`wick::finetune::plan::plan`] over the same data, tokenizer, grouping and seed).
+//! line each (`{"ids": [[...], ...], "labels": [[...], ...]}`:
+//! [`wick::data::packing::write_steps_jsonl`]), so that `scripts/reference/torch_chat_sft.py`
+//! trains PyTorch on the very same conversations, grouped the same way (issue 38 item 6). The
+//! plan is the command's own ([`wick::finetune::steps`] over the same data, tokenizer,
+//! grouping and seed).
 //!
 //! ```text
 //! cargo run --release --example chat_steps -- --config run.toml --out steps.jsonl
@@ -11,7 +12,7 @@
 use anyhow::{Context, Result};
 use clap::Parser;
 use std::path::PathBuf;
-use wick::finetune::{config::FinetuneConfig, data, grouping, model_spec, plan};
+use wick::finetune::{config::FinetuneConfig, data, model_spec, steps};
 
 /// Write a `wick finetune` config's micro-batches as JSON lines.
 #[derive(Parser, Debug)]
@@ -34,18 +35,7 @@ fn main() -> Result<()> {
     let tok = spec.source.tokenizer()?;
     let chat = data::load(&c, &tok).with_context(file)?;
     let lengths: Vec<usize> = chat.train.iter().map(|t| t.ids.len()).collect();
-    let length = match c.schedule.max_steps {
-        Some(s) => plan::Length::Steps(s),
-        None => plan::Length::Epochs(c.schedule.epochs.unwrap_or(1)),
-    };
-    let steps = plan::plan(
-        &lengths,
-        grouping(&c),
-        c.batch.accumulation_steps,
-        c.schedule.seed,
-        length,
-    )
-    .with_context(file)?;
+    let steps = steps(&c, &lengths).with_context(file)?;
     let micro: Vec<Vec<usize>> = steps.into_iter().flat_map(|s| s.micro).collect();
     wick::data::packing::write_steps_jsonl(&a.out, &micro, &chat.train)?;
     let tokens: usize = micro.iter().flatten().map(|&i| lengths[i]).sum();

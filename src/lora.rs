@@ -42,6 +42,17 @@ pub struct LoraConfig {
     pub target_modules: Vec<String>,
 }
 
+/// PEFT's usual Llama target set: the seven block linears.
+pub const ALL_LINEAR: [&str; 7] = [
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+];
+
 impl LoraConfig {
     /// PEFT's usual Llama set: the seven block linears, rank `r`, `alpha`, no dropout.
     pub fn all_linear(r: usize, alpha: f64) -> Self {
@@ -50,17 +61,7 @@ impl LoraConfig {
             alpha,
             use_rslora: false,
             dropout: 0.0,
-            target_modules: [
-                "q_proj",
-                "k_proj",
-                "v_proj",
-                "o_proj",
-                "gate_proj",
-                "up_proj",
-                "down_proj",
-            ]
-            .map(String::from)
-            .to_vec(),
+            target_modules: ALL_LINEAR.map(String::from).to_vec(),
         }
     }
 

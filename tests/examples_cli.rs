@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{example, tmp};
+use common::{example, text, tmp};
 use std::path::Path;
 use std::process::{Command, Output};
 
@@ -16,13 +16,6 @@ fn run<S: AsRef<std::ffi::OsStr>>(name: &str, args: &[S]) -> Output {
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .output()
         .expect("running the example")
-}
-
-fn text(o: &Output) -> (String, String) {
-    (
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        String::from_utf8_lossy(&o.stderr).into_owned(),
-    )
 }
 
 /// A small MNIST in idx format: `train` and `test` images of 28x28 with labels i % 10.

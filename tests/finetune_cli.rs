@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{example, tmp};
+use common::{example, result, text, tmp};
 use std::path::Path;
 use std::process::{Command, Output};
 use wick::models::files::Gguf;
@@ -30,27 +30,9 @@ fn run<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> Output {
         .expect("running finetune")
 }
 
-fn text(o: &Output) -> (String, String) {
-    (
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        String::from_utf8_lossy(&o.stderr).into_owned(),
-    )
-}
-
 /// Items `range` of the JSON array `v`.
 fn slice(v: &serde_json::Value, range: std::ops::Range<usize>) -> serde_json::Value {
     v.as_array().unwrap()[range].to_vec().into()
-}
-
-/// The `RESULT {json}` line of a run that succeeded.
-fn result(o: &Output) -> serde_json::Value {
-    let (out, err) = text(o);
-    assert!(o.status.success(), "{out}\n{err}");
-    let line = out
-        .lines()
-        .find_map(|l| l.strip_prefix("RESULT "))
-        .unwrap_or_else(|| panic!("no RESULT line in\n{out}"));
-    serde_json::from_str(line).unwrap()
 }
 
 /// A tiny full fine-tune of `steps` timed steps and no warm-up, logging every step.

@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::tmp;
+use common::{result, text, tmp};
 use std::collections::HashMap;
 use std::path::Path;
 use std::process::{Command, Output};
@@ -33,13 +33,6 @@ fn wick(args: &[&str]) -> Output {
         .expect("running wick")
 }
 
-fn text(o: &Output) -> (String, String) {
-    (
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        String::from_utf8_lossy(&o.stderr).into_owned(),
-    )
-}
-
 /// `wick finetune --config FILE` with `toml` written to `dir/run.toml`.
 fn finetune(dir: &Path, toml: &str, extra: &[&str]) -> Output {
     let path = dir.join("run.toml");
@@ -47,17 +40,6 @@ fn finetune(dir: &Path, toml: &str, extra: &[&str]) -> Output {
     let mut args = vec!["finetune", "--config", path.to_str().unwrap()];
     args.extend_from_slice(extra);
     wick(&args)
-}
-
-/// The `RESULT {json}` line of a run that succeeded.
-fn result(o: &Output) -> serde_json::Value {
-    let (out, err) = text(o);
-    assert!(o.status.success(), "{out}\n{err}");
-    let line = out
-        .lines()
-        .find_map(|l| l.strip_prefix("RESULT "))
-        .unwrap_or_else(|| panic!("no RESULT line in\n{out}"));
-    serde_json::from_str(line).unwrap()
 }
 
 /// `n` short conversations (a question and the assistant's answer) as JSONL in `path`.
@@ -191,6 +173,14 @@ fn bad_configs_name_the_key_or_the_file() {
         }
         assert!(!out.contains("RESULT"), "{out}");
     }
+    // a --device override is checked as the file's key is, before anything loads
+    let o = finetune(&d, &good, &["--device", "gpu"]);
+    let err = text(&o).1;
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("--device") && err.contains("device must be \"cpu\" or \"cuda\""),
+        "{err}"
+    );
     // a malformed line names the file and the line
     std::fs::write(&train, "{\"messages\": []}\n").unwrap();
     let err = text(&finetune(&d, &good, &[])).1;
@@ -349,7 +339,7 @@ fn padded_full_run_with_accumulation() {
     std::fs::remove_dir_all(&d).unwrap();
 }
 
-/// Ctrl-C during training saves a checkpoint and exits with status 130; the run resumes from it.
+/// Ctrl-C during training saves a checkpoint (of step 1 or later) and exits with status 130.
 #[cfg(unix)]
 #[test]
 fn ctrl_c_saves_a_checkpoint_and_exits_130() {

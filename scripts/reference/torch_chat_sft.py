@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """PyTorch + transformers (+ peft, + Liger Kernel) reference for chat fine-tuning on the very steps
-wick trains on (issue 38 item 6): the tokenized examples of each optimizer step, grouped by wick's
-packing budget, read from a JSONL file that `wick finetune --dump-steps` writes (one line per step:
-{"ids": [[...], ...], "labels": [[...], ...]}, labels -100 where not trained, not shifted).
+wick trains on (issue 38 item 6): the tokenized examples of each micro-batch, grouped by wick's
+packing budget, read from the JSONL file that `examples/chat_steps.rs` writes for a `wick finetune`
+config (one line per micro-batch: {"ids": [[...], ...], "labels": [[...], ...]}, labels -100 where
+not trained, not shifted). Each line is one optimizer step here, as in wick with
+accumulation_steps = 1.
 
 Modes (each on the same steps, the same model and optimizer settings):
   padded        the step's examples as a (B, T_max) batch padded at the end, attention_mask

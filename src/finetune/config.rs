@@ -274,8 +274,8 @@ impl PrecisionName {
 pub struct ScheduleSection {
     /// Peak learning rate (default 2e-4 with LoRA, 2e-5 full).
     pub learning_rate: Option<f64>,
-    /// `"linear"` (default, transformers' default), `"cosine"` or `"constant"`, each after
-    /// the warmup, decaying to 0 at the last step.
+    /// After the warmup: `"linear"` (default, transformers' default) or `"cosine"`, decaying
+    /// to 0 at the last step, or `"constant"`.
     pub lr_scheduler: LrScheduler,
     /// Linear warmup steps from 0 to the learning rate.
     pub warmup_steps: u64,
@@ -383,16 +383,17 @@ impl Default for SaveSection {
 pub const DEFAULT_MAX_LENGTH: usize = 1024;
 /// Default LoRA rank.
 pub const DEFAULT_RANK: usize = 16;
-/// PEFT's usual Llama target set.
-pub const DEFAULT_TARGETS: &[&str] = &[
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-];
+/// Default peak learning rate of a LoRA run.
+pub const DEFAULT_LORA_LR: f64 = 2e-4;
+/// Default peak learning rate of a full fine-tune.
+pub const DEFAULT_FULL_LR: f64 = 2e-5;
+/// Default `tuning.target_modules`: PEFT's usual Llama set ([`crate::lora::ALL_LINEAR`]).
+pub const DEFAULT_TARGETS: &[&str] = &crate::lora::ALL_LINEAR;
+
+/// [`DEFAULT_TARGETS`] as owned names.
+fn default_targets() -> Vec<String> {
+    DEFAULT_TARGETS.iter().map(|s| s.to_string()).collect()
+}
 
 impl FinetuneConfig {
     /// Reads, checks and completes the file at `path` (see [`FinetuneConfig::parse`]).
@@ -426,9 +427,9 @@ impl FinetuneConfig {
         let m = &self.model;
         match (&m.gguf, &m.hf) {
             (Some(_), Some(_)) => bail!("[model] has both gguf and hf: give one of them"),
-            (None, None) => {
-                bail!("[model] needs gguf = \"file.gguf\" or hf = \"folder\" (missing key model.gguf)")
-            }
+            (None, None) => bail!(
+                "[model] needs gguf = \"file.gguf\" or hf = \"folder\" (missing key model.gguf)"
+            ),
             _ => {}
         }
         ensure!(
@@ -624,12 +625,13 @@ impl FinetuneConfig {
             t.alpha.get_or_insert(2.0 * r as f64);
             t.dropout.get_or_insert(0.0);
             t.use_rslora.get_or_insert(false);
-            t.target_modules
-                .get_or_insert_with(|| DEFAULT_TARGETS.iter().map(|s| s.to_string()).collect());
+            t.target_modules.get_or_insert_with(default_targets);
         }
-        self.schedule
-            .learning_rate
-            .get_or_insert(if lora { 2e-4 } else { 2e-5 });
+        self.schedule.learning_rate.get_or_insert(if lora {
+            DEFAULT_LORA_LR
+        } else {
+            DEFAULT_FULL_LR
+        });
         if self.schedule.max_steps.is_none() {
             self.schedule.epochs.get_or_insert(1);
         }
@@ -682,10 +684,7 @@ impl FinetuneConfig {
                     alpha: t.alpha.unwrap_or(2.0 * r as f64),
                     use_rslora: t.use_rslora.unwrap_or(false),
                     dropout: t.dropout.unwrap_or(0.0),
-                    target_modules: t
-                        .target_modules
-                        .clone()
-                        .unwrap_or_else(|| DEFAULT_TARGETS.iter().map(|s| s.to_string()).collect()),
+                    target_modules: t.target_modules.clone().unwrap_or_else(default_targets),
                 };
                 l.validate().context("[tuning]")?;
                 FineTune::Lora(l)
@@ -698,9 +697,13 @@ impl FinetuneConfig {
         self.data.max_length.unwrap_or(DEFAULT_MAX_LENGTH)
     }
 
-    /// The peak learning rate (filled).
+    /// The peak learning rate (filled; before, the method's default).
     pub fn learning_rate(&self) -> f64 {
-        self.schedule.learning_rate.unwrap_or(2e-4)
+        let default = match self.tuning.method {
+            Method::Lora => DEFAULT_LORA_LR,
+            Method::Full => DEFAULT_FULL_LR,
+        };
+        self.schedule.learning_rate.unwrap_or(default)
     }
 
     /// The run's folder for checkpoints: `save.dir/checkpoints`.

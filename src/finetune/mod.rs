@@ -14,10 +14,10 @@
 //!    [`batches`]);
 //! 4. trains ([`train`]): AdamW with a warmup and a linear, cosine or constant schedule,
 //!    gradient clipping, mixed precision, micro-batches weighted by their trained tokens; a
-//!    progress bar, `metrics.csv`/`metrics.jsonl` in the [`crate::trainer`]'s format
-//!    ([`metrics`]), the evaluation loss on the held-out conversations ([`eval`]),
-//!    checkpoints every N steps and on Ctrl-C (a resumed run's steps equal an uninterrupted
-//!    run's bit for bit on the CPU, LoRA dropout 0);
+//!    progress bar, `metrics.csv`/`metrics.jsonl` as the [`crate::trainer`] writes them
+//!    ([`crate::trainer::MetricsFiles`]), the evaluation loss on the held-out conversations
+//!    ([`eval`]), checkpoints every N steps and on Ctrl-C (a resumed run's steps equal an
+//!    uninterrupted run's bit for bit on the CPU, LoRA dropout 0);
 //! 5. writes `loss.png`, `phases.csv` and `phases.png` (as the Trainer does), the LoRA
 //!    adapter as PEFT's folder and the merged model as an HF folder ([`save`]), and prints a
 //!    `RESULT {json}` line.
@@ -29,7 +29,6 @@ pub mod batches;
 pub mod config;
 pub mod data;
 pub mod eval;
-pub mod metrics;
 pub mod model;
 pub mod plan;
 pub mod resume;
@@ -39,7 +38,6 @@ pub mod train;
 use crate::checkpoint::{self, Checkpointer};
 use crate::models::{Decoder, FineTune, Source};
 use crate::optim::LrSchedule;
-use crate::plot::{self, PhaseBreakdown, PlotOptions};
 use crate::{Engine, EngineConfig, ParamStore};
 use anyhow::{bail, ensure, Context, Result};
 use batches::Grouping;
@@ -90,6 +88,20 @@ pub fn grouping(c: &FinetuneConfig) -> Grouping {
             batch_size: c.batch.batch_size.unwrap_or(8),
         }
     }
+}
+
+/// The optimizer steps of a run over training examples of `lengths` tokens (after
+/// [`FinetuneConfig::fit_to_model`]): [`plan::plan`] with the config's grouping, accumulation
+/// and seed, for `schedule.max_steps` steps or else `schedule.epochs` epochs.
+///
+/// Errors: as [`plan::plan`] (an example longer than the packing budget).
+pub fn steps(c: &FinetuneConfig, lengths: &[usize]) -> Result<Vec<plan::Step>> {
+    let length = match c.schedule.max_steps {
+        Some(s) => plan::Length::Steps(s),
+        None => plan::Length::Epochs(c.schedule.epochs.unwrap_or(1)),
+    };
+    let accumulation = c.batch.accumulation_steps;
+    plan::plan(lengths, grouping(c), accumulation, c.schedule.seed, length)
 }
 
 /// The learning-rate schedule of a run of `total` steps.
@@ -159,6 +171,7 @@ pub fn run(config_path: &Path, overrides: &Overrides) -> Result<Outcome> {
     let mut c = FinetuneConfig::from_toml_file(config_path)?;
     if let Some(d) = &overrides.device {
         c.device = d.clone();
+        c.validate().context("--device")?;
     }
     if overrides.resume && c.resume == Resume::Flag(false) {
         c.resume = Resume::Flag(true);
@@ -175,13 +188,8 @@ pub fn run(config_path: &Path, overrides: &Overrides) -> Result<Outcome> {
     let chat = data::load(&c, &tok).with_context(file)?;
     let lengths: Vec<usize> = chat.train.iter().map(|t| t.ids.len()).collect();
     let grouping = grouping(&c);
-    let length = match c.schedule.max_steps {
-        Some(s) => plan::Length::Steps(s),
-        None => plan::Length::Epochs(c.schedule.epochs.unwrap_or(1)),
-    };
     let seed = c.schedule.seed;
-    let plan = plan::plan(&lengths, grouping, c.batch.accumulation_steps, seed, length)
-        .with_context(file)?;
+    let plan = steps(&c, &lengths).with_context(file)?;
     let total = plan.len() as u64;
     let counts = serde_json::json!({
         "train_examples": chat.train.len(),
@@ -243,7 +251,8 @@ pub fn run(config_path: &Path, overrides: &Overrides) -> Result<Outcome> {
     extra["run"] = fingerprint;
 
     let out_dir = c.save.dir.clone();
-    let mut metrics = metrics::MetricsWriter::open(&out_dir, (start > 0).then_some(start))?;
+    let resumed_at = (start > 0).then_some(start);
+    let mut metrics = crate::trainer::MetricsFiles::open(&out_dir, resumed_at)?;
     let eval = eval::EvalSet::new(&chat.eval, grouping).context("the held-out conversations")?;
     checkpoint::install_interrupt_handler()?;
     let ended = train::train(train::Loop {
@@ -287,7 +296,7 @@ pub fn run(config_path: &Path, overrides: &Overrides) -> Result<Outcome> {
             peak.map_or("n/a (CPU)".into(), |g| format!("{g:.2} GB"))
         );
     }
-    let pictures = write_plots(&out_dir, &trained)?;
+    let pictures = crate::trainer::write_plots(&out_dir, &trained.phases, trained.steps)?;
     let (mut adapter, mut merged) = (None, None);
     if c.save.adapter == Some(true) {
         let dir = out_dir.join("adapter");
@@ -379,21 +388,4 @@ fn print_header(
         c.batch.accumulation_steps,
         c.max_length()
     );
-}
-
-/// `phases.csv`, `loss.png` and `phases.png` in `dir`, as [`crate::trainer::Trainer`] draws
-/// them; returns the files written.
-fn write_plots(dir: &Path, t: &train::Trained) -> Result<Vec<PathBuf>> {
-    let breakdown = PhaseBreakdown::from_times(&t.phases, t.steps);
-    let mut written = vec![dir.join("phases.csv")];
-    plot::write_phases_csv(&written[0], &breakdown)?;
-    let opts = PlotOptions::default();
-    let rows = plot::read_metrics(&dir.join("metrics.csv"))?;
-    if !rows.is_empty() {
-        written.push(plot::plot_metrics(&rows, &dir.join("loss.png"), &opts)?.path);
-    }
-    if t.steps > 0 {
-        written.push(plot::plot_phases(&breakdown, &dir.join("phases.png"), &opts)?.path);
-    }
-    Ok(written)
 }

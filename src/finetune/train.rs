@@ -6,7 +6,6 @@
 
 use super::batches::{Grouping, MicroBatch};
 use super::eval::EvalSet;
-use super::metrics::MetricsWriter;
 use super::plan::Step;
 use crate::checkpoint::{self, Checkpointer};
 use crate::data::chat::Tokenized;
@@ -14,11 +13,11 @@ use crate::models::Decoder;
 use crate::profile::PhaseTimes;
 use crate::throughput::{Throughput, Unit};
 use crate::timing::PendingPhases;
-use crate::trainer::MetricsRow;
+use crate::trainer::{progress_bar, MetricsFiles, MetricsRow};
 use crate::Engine;
 use anyhow::{ensure, Result};
 use candle_core::{Device, Tensor};
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::ProgressBar;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -44,7 +43,7 @@ pub struct Loop<'a> {
     /// The held-out examples (possibly none).
     pub eval: &'a EvalSet<'a>,
     /// The metrics files.
-    pub metrics: &'a mut MetricsWriter,
+    pub metrics: &'a mut MetricsFiles,
     /// The device.
     pub device: &'a Device,
     /// Settings of the loop.
@@ -123,21 +122,6 @@ impl Window {
     }
 }
 
-fn bar(len: u64, show: bool) -> ProgressBar {
-    let bar = if show {
-        ProgressBar::new(len)
-    } else {
-        ProgressBar::hidden()
-    };
-    bar.set_style(
-        ProgressStyle::with_template(
-            "{bar:30} {pos}/{len} steps  {msg}  [{elapsed_precise} < {eta_precise}]",
-        )
-        .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    bar
-}
-
 /// Runs the planned steps from `engine.boundaries()` to the end (see the module docs).
 ///
 /// Errors: a micro-batch or step that fails (the engine's and the model's errors), a metrics
@@ -149,7 +133,7 @@ pub fn train(l: Loop) -> Result<Ended> {
         start < total,
         "the engine is at step {start}, at or past the run's {total} steps"
     );
-    let bar = bar(total - start, l.every.progress);
+    let bar = progress_bar(total - start, l.every.progress);
     crate::cuda::reset_peak_memory(l.device)?;
     let mut out = Trained {
         losses: Vec::new(),

@@ -44,8 +44,9 @@ pub struct MetricsRow {
     pub eval: Metrics,
 }
 
-/// CSV + JSONL writers.
-pub(super) struct MetricsFiles {
+/// The `metrics.csv` and `metrics.jsonl` writers of one run (the [`super::Trainer`]'s and
+/// `wick finetune`'s).
+pub struct MetricsFiles {
     csv: BufWriter<File>,
     jsonl: BufWriter<File>,
 }
@@ -67,7 +68,7 @@ impl MetricsFiles {
     /// Errors: `dir` cannot be created, a file cannot be read or written, or an existing
     /// `metrics.csv` has another header (written by something else; an older wick's header
     /// without `tokens_per_s` is upgraded, see [`CSV_HEADER`]).
-    pub(super) fn open(dir: &Path, resumed_at: Option<u64>) -> Result<Self> {
+    pub fn open(dir: &Path, resumed_at: Option<u64>) -> Result<Self> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let (csv, jsonl) = (dir.join("metrics.csv"), dir.join("metrics.jsonl"));
         let (mut csv_w, jsonl_w) = match resumed_at {
@@ -89,7 +90,9 @@ impl MetricsFiles {
     }
 
     /// Writes one row to both files and flushes them.
-    pub(super) fn write(&mut self, r: &MetricsRow) -> Result<()> {
+    ///
+    /// Errors: an I/O failure.
+    pub fn write(&mut self, r: &MetricsRow) -> Result<()> {
         let f = |v: Option<f64>| v.map(|x| format!("{x}")).unwrap_or_default();
         writeln!(
             self.csv,

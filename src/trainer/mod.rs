@@ -14,8 +14,7 @@
 
 mod metrics;
 
-use metrics::MetricsFiles;
-pub use metrics::{MetricsRow, CSV_HEADER};
+pub use metrics::{MetricsFiles, MetricsRow, CSV_HEADER};
 
 use crate::data::{Batch, Collate, DataLoader, Dataset, LoaderState};
 use crate::engine::{Engine, StepCtx, StepReport};
@@ -463,17 +462,7 @@ impl Trainer {
             (None, Some(e)) => e.saturating_sub(loader.epoch()) * per_epoch,
             (None, None) => 0,
         };
-        let bar = if c.progress && rank == 0 {
-            ProgressBar::new(total)
-        } else {
-            ProgressBar::hidden()
-        };
-        bar.set_style(
-            ProgressStyle::with_template(
-                "{bar:30} {pos}/{len} steps  {msg}  [{elapsed_precise} < {eta_precise}]",
-            )
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-        );
+        let bar = progress_bar(total, c.progress && rank == 0);
         let started = Instant::now();
         // time outside the steps (evaluations, hooks): not in the throughput
         let mut outside = Duration::ZERO;
@@ -771,9 +760,26 @@ fn peak_memory(device: &candle_core::Device) -> Option<u64> {
     None
 }
 
+/// The progress bar of a run of `len` optimizer steps, hidden unless `show` (the
+/// [`Trainer`]'s and `wick finetune`'s).
+pub(crate) fn progress_bar(len: u64, show: bool) -> ProgressBar {
+    let bar = match show {
+        true => ProgressBar::new(len),
+        false => ProgressBar::hidden(),
+    };
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} steps  {msg}  [{elapsed_precise} < {eta_precise}]",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar
+}
+
 /// `phases.csv`, `loss.png` (train/val loss and lr against step) and `phases.png` (the phase
-/// bar chart) next to the metrics files.
-fn write_plots(dir: &Path, phases: &PhaseTimes, steps: u64) -> Result<Vec<PathBuf>> {
+/// bar chart) next to the metrics files; returns the files written (the [`Trainer`]'s and
+/// `wick finetune`'s).
+pub(crate) fn write_plots(dir: &Path, phases: &PhaseTimes, steps: u64) -> Result<Vec<PathBuf>> {
     use crate::plot::{
         plot_metrics, plot_phases, read_metrics, write_phases_csv, PhaseBreakdown, PlotOptions,
     };

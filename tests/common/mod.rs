@@ -250,3 +250,22 @@ pub fn ids_of(v: &serde_json::Value) -> Vec<u32> {
         .map(|x| x.as_u64().expect("an id") as u32)
         .collect()
 }
+
+/// A finished process's stdout and stderr as text.
+pub fn text(o: &std::process::Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+/// The `RESULT {json}` line of a run that succeeded (panics, with its output, otherwise).
+pub fn result(o: &std::process::Output) -> serde_json::Value {
+    let (out, err) = text(o);
+    assert!(o.status.success(), "{out}\n{err}");
+    let line = out
+        .lines()
+        .find_map(|l| l.strip_prefix("RESULT "))
+        .unwrap_or_else(|| panic!("no RESULT line in\n{out}"));
+    serde_json::from_str(line).unwrap()
+}
