@@ -94,15 +94,7 @@ fn full_loss_and_gradients_match_the_plain_composition() {
         let (x, y) = ids(2, 9, 2);
         let loss = m.loss(&x, &y).unwrap();
         let grads = loss.backward().unwrap();
-        let vars: HashMap<String, Var> = w
-            .tensors
-            .iter()
-            .map(|(k, t)| (k.clone(), Var::from_tensor(t).unwrap()))
-            .collect();
-        let plain: HashMap<String, Tensor> = vars
-            .iter()
-            .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
-            .collect();
+        let (vars, plain) = reference::vars(&w);
         let ref_loss = reference::loss(&w.config, &plain, &HashMap::new(), 1.0, &x, &y);
         let ref_grads = ref_loss.backward().unwrap();
         let dl = (loss.to_scalar::<f32>().unwrap() - ref_loss.to_scalar::<f32>().unwrap()).abs();

@@ -284,15 +284,7 @@ fn tiny_full_gradients_match_the_composition() {
     let (ids, targets) = batch(2, 10, 2);
     let loss = m.loss(&ids, &targets).unwrap();
     let grads = loss.backward().unwrap();
-    let vars: HashMap<String, Var> = weights
-        .tensors
-        .iter()
-        .map(|(k, t)| (k.clone(), Var::from_tensor(t).unwrap()))
-        .collect();
-    let plain: HashMap<String, Tensor> = vars
-        .iter()
-        .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
-        .collect();
+    let (vars, plain) = common::decoder_reference::vars(&weights);
     let ref_loss = common::decoder_reference::loss(
         &weights.config,
         &plain,

@@ -6,7 +6,7 @@
 
 mod common;
 
-use candle_core::{Device, Tensor, Var};
+use candle_core::{Device, Tensor};
 use common::{decoder_reference as reference, max_abs};
 use std::collections::HashMap;
 use wick::data::chat::{Tokenized, IGNORE_INDEX};
@@ -127,15 +127,7 @@ fn packed_and_padded_losses_and_gradients_match_each_example_alone() {
             let mut m = Decoder::new(&store, &w, &FineTune::Full).unwrap();
             m.set_checkpointing(checkpointing).unwrap();
             // the reference on Vars of the same tensors
-            let vars: HashMap<String, Var> = w
-                .tensors
-                .iter()
-                .map(|(k, t)| (k.clone(), Var::from_tensor(t).unwrap()))
-                .collect();
-            let plain: HashMap<String, Tensor> = vars
-                .iter()
-                .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
-                .collect();
+            let (vars, plain) = reference::vars(&w);
             let sums: Vec<Tensor> = examples
                 .iter()
                 .map(|e| reference_sum(&w.config, &plain, e))

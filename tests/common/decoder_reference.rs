@@ -3,10 +3,25 @@
 //! through candle's autograd), and candle-transformers 0.11.1's own implementation of each
 //! family built on the same tensors.
 
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device, Tensor, Var, D};
 use std::collections::HashMap;
 use wick::models::family::{Activation, Family};
 use wick::models::{DecoderConfig, DecoderWeights};
+
+/// The tensors of `w` as Vars (to read the reference's gradients by name) and as the plain
+/// tensors of those Vars (what [`logits`] and [`loss`] take).
+pub fn vars(w: &DecoderWeights) -> (HashMap<String, Var>, HashMap<String, Tensor>) {
+    let vars: HashMap<String, Var> = w
+        .tensors
+        .iter()
+        .map(|(k, t)| (k.clone(), Var::from_tensor(t).unwrap()))
+        .collect();
+    let plain = vars
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+        .collect();
+    (vars, plain)
+}
 
 /// Random weights of `config` ([`DecoderWeights::random`], `seed`) with every 1-D tensor (norm
 /// gains, biases) moved by a fixed pattern in `[-0.5, 0.5)` away from its initial value, so
@@ -104,7 +119,7 @@ pub fn logits(
         let m: Vec<f32> = (0..t * t)
             .map(|k| {
                 let (i, j) = (k / t, k % t);
-                let seen = j <= i && window.map_or(true, |w| i - j < w);
+                let seen = j <= i && window.is_none_or(|w| i - j < w);
                 if seen {
                     0.0
                 } else {
