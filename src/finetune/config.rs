@@ -355,7 +355,8 @@ pub struct SaveSection {
     /// The run's folder: `metrics.csv`, `metrics.jsonl`, plots, `checkpoints/`, `adapter/`,
     /// `merged/`.
     pub dir: PathBuf,
-    /// A checkpoint every N optimizer steps and after the last (0: only on Ctrl-C).
+    /// A checkpoint every N optimizer steps (0: none in between); one is always written after
+    /// the last step and on Ctrl-C.
     pub every_steps: u64,
     /// Keep the newest N checkpoints (0: all).
     pub keep_last: usize,

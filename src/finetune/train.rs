@@ -59,7 +59,7 @@ pub struct Every {
     pub eval: Option<u64>,
     /// Evaluate step 0 of a fresh run.
     pub eval_at_start: bool,
-    /// Checkpoint every N steps and at the last (0: only on Ctrl-C).
+    /// Checkpoint every N steps (0: none in between); always after the last and on Ctrl-C.
     pub save: u64,
     /// Show the progress bar (on a terminal).
     pub progress: bool,
@@ -79,7 +79,7 @@ pub struct Trained {
     pub phases: PhaseTimes,
     /// Steps this process ran.
     pub steps: u64,
-    /// The checkpoint saved after the last step, if `save.every_steps` asked for one.
+    /// The checkpoint saved after the last step.
     pub final_checkpoint: Option<PathBuf>,
 }
 
@@ -257,7 +257,8 @@ pub fn train(l: Loop) -> Result<Ended> {
             l.metrics.write(r)?;
         }
         let interrupted = checkpoint::interrupted();
-        let periodic = l.every.save > 0 && (n % l.every.save == 0 || n == total);
+        // every N steps, and always after the last one so that a longer run can resume it
+        let periodic = n == total || (l.every.save > 0 && n % l.every.save == 0);
         if periodic || interrupted {
             let t = Instant::now();
             let path = l.ckpt.save(l.engine, l.extra.clone())?;
