@@ -20,8 +20,9 @@ Modes (each on the same steps, the same model and optimizer settings):
   *_compile     torch.compile of the model (same batches; shapes change every step, so
                 dynamic=True).
 The loss is transformers' own (`labels=`: shifted, -100 ignored, mean over trained targets),
-bf16 autocast, AdamW fused on CUDA, clip 1.0. Full: lr 5e-5, betas (0.9, 0.95), wd 0.1. LoRA
-(--lora R): peft r R, alpha 2R, all linear projections, base frozen in bf16, lr 1e-3.
+bf16 autocast, AdamW fused on CUDA (betas 0.9, 0.999 as wick finetune's), constant lr, clip 1.0.
+Full: lr 5e-5, wd 0.1. LoRA (--lora R): peft r R, alpha 2R, all linear projections, base frozen
+in bf16, lr 1e-3, wd 0 (examples/configs/chat_timing{,_lora}_gpu.toml say the same to wick).
 
   python3 scripts/reference/torch_chat_sft.py --gguf MODEL.gguf --steps-file steps.jsonl \
       [--random-weights] [--lora 16] [--max-steps 30] [--modes padded,packed,packed_liger] \
@@ -125,11 +126,11 @@ def main():
                     if p.requires_grad:
                         p.data = p.data.float()
                 params = [p for p in model.parameters() if p.requires_grad]
-                opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0,
+                opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0,
                                         fused=cuda)
             else:
                 params = list(model.parameters())
-                opt = torch.optim.AdamW(params, lr=5e-5, betas=(0.9, 0.95), weight_decay=0.1,
+                opt = torch.optim.AdamW(params, lr=5e-5, betas=(0.9, 0.999), weight_decay=0.1,
                                         fused=cuda)
             fwd = torch.compile(model, dynamic=True) if mode.endswith("compile") else model
             collate = packed_batch if mode.startswith("packed") else padded_batch
