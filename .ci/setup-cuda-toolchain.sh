@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Vendored copy of the team's own shared/cuda/setup-cuda-toolchain.sh (documented in
-# shared/cuda/README.md, outside this repository), so that CI works on a checkout without
-# shared/ beside it. Only this header differs from the original: update both together
-# (`diff <(tail -n +9 .ci/setup-cuda-toolchain.sh) <(tail -n +2 ../shared/cuda/setup-cuda-toolchain.sh)`
-# prints nothing while they agree). .ci/run runs it (through sudo when CI is not root:
+# Vendored copy of the team's own CUDA toolchain script (what it installs and how to run the
+# binaries on a GPU machine: docs/cuda.md), so that CI works on a checkout alone. Only these
+# first 8 lines differ from the original: update both together. tests/readme.rs compares
+# everything below line 8 with the original's body whenever the team's shared folder sits
+# beside the checkout. .ci/run runs it (through sudo when CI is not root:
 # it writes to /opt and may apt-get install build-essential / python3-pip).
 #
 # Installs a CUDA 13.0 build toolchain (nvcc + headers + link-time libraries)

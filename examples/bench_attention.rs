@@ -1,5 +1,5 @@
 //! Causal attention alone, forward and forward + backward, in the units of
-//! `../shared/reference/torch_sdpa.py` so the two can be read side by side: GPU ms per call
+//! `scripts/reference/torch_sdpa.py` so the two can be read side by side: GPU ms per call
 //! (CUDA events over `--iters` calls after warm-up) and TFLOP/s counted as FlashAttention does
 //! for causal attention (forward `2 * 2*B*H*T*T*D / 2` FLOPs, backward 2.5 times that).
 //!

@@ -1,5 +1,5 @@
 //! GPU optimizer-step benchmark on GPT-2-124M parameter shapes (the shapes of
-//! shared/reference/torch_reference.py `optim`, so the PyTorch figures of the same run compare
+//! scripts/reference/torch_reference.py `optim`, so the PyTorch figures of the same run compare
 //! directly): candle-nn's AdamW, wick's reference path, wick's fused multi-tensor kernel, and the
 //! whole fused boundary (unscale + inf check + global norm + clip + AdamW + scaler update).
 //!

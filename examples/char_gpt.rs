@@ -1,5 +1,5 @@
 //! A byte-level GPT on Shakespeare with wick: the "gptmini" model of
-//! `../shared/reference/torch_reference.py` (`wick::models::gpt`), trained exactly as the
+//! `scripts/reference/torch_reference.py` (`wick::models::gpt`), trained exactly as the
 //! reference's `train-char` — AdamW (lr 1e-3, betas 0.9/0.99, eps 1e-8, weight decay 0.1 on
 //! rank >= 2), 100 warmup steps then cosine to 1e-4, clip 1.0, batch 64 of 256-byte windows,
 //! 90/10 train/validation split by position — through the DataLoader, the Trainer and

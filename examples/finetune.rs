@@ -167,7 +167,7 @@ struct Args {
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Train and validate on these windows instead of drawing them: the JSON of
-    /// scripts/torch_llama_windows.py (the draws of ../shared/reference/torch_llama.py). The
+    /// scripts/torch_llama_windows.py (the draws of scripts/reference/torch_llama.py). The
     /// whole text is tokenized and split at 90% of its tokens, as torch_llama.py does.
     #[arg(long)]
     windows: Option<PathBuf>,

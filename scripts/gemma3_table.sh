@@ -15,7 +15,7 @@
 #   - the text at data/shakespeare/input.txt (carry it) or .gpu/input.txt.xz;
 #   - .gpu/finetune.xz (built here: source /opt/cuda13/env.sh && CARGO_TARGET_DIR=target-cuda
 #     cargo build --release --features cuda --example finetune; xz -6) and .gpu/device-env.sh
-#     (../shared/cuda/device-env.sh), with carry [".gpu"];
+#     (scripts/reference/device-env.sh), with carry [".gpu"];
 #   - .gpu/gguf-*.whl if the machine's python3 lacks `gguf` (its image has torch, transformers and
 #     peft, not gguf): pip download gguf==0.19.0 --no-deps -d .gpu
 #

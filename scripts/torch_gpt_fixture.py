@@ -5,7 +5,7 @@ model wick's `models::gpt` follows), its weights, a fixed batch, and what PyTorc
 figures do not depend on a GPU's kernels. tests/gpt.rs loads the weights into wick's Gpt and
 compares.
 
-Usage (on a machine with PyTorch; torch_reference.py is in ../shared/reference):
+Usage (on a machine with PyTorch; torch_reference.py is in scripts/reference):
     python3 scripts/torch_gpt_fixture.py PATH/TO/torch_reference.py OUT.json
 
 Biases and LayerNorm gains/biases are drawn at random (the GPT-2 init sets them to 0 and 1),

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The batch windows ../shared/reference/torch_llama.py draws, for wick to train and validate on
+"""The batch windows scripts/reference/torch_llama.py draws, for wick to train and validate on
 the same tokens (examples/finetune.rs --windows FILE).
 
 torch_llama.py tokenizes the text with transformers' GGUF tokenizer, splits it 90/10 by

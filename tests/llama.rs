@@ -102,7 +102,7 @@ fn quantized_reference() -> candle_transformers::models::quantized_llama::ModelW
     .unwrap()
 }
 
-/// The prompt of ../shared/reference/torch_llama.py, tokenized by the GGUF's tokenizer.
+/// The prompt of scripts/reference/torch_llama.py, tokenized by the GGUF's tokenizer.
 fn prompt() -> Vec<u32> {
     let tok = TextTokenizer::from_gguf(&Gguf::open(&gguf_path()).unwrap()).unwrap();
     tok.encode("ROMEO:\nO, she doth teach the torches to burn bright!")

@@ -11,7 +11,7 @@
 //! Routes: `GET /health`, `GET /metrics` (Prometheus text); mnist: `POST /predict`,
 //! `POST /feedback`, `GET /v1/snapshots/{version}`; llama: `POST /v1/completions`,
 //! `POST /v1/feedback`, `POST|DELETE /v1/adapters/{name}`, `GET /v1/snapshots/{version}`.
-//! The README's "Serving and learning from feedback" has curl examples. Prints
+//! docs/serving.md has curl examples. Prints
 //! `listening on http://ADDR` on stdout once the port is bound (`--port 0`: any free port).
 //! SIGTERM / Ctrl-C: stop accepting, let the trainer finish its step, publish, save a
 //! checkpoint (with `--save-dir`), exit with 128 + the signal (143 / 130).

@@ -3,7 +3,7 @@
 from a GGUF (the `gguf` Python package dequantizes it to f32): SmolLM2-135M (Llama), Gemma 3 270M
 (architecture gemma3: tied head, 262,144-token vocabulary, sliding/global layers), Qwen, Mistral.
 
-Copied from ../shared/reference/torch_llama.py (the SmolLM2 recipe of results/h200-2026-12-02-llama)
+Copied from scripts/reference/torch_llama.py (the SmolLM2 recipe of results/h200-2026-12-02-llama)
 on 2026-12-07 for wick issue 37 item 8. What changed, and nothing else, so figures stay comparable:
   - `--device` (default cuda). `--device cpu` is a smoke test: autocast is
     torch.autocast("cpu", bfloat16), AdamW is not fused, there is no CUDA synchronisation, and

@@ -1,7 +1,7 @@
 //! The NCCL backend of [`Collective`] (feature `nccl`): cudarc 0.19.10's `Comm` through candle's
 //! re-export, one process per GPU.
 //!
-//! The calls are the ones that worked in `shared/cuda/nccl-probe` on two H200s (exact f32/bf16
+//! The calls are the ones that worked in the team's NCCL probe on two H200s (exact f32/bf16
 //! all-reduce and broadcast of candle tensors, 324 GB/s bus bandwidth at 1 GiB):
 //!
 //! - rank 0: `Id::new()`; `id.internal()` is the 128-byte id, shared by [`share_id`] (TCP);
@@ -19,7 +19,7 @@
 //!   (`InplaceOp1` for all-reduce / broadcast on a fresh copy; `InplaceOp2` to write
 //!   reduce-scatter / all-gather results into a new tensor).
 //!
-//! Pitfalls handled here (from `shared/cuda/README.md`):
+//! Pitfalls handled here (from the team's CUDA notes, copied into `docs/cuda.md`):
 //!
 //! 1. `ncclCommInitRank` blocks forever when a peer never arrives or the id is stale: the id
 //!    is handed out only once every rank has reached the rendezvous, and the init runs under a

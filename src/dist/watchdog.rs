@@ -2,7 +2,7 @@
 //!
 //! NCCL's communicator setup (`ncclCommInitRank`) waits forever when a peer never arrives or a
 //! stale unique id is used, and nothing in NCCL times out (the pitfall recorded in
-//! `shared/cuda/README.md`, "NCCL across processes on 2 GPUs"). A blocked thread cannot be
+//! `docs/cuda.md`, "NCCL across processes on 2 GPUs"). A blocked thread cannot be
 //! interrupted, so the watchdog's default action ends the process: it prints which rank timed
 //! out in which phase, flushes, and calls `_exit(3)` (no atexit handlers or C++ destructors,
 //! which could themselves block on the stuck communicator). The supervisor (`wick launch`,

@@ -1,5 +1,5 @@
 //! A GPT-2-style decoder-only transformer (Radford et al. 2019, "Language Models are
-//! Unsupervised Multitask Learners"), exactly the model of `../shared/reference/torch_reference.py`
+//! Unsupervised Multitask Learners"), exactly the model of `scripts/reference/torch_reference.py`
 //! so that wick and PyTorch can be compared step for step:
 //!
 //! ```text

@@ -23,7 +23,7 @@
 //! before digits (2 of the 1.56M tokens of the Shakespeare text):
 //! - [`Pretokenizer::Transformers`] (the default): GPT-2's regex split and byte-level mapping
 //!   alone, as transformers' GGUF loader (`GGUFLlamaConverter`) builds it; ids equal to the
-//!   tokenizer `../shared/reference/torch_llama.py` uses (tests/fixtures/smollm2_reference.json).
+//!   tokenizer `scripts/reference/torch_llama.py` uses (tests/fixtures/smollm2_reference.json).
 //! - [`Pretokenizer::LlamaCpp`]: every digit split apart first, then the same ByteLevel step:
 //!   llama.cpp's `LLAMA_VOCAB_PRE_TYPE_SMOLLM` and SmolLM2's own `tokenizer.json`
 //!   (`Digits(individual_digits=True)` + `ByteLevel`).
