@@ -90,17 +90,17 @@ fn batches_gather_the_trained_rows() {
     let a = example(6, 2, 1); // trained labels at 2, 4, 5 (3 is masked)
     let b = example(3, 0, 2); // trained labels at 1, 2 (0 has no predecessor)
     let packed = TrainBatch::packed(&[&a, &b], &Device::Cpu).unwrap();
-    assert_eq!(packed.ids.dims(), &[1, 9]);
+    assert_eq!(packed.ids().dims(), &[1, 9]);
     assert_eq!(packed.segments().unwrap().cu_seqlens(), &[0, 6, 9]);
-    let rows: Vec<u32> = packed.rows.to_vec1().unwrap();
+    let rows: Vec<u32> = packed.rows().to_vec1().unwrap();
     assert_eq!(rows, vec![1, 3, 4, 6, 7]);
-    let targets: Vec<u32> = packed.targets.to_vec1().unwrap();
+    let targets: Vec<u32> = packed.targets().to_vec1().unwrap();
     let want = [a.ids[2], a.ids[4], a.ids[5], b.ids[1], b.ids[2]];
     assert_eq!(targets, want);
-    assert_eq!((packed.trained_targets(), packed.tokens), (5, 9));
+    assert_eq!((packed.trained_targets(), packed.tokens()), (5, 9));
     let padded = TrainBatch::padded(&[&a, &b], &Device::Cpu).unwrap();
-    assert_eq!(padded.ids.dims(), &[2, 6]);
-    let rows: Vec<u32> = padded.rows.to_vec1().unwrap();
+    assert_eq!(padded.ids().dims(), &[2, 6]);
+    let rows: Vec<u32> = padded.rows().to_vec1().unwrap();
     assert_eq!(rows, vec![1, 3, 4, 6, 7]);
     assert!(padded.segments().is_none());
     let mut bad = a.clone();
@@ -179,4 +179,44 @@ fn steps_file_holds_each_steps_examples() {
         }
     }
     assert!(wick::data::packing::write_steps_jsonl(&path, &[vec![3]], &ex).is_err());
+}
+
+/// The evaluation loss runs without LoRA dropout: the same every time, and equal to the
+/// training loss of the same adapters with dropout 0; the training loss with dropout differs.
+#[test]
+fn eval_loss_has_no_dropout() {
+    let w = reference::drawn_weights(DecoderConfig::tiny_family(Family::Qwen2, VOCAB), 9);
+    let ex = [example(11, 3, 1), example(6, 1, 2)];
+    let batch = TrainBatch::packed(&[&ex[0], &ex[1]], &Device::Cpu).unwrap();
+    let model = |dropout: f64| {
+        let mut lora = wick::lora::LoraConfig::all_linear(4, 8.0);
+        lora.dropout = dropout;
+        let store = ParamStore::new(Precision::Fp32, Device::Cpu, 3);
+        let m = Decoder::new(&store, &w, &FineTune::Lora(lora)).unwrap();
+        // B drawn non-zero so that the adapters (and their dropout) change the loss
+        for p in store.params() {
+            let v: Vec<f32> = (0..p.master.elem_count())
+                .map(|i| ((i * 37 % 101) as f32 / 101.0 - 0.5) * 0.2)
+                .collect();
+            let t = Tensor::from_vec(v, p.master.shape(), &Device::Cpu).unwrap();
+            p.master.set(&t).unwrap();
+        }
+        store.refresh_working_copies().unwrap();
+        (store, m)
+    };
+    let scalar = |t: Tensor| t.to_scalar::<f32>().unwrap();
+    let (_s, with) = model(0.5);
+    let (_t, without) = model(0.0);
+    let eval = scalar(with.eval_loss(&batch).unwrap());
+    assert_eq!(eval, scalar(with.eval_loss(&batch).unwrap()));
+    let plain = scalar(without.batch_loss(&batch).unwrap());
+    assert!(
+        (eval - plain).abs() < 1e-6,
+        "eval {eval} vs dropout-free {plain}"
+    );
+    let trained = scalar(with.batch_loss(&batch).unwrap());
+    assert!(
+        (trained - plain).abs() > 1e-4,
+        "dropout changed nothing: {trained}"
+    );
 }

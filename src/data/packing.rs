@@ -115,19 +115,12 @@ pub enum Layout {
 /// [`crate::models::CausalLm::batch_loss`].
 #[derive(Debug)]
 pub struct TrainBatch {
-    /// Token ids, u32: `(1, N)` packed or `(B, T)` padded (padding id 0).
-    pub ids: Tensor,
-    /// `(R,)` u32: indices into the flattened `(B * T)` positions of the rows whose next
-    /// token is trained.
-    pub rows: Tensor,
-    /// `(R,)` u32: the trained target of each of those rows.
-    pub targets: Tensor,
-    /// Packed with its segments, or padded.
-    pub layout: Layout,
-    /// Examples in the batch.
-    pub examples: usize,
-    /// Real (non-padding) tokens.
-    pub tokens: usize,
+    ids: Tensor,
+    rows: Tensor,
+    targets: Tensor,
+    layout: Layout,
+    examples: usize,
+    tokens: usize,
     trained: usize,
 }
 
@@ -194,6 +187,37 @@ impl TrainBatch {
             tokens: examples.iter().map(|e| e.ids.len()).sum(),
             trained,
         })
+    }
+
+    /// Token ids, u32: `(1, N)` packed or `(B, T)` padded (padding id 0).
+    pub fn ids(&self) -> &Tensor {
+        &self.ids
+    }
+
+    /// `(R,)` u32: indices into the flattened `(B * T)` positions of the rows whose next token
+    /// is trained.
+    pub fn rows(&self) -> &Tensor {
+        &self.rows
+    }
+
+    /// `(R,)` u32: the trained target of each of those rows.
+    pub fn targets(&self) -> &Tensor {
+        &self.targets
+    }
+
+    /// Packed with its segments, or padded.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// Examples in the batch.
+    pub fn examples(&self) -> usize {
+        self.examples
+    }
+
+    /// Real (non-padding) tokens.
+    pub fn tokens(&self) -> usize {
+        self.tokens
     }
 
     /// Trained targets (the loss's denominator and the micro-batch's weight, as transformers'

@@ -1,13 +1,12 @@
-//! Micro-batches of tokenized conversations on the device ([`MicroBatch`]) and their loss:
+//! Micro-batches of tokenized conversations on the device ([`micro_batch`]):
 //! packed without padding (`crate::data::packing`: whole conversations up to a token budget,
 //! attention kept inside each, RoPE positions restarting) or padded to the longest
 //! conversation of a fixed count. The one place `wick finetune` meets the packing API.
 
 use crate::data::chat::Tokenized;
 use crate::data::packing::{self, TrainBatch};
-use crate::models::Decoder;
 use anyhow::{ensure, Result};
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 
 /// How examples are grouped into micro-batches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,56 +37,33 @@ pub fn group(lengths: &[usize], order: &[usize], grouping: Grouping) -> Result<V
     })
 }
 
-/// One micro-batch on the device, with its counts.
-pub struct MicroBatch {
-    /// The ids, targets and (packed) document offsets.
-    pub batch: TrainBatch,
-    /// Conversations in it.
-    pub examples: usize,
-    /// Real (non-padding) tokens in it.
-    pub tokens: usize,
-    /// Targets the loss averages over: the micro-batch's weight in its step.
-    pub targets: usize,
-}
-
-impl MicroBatch {
-    /// The micro-batch of `examples[i]` for `i` in `indices`, laid out as `grouping` says.
-    ///
-    /// Errors: no index, an index out of range, no trained target, a tensor that cannot be
-    /// built on `device`.
-    pub fn new(
-        examples: &[Tokenized],
-        indices: &[usize],
-        grouping: Grouping,
-        device: &Device,
-    ) -> Result<Self> {
-        ensure!(!indices.is_empty(), "an empty micro-batch");
-        let picked: Vec<&Tokenized> = indices
-            .iter()
-            .map(|&i| {
-                examples.get(i).ok_or_else(|| {
-                    anyhow::anyhow!("example {i} of {} does not exist", examples.len())
-                })
-            })
-            .collect::<Result<_>>()?;
-        let batch = match grouping {
-            Grouping::Packed { .. } => TrainBatch::packed(&picked, device)?,
-            Grouping::Padded { .. } => TrainBatch::padded(&picked, device)?,
-        };
-        let targets = batch.trained_targets();
-        ensure!(targets > 0, "a micro-batch with no trained target");
-        Ok(Self {
-            examples: batch.examples,
-            tokens: batch.tokens,
-            targets,
-            batch,
+/// The micro-batch of `examples[i]` for `i` in `indices` on `device`, laid out as `grouping`
+/// says ([`TrainBatch`] carries its counts: examples, tokens, trained targets).
+///
+/// Errors: no index, an index out of range, no trained target, a tensor that cannot be built
+/// on `device`.
+pub fn micro_batch(
+    examples: &[Tokenized],
+    indices: &[usize],
+    grouping: Grouping,
+    device: &Device,
+) -> Result<TrainBatch> {
+    ensure!(!indices.is_empty(), "an empty micro-batch");
+    let picked: Vec<&Tokenized> = indices
+        .iter()
+        .map(|&i| {
+            examples
+                .get(i)
+                .ok_or_else(|| anyhow::anyhow!("example {i} of {} does not exist", examples.len()))
         })
-    }
-
-    /// Mean cross-entropy over the micro-batch's trained targets, rank-0 f32 (training mode).
-    ///
-    /// Errors: the model's.
-    pub fn loss(&self, model: &Decoder) -> Result<Tensor> {
-        model.batch_loss(&self.batch)
-    }
+        .collect::<Result<_>>()?;
+    let batch = match grouping {
+        Grouping::Packed { .. } => TrainBatch::packed(&picked, device)?,
+        Grouping::Padded { .. } => TrainBatch::padded(&picked, device)?,
+    };
+    ensure!(
+        batch.trained_targets() > 0,
+        "a micro-batch with no trained target"
+    );
+    Ok(batch)
 }

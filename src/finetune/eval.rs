@@ -3,7 +3,7 @@
 //! trained targets, so the result is the mean cross-entropy over all held-out targets
 //! (transformers' `eval_loss` with token-weighted averaging).
 
-use super::batches::{group, Grouping, MicroBatch};
+use super::batches::{group, micro_batch, Grouping};
 use crate::data::chat::Tokenized;
 use crate::models::Decoder;
 use anyhow::{Context, Result};
@@ -47,14 +47,13 @@ impl<'a> EvalSet<'a> {
         anyhow::ensure!(!self.is_empty(), "no held-out conversation to evaluate on");
         let (mut sum, mut weight) = (0.0f64, 0usize);
         for g in &self.groups {
-            let mb = MicroBatch::new(self.examples, g, self.grouping, device)?;
-            let l = mb
-                .loss(model)
+            let mb = micro_batch(self.examples, g, self.grouping, device)?;
+            let l = model
+                .eval_loss(&mb)
                 .context("the evaluation loss")?
-                .detach()
                 .to_scalar::<f32>()?;
-            sum += l as f64 * mb.targets as f64;
-            weight += mb.targets;
+            sum += l as f64 * mb.trained_targets() as f64;
+            weight += mb.trained_targets();
         }
         Ok(sum / weight as f64)
     }

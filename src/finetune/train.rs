@@ -4,7 +4,7 @@
 //! checkpoints every `save.every_steps` and on Ctrl-C, an indicatif progress bar on a
 //! terminal, the per-phase times for `phases.png`.
 
-use super::batches::{Grouping, MicroBatch};
+use super::batches::{micro_batch, Grouping};
 use super::eval::EvalSet;
 use super::plan::Step;
 use crate::checkpoint::{self, Checkpointer};
@@ -163,10 +163,10 @@ pub fn train(l: Loop) -> Result<Ended> {
         let mut report = None;
         for (k, indices) in step.micro.iter().enumerate() {
             let t = Instant::now();
-            let mb = MicroBatch::new(l.train, indices, l.grouping, l.device)?;
+            let mb = micro_batch(l.train, indices, l.grouping, l.device)?;
             out.phases.data += t.elapsed();
-            let w = mb.targets as f64;
-            let forward = |_: &crate::StepCtx| mb.loss(l.model);
+            let w = mb.trained_targets() as f64;
+            let forward = |_: &crate::StepCtx| l.model.batch_loss(&mb);
             let r = if k + 1 == step.micro.len() {
                 l.engine.step_weighted_closing(w, forward)?
             } else {
@@ -177,9 +177,9 @@ pub fn train(l: Loop) -> Result<Ended> {
                 None => weighted,
                 Some(sum) => (sum + weighted)?,
             });
-            window.targets += mb.targets;
-            window.examples += mb.examples;
-            window.tokens += mb.tokens;
+            window.targets += mb.trained_targets();
+            window.examples += mb.examples();
+            window.tokens += mb.tokens();
             pending.push(None, r.spans.clone());
             report = Some(r);
         }

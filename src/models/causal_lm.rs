@@ -28,6 +28,8 @@ pub trait CausalLm: Send + Sync + Sized {
     /// Mean cross-entropy over the trained targets of a packed or padded chat batch, in
     /// training mode.
     fn batch_loss(&self, batch: &TrainBatch) -> Result<Tensor>;
+    /// The same in evaluation mode (no dropout, no gradients).
+    fn eval_loss(&self, batch: &TrainBatch) -> Result<Tensor>;
     /// Logits of `ids` at positions `cache.len()..`, extending the cache (prefill or decode).
     fn forward_cached(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor>;
     /// Up to `max_new_tokens` ids after `prompt` (greedy at temperature 0), each handed to
@@ -77,6 +79,9 @@ impl CausalLm for Decoder {
     }
     fn batch_loss(&self, batch: &TrainBatch) -> Result<Tensor> {
         Decoder::batch_loss(self, batch)
+    }
+    fn eval_loss(&self, batch: &TrainBatch) -> Result<Tensor> {
+        Decoder::eval_loss(self, batch)
     }
     fn forward_cached(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
         Decoder::forward_cached(self, ids, cache)

@@ -490,7 +490,7 @@ impl Decoder {
                 self.config.max_position_embeddings
             );
         }
-        let h = self.hidden(ids, self.rope_tables(t)?, None)?;
+        let h = self.hidden(ids, self.rope_tables(t)?, None, true)?;
         let h = h.reshape((b * t, self.config.hidden_size))?;
         let y = targets.flatten_all()?;
         let sum = ops::linear_cross_entropy_sum(&h, &self.head_weight()?, &y, None)?;
@@ -505,7 +505,20 @@ impl Decoder {
     /// Errors: a batch with no trained target; a document or row longer than
     /// `max_position_embeddings`; ids outside the vocabulary (CPU); a failing op.
     pub fn batch_loss(&self, batch: &TrainBatch) -> Result<Tensor> {
-        let (_, t) = self.check_ids(&batch.ids, "batch_loss")?;
+        self.trained_targets_loss(batch, true)
+    }
+
+    /// [`Decoder::batch_loss`] in evaluation mode (transformers' `model.eval()` under
+    /// `torch.no_grad()`): no LoRA dropout, no activation checkpointing, and the head + loss
+    /// node makes no gradients (its operands detached). A rank-0 f32 tensor outside any
+    /// backward. Errors: as [`Decoder::batch_loss`].
+    pub fn eval_loss(&self, batch: &TrainBatch) -> Result<Tensor> {
+        Ok(self.trained_targets_loss(batch, false)?.detach())
+    }
+
+    /// [`Decoder::batch_loss`] (`train`) or [`Decoder::eval_loss`].
+    fn trained_targets_loss(&self, batch: &TrainBatch, train: bool) -> Result<Tensor> {
+        let (_, t) = self.check_ids(batch.ids(), "batch_loss")?;
         let n = batch.trained_targets();
         if n == 0 {
             bail!("Decoder::batch_loss: the batch has no trained target; nothing to learn from")
@@ -530,23 +543,32 @@ impl Decoder {
             Some(s) => Arc::new(self.position_tables(longest)?.gather(s.positions())?),
             None => self.rope_tables(t)?,
         };
-        let h = self.hidden(&batch.ids, ropes, batch.shared_segments())?;
-        let h = h.flatten(0, 1)?.index_select(&batch.rows, 0)?;
-        let sum = ops::linear_cross_entropy_sum(&h, &self.head_weight()?, &batch.targets, None)?;
+        let h = self.hidden(batch.ids(), ropes, batch.shared_segments(), train)?;
+        let (mut h, mut w) = (
+            h.flatten(0, 1)?.index_select(batch.rows(), 0)?,
+            self.head_weight()?,
+        );
+        if !train {
+            // detached operands: the node skips its gradient GEMMs
+            (h, w) = (h.detach(), w.detach());
+        }
+        let sum = ops::linear_cross_entropy_sum(&h, &w, batch.targets(), None)?;
         Ok(sum.affine(1.0 / n as f64, 0.0)?)
     }
 
-    /// The blocks and the final norm of `ids: (B, T)` in training mode: `(B, T, C)` in the
-    /// compute dtype. `segments`: the documents of a packed row (attention inside each).
+    /// The blocks and the final norm of `ids: (B, T)`: `(B, T, C)` in the compute dtype.
+    /// `segments`: the documents of a packed row (attention inside each). `train`: LoRA
+    /// dropout and activation checkpointing as configured; else neither.
     fn hidden(
         &self,
         ids: &Tensor,
         ropes: Arc<Ropes>,
         segments: Option<Arc<ops::Segments>>,
+        train: bool,
     ) -> Result<Tensor> {
         let mut x = self.embed_ids(ids)?;
         let compute = self.compute();
-        if self.checkpointing {
+        if self.checkpointing && train {
             // each block a segment recomputed in the backward, run as its per-op composition
             for b in &self.blocks {
                 let (block, ropes, docs) = (b.clone(), ropes.clone(), segments.clone());
@@ -562,7 +584,7 @@ impl Decoder {
             // the L blocks as one stack: one graph node under the engine's backward
             let attend = Attend::over(segments.as_deref());
             let all = self.blocks.iter().map(|b| (&**b, ropes.of(b), attend));
-            x = block::run(&x, all, true, false, compute)?;
+            x = block::run(&x, all, train, false, compute)?;
         }
         self.final_norm(&x)
     }
