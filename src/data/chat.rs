@@ -67,8 +67,8 @@ use rand::seq::SliceRandom;
 use serde_json::Value;
 use std::path::Path;
 
-/// The label of positions that are not trained (transformers' and PyTorch's `ignore_index`).
-pub const IGNORE_INDEX: i64 = -100;
+// The packing's input vocabulary lives beside it (built without the `tokenizers` feature too).
+pub use super::packing::{Tokenized, IGNORE_INDEX};
 
 /// The roles [`read_jsonl`] accepts.
 pub const ROLES: &[&str] = &["system", "user", "assistant"];
@@ -234,29 +234,6 @@ pub enum TrainOn {
     Assistant,
     /// Every token (the template's and the user's too).
     All,
-}
-
-/// One tokenized example.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Tokenized {
-    /// Token ids of the rendered conversation, length `T`.
-    pub ids: Vec<u32>,
-    /// Length `T`: `ids[k]` as i64 where trained, [`IGNORE_INDEX`] elsewhere (not shifted).
-    pub labels: Vec<i64>,
-    /// Assistant-span boundaries where the prefix's tokens were not a prefix of the whole's
-    /// (see the module docs); 0 for a well-behaved template and data.
-    pub merged_boundaries: usize,
-}
-
-impl Tokenized {
-    /// Targets the shifted loss reads: labels at positions `1..` other than [`IGNORE_INDEX`].
-    pub fn trained_targets(&self) -> usize {
-        self.labels
-            .iter()
-            .skip(1)
-            .filter(|&&l| l != IGNORE_INDEX)
-            .count()
-    }
 }
 
 /// Renders `example` with `tok`'s chat template and tokenizes it with labels per `train_on`

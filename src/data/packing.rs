@@ -22,11 +22,36 @@
 //! it would overflow the current one. The order of examples is kept, so the same seed gives the
 //! same steps.
 
-use super::chat::{Tokenized, IGNORE_INDEX};
 use crate::ops::Segments;
 use anyhow::{bail, ensure, Context, Result};
 use candle_core::{Device, Tensor};
 use std::sync::Arc;
+
+/// The label of positions that are not trained (transformers' and PyTorch's `ignore_index`).
+pub const IGNORE_INDEX: i64 = -100;
+
+/// One tokenized example.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Tokenized {
+    /// Token ids of the rendered conversation, length `T`.
+    pub ids: Vec<u32>,
+    /// Length `T`: `ids[k]` as i64 where trained, [`IGNORE_INDEX`] elsewhere (not shifted).
+    pub labels: Vec<i64>,
+    /// Assistant-span boundaries where the prefix's tokens were not a prefix of the whole's
+    /// (see `data::chat`'s module docs); 0 for a well-behaved template and data.
+    pub merged_boundaries: usize,
+}
+
+impl Tokenized {
+    /// Targets the shifted loss reads: labels at positions `1..` other than [`IGNORE_INDEX`].
+    pub fn trained_targets(&self) -> usize {
+        self.labels
+            .iter()
+            .skip(1)
+            .filter(|&&l| l != IGNORE_INDEX)
+            .count()
+    }
+}
 
 /// Groups the examples of `order` (indices into `lengths`, the examples' token counts) into
 /// steps of at most `budget` tokens each, greedily in that order (see the module docs).
