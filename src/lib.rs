@@ -48,9 +48,11 @@
 #![warn(missing_docs)]
 
 pub mod amp;
+#[cfg(feature = "cli")]
 pub mod bench;
 pub mod checkpoint;
 pub mod classify;
+#[cfg(feature = "cli")]
 pub mod cli;
 pub mod coverage;
 pub mod cuda;
@@ -58,6 +60,7 @@ pub mod data;
 pub mod dist;
 pub mod doctor;
 pub mod engine;
+#[cfg(feature = "tokenizers")]
 pub mod finetune;
 pub mod grad_sink;
 pub mod grads;
@@ -69,6 +72,7 @@ pub mod ops;
 pub mod optim;
 pub mod params;
 pub mod perf;
+#[cfg(feature = "plot")]
 pub mod plot;
 pub mod precision;
 pub mod profile;

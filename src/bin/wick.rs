@@ -67,14 +67,17 @@ enum Command {
     /// Check this machine and build for training: hardware, drivers, libraries, settings.
     Doctor(DoctorArgs),
     /// Draw loss/lr curves (and the phase breakdown) from CSV files as PNG images.
+    #[cfg(feature = "plot")]
     Plot(PlotArgs),
     /// Start and supervise the local ranks of a data-parallel job (torchrun's contract).
     Launch(LaunchArgs),
     /// Fine-tune a model on chat data (JSONL conversations) as a TOML config says.
+    #[cfg(feature = "tokenizers")]
     Finetune(FinetuneArgs),
 }
 
 /// `wick finetune --config run.toml [--device cpu|cuda] [--resume]` (see `wick::finetune`).
+#[cfg(feature = "tokenizers")]
 #[derive(clap::Args, Debug)]
 struct FinetuneArgs {
     /// The run's TOML config (docs/finetune.md lists its keys; examples/configs/ has examples).
@@ -129,6 +132,7 @@ struct DoctorArgs {
     precision: Option<Precision>,
 }
 
+#[cfg(feature = "plot")]
 #[derive(clap::Args, Debug)]
 struct PlotArgs {
     /// Metrics CSV: step,epoch,loss,val_loss,lr,grad_norm,loss_scale,samples_per_s (empty cells
@@ -190,12 +194,15 @@ fn run(command: Command) -> Result<()> {
             Ok(())
         }
         Command::Doctor(args) => doctor(&args),
+        #[cfg(feature = "plot")]
         Command::Plot(args) => plot(&args),
         Command::Launch(args) => launch(args),
+        #[cfg(feature = "tokenizers")]
         Command::Finetune(args) => finetune(&args),
     }
 }
 
+#[cfg(feature = "tokenizers")]
 fn finetune(args: &FinetuneArgs) -> Result<()> {
     wick::cli::init_logging();
     let overrides = wick::finetune::Overrides {
@@ -279,6 +286,7 @@ fn emit(text: &str) -> Result<()> {
     }
 }
 
+#[cfg(feature = "plot")]
 fn plot(args: &PlotArgs) -> Result<()> {
     use wick::plot::{self, PlotOptions};
     let opts = PlotOptions {

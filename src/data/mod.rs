@@ -15,6 +15,7 @@
 //! - `staging` (feature `cuda`): pinned host staging and the copy stream behind the loader.
 
 pub mod buckets;
+#[cfg(feature = "tokenizers")]
 pub mod chat;
 pub mod dataset;
 pub mod loader;

@@ -8,7 +8,8 @@
 //! - GPUs through NVML (the `nvml-wrapper` crate opens `libnvidia-ml.so.1` at run time, so the
 //!   binary runs on machines without a driver and reports that instead): name, compute
 //!   capability, memory, driver and CUDA driver API versions, persistence mode, clocks, power,
-//!   PCIe link, NVLink, throttle reasons, running processes;
+//!   PCIe link, NVLink, throttle reasons, running processes (the `nvml` feature, default on;
+//!   without it the report says NVML was not built in);
 //! - the CUDA driver as CUDA itself sees it (`libcuda.so.1`: `cuInit`, device count; this
 //!   honours `CUDA_VISIBLE_DEVICES`, NVML does not);
 //! - the CUDA libraries that can actually be loaded (`dlopen`), with their versions;
@@ -38,6 +39,7 @@ use probe::*;
 pub use render::render_text;
 
 /// NVML_NVLINK_MAX_LINKS of nvml.h.
+#[cfg(feature = "nvml")]
 const NVLINK_MAX_LINKS: u32 = 18;
 
 /// The candle version wick is built and tested against (pinned with `=` in Cargo.toml).

@@ -166,6 +166,19 @@ pub(super) fn parse_major_minor(s: &str) -> Option<(u32, u32)> {
     ))
 }
 
+/// Without the `nvml` feature: no NVML, and the report says so (the CUDA driver and library
+/// probes below still run).
+#[cfg(not(feature = "nvml"))]
+pub(super) fn collect_nvml() -> (NvmlInfo, Vec<GpuInfo>) {
+    let info = NvmlInfo {
+        loaded: false,
+        error: Some("wick was built without the `nvml` feature (no GPU details)".to_string()),
+        ..Default::default()
+    };
+    (info, Vec::new())
+}
+
+#[cfg(feature = "nvml")]
 pub(super) fn collect_nvml() -> (NvmlInfo, Vec<GpuInfo>) {
     use nvml_wrapper::enum_wrappers::device::{Clock, TemperatureSensor};
     use nvml_wrapper::error::NvmlError;
@@ -327,6 +340,7 @@ pub(super) fn collect_nvml() -> (NvmlInfo, Vec<GpuInfo>) {
 }
 
 /// Keeps a value; records the failure unless the GPU simply lacks the feature.
+#[cfg(feature = "nvml")]
 pub(super) fn keep<T>(
     errors: &mut Vec<String>,
     what: &str,

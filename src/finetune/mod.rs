@@ -296,7 +296,10 @@ pub fn run(config_path: &Path, overrides: &Overrides) -> Result<Outcome> {
             peak.map_or("n/a (CPU)".into(), |g| format!("{g:.2} GB"))
         );
     }
+    #[cfg(feature = "plot")]
     let pictures = crate::trainer::write_plots(&out_dir, &trained.phases, trained.steps)?;
+    #[cfg(not(feature = "plot"))]
+    let pictures: Vec<PathBuf> = Vec::new(); // no pictures without the `plot` feature
     let (mut adapter, mut merged) = (None, None);
     if c.save.adapter == Some(true) {
         let dir = out_dir.join("adapter");

@@ -13,11 +13,11 @@ use crate::models::Decoder;
 use crate::profile::PhaseTimes;
 use crate::throughput::{Throughput, Unit};
 use crate::timing::PendingPhases;
-use crate::trainer::{progress_bar, MetricsFiles, MetricsRow};
+use crate::trainer::progress::{progress_bar, ProgressBar};
+use crate::trainer::{MetricsFiles, MetricsRow};
 use crate::Engine;
 use anyhow::{ensure, Result};
 use candle_core::{Device, Tensor};
-use indicatif::ProgressBar;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 

@@ -6,11 +6,12 @@
 
 use super::config::DecoderConfig;
 use super::decoder::{Decoder, DecoderWeights, KvCache};
+#[cfg(feature = "tokenizers")]
 use super::tokenizer::TextTokenizer;
 use crate::data::packing::TrainBatch;
 use crate::lora::LoraConfig;
 use crate::params::ParamStore;
-use anyhow::{Context, Result};
+use anyhow::Result;
 use candle_core::{Device, Tensor};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -156,10 +157,12 @@ impl Source {
         }
     }
 
-    /// The model's tokenizer and chat template.
+    /// The model's tokenizer and chat template (feature `tokenizers`).
     ///
     /// Errors: as [`TextTokenizer::from_gguf`] / [`TextTokenizer::from_hf_dir`].
+    #[cfg(feature = "tokenizers")]
     pub fn tokenizer(&self) -> Result<TextTokenizer> {
+        use anyhow::Context;
         match self {
             Source::Gguf(p) => TextTokenizer::from_gguf(&super::files::Gguf::open(p)?),
             Source::HfDir(d) => TextTokenizer::from_hf_dir(d),

@@ -24,7 +24,9 @@ pub mod family;
 pub mod files;
 pub mod gpt;
 mod sampling;
+#[cfg(feature = "tokenizers")]
 pub mod spm_tokenizer;
+#[cfg(feature = "tokenizers")]
 pub mod tokenizer;
 
 pub use bert::{Bert, BertConfig};

@@ -1,6 +1,6 @@
 //! `Trainer`: the fit loop on top of [`Engine`] — epochs or a step budget, validation every N
 //! optimizer steps or per epoch, early stopping on a monitored metric, an indicatif progress
-//! bar, metrics to CSV and JSONL, and at the end the per-phase breakdown and throughput.
+//! bar (feature `cli`), metrics to CSV and JSONL, and at the end the per-phase breakdown and throughput.
 //!
 //! Each batch the [`DataLoader`] yields is one micro-batch, weighted by its sample count; the
 //! engine runs the optimizer step every `accumulation_steps` batches, and on the epoch's last
@@ -13,6 +13,7 @@
 //! examples let command-line flags override it.
 
 mod metrics;
+pub(crate) mod progress;
 
 pub use metrics::{MetricsFiles, MetricsRow, CSV_HEADER};
 
@@ -23,7 +24,7 @@ use crate::throughput::{Throughput, Unit};
 use crate::timing::PendingPhases;
 use anyhow::{bail, Context, Result};
 use candle_core::Tensor;
-use indicatif::{ProgressBar, ProgressStyle};
+use progress::progress_bar;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -300,6 +301,7 @@ pub struct Hooks<'a> {
 ///     },
 ///     Hooks::default(), // e.g. checkpoint every N steps, stop on Ctrl-C
 /// )?;
+/// # #[cfg(feature = "plot")]
 /// trainer.write_plots(&summary)?; // loss.png, phases.png
 /// println!("{}", summary.report()); // phase table, throughput, hints
 /// # Ok(()) }
@@ -699,10 +701,11 @@ impl Trainer {
     /// `phases.csv` and `phases.png` (the summary's phase breakdown) and `loss.png` (train and
     /// validation loss and the learning rate against step, from the whole `metrics.csv`, so a
     /// resumed run's plot shows the run from its start). Returns the paths written; nothing
-    /// without an `out_dir`, or on a data-parallel rank other than 0.
+    /// without an `out_dir`, or on a data-parallel rank other than 0. Feature `plot`.
     ///
     /// Errors: `metrics.csv` cannot be read, or a picture cannot be written (the message names
     /// the file).
+    #[cfg(feature = "plot")]
     pub fn write_plots(&self, summary: &FitSummary) -> Result<Vec<PathBuf>> {
         match self.config.out_dir.as_deref() {
             Some(dir) if summary.rank == 0 => {
@@ -760,25 +763,10 @@ fn peak_memory(device: &candle_core::Device) -> Option<u64> {
     None
 }
 
-/// The progress bar of a run of `len` optimizer steps, hidden unless `show` (the
-/// [`Trainer`]'s and `wick finetune`'s).
-pub(crate) fn progress_bar(len: u64, show: bool) -> ProgressBar {
-    let bar = match show {
-        true => ProgressBar::new(len),
-        false => ProgressBar::hidden(),
-    };
-    bar.set_style(
-        ProgressStyle::with_template(
-            "{bar:30} {pos}/{len} steps  {msg}  [{elapsed_precise} < {eta_precise}]",
-        )
-        .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    bar
-}
-
 /// `phases.csv`, `loss.png` (train/val loss and lr against step) and `phases.png` (the phase
 /// bar chart) next to the metrics files; returns the files written (the [`Trainer`]'s and
 /// `wick finetune`'s).
+#[cfg(feature = "plot")]
 pub(crate) fn write_plots(dir: &Path, phases: &PhaseTimes, steps: u64) -> Result<Vec<PathBuf>> {
     use crate::plot::{
         plot_metrics, plot_phases, read_metrics, write_phases_csv, PhaseBreakdown, PlotOptions,
