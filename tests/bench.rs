@@ -1,6 +1,8 @@
 //! `wick bench optim` and `wick bench step` live in the library (`wick::bench`); the binary
 //! parses and calls them.
 
+#![cfg(feature = "cli")]
+
 use std::process::Command;
 use wick::bench::optim::{OptimArgs, ParamSpec};
 use wick::Precision;

@@ -3,6 +3,8 @@
 //! calls) and a tiny random config; plus the silent no-gradient trap of candle-transformers'
 //! `BertModel` on `ParamStore::var_builder()`, pinned by name.
 
+#![cfg(feature = "tokenizers")]
+
 mod common;
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, D};

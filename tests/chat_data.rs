@@ -4,6 +4,8 @@
 //! held-out split and epoch order, and the Shakespeare dialogue data set with its length
 //! distribution.
 
+#![cfg(feature = "tokenizers")]
+
 mod common;
 
 use anyhow::Result;

@@ -1,6 +1,8 @@
 //! Checkpoints: bitwise resume, corrupt files, kill -9 during save, pruning, candle-nn
 //! compatibility, Ctrl-C. CPU only, real values.
 
+#![cfg(feature = "cli")]
+
 #[path = "../examples/ckpt_crash.rs"]
 mod ckpt_crash;
 

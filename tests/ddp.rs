@@ -522,6 +522,7 @@ fn different_models_on_two_ranks_are_refused_on_both() {
 }
 
 #[test]
+#[cfg(feature = "cli")] // the wick binary
 fn wick_launch_stops_the_job_when_a_rank_fails() {
     let exe = env!("CARGO_BIN_EXE_wick");
     let t = std::time::Instant::now();
@@ -593,7 +594,7 @@ fn dtype_of_reduced_gradients_is_f32_in_mixed_precision() -> Result<()> {
 /// The same checks over NCCL on 2 GPUs (feature `nccl`, a machine with >= 2 GPUs, e.g.
 /// nvidia-h200-x2): the parent test starts 2 ranks of this test binary with `wick launch`,
 /// filtered to `nccl_2gpu::rank_body`; without 2 GPUs it says so and passes.
-#[cfg(feature = "nccl")]
+#[cfg(all(feature = "nccl", feature = "cli"))]
 mod nccl_2gpu {
     use super::*;
     use candle_core::cuda::cudarc::driver::CudaContext;

@@ -3,6 +3,8 @@
 //! recompute; a forward that fails mid-way leaves the cache as it was (all or nothing). And
 //! the GGUF reader's errors name the file and key.
 
+#![cfg(feature = "tokenizers")]
+
 use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
 use wick::models::family::{Family, LayerType};

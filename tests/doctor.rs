@@ -1,6 +1,8 @@
 //! `wick doctor` as a user runs it: on a machine without a GPU it must say so, exit 0, and
 //! exit non-zero with `--require cuda`; its JSON must carry every field.
 
+#![cfg(all(feature = "cli", feature = "nvml"))]
+
 use std::process::Command;
 
 fn wick(args: &[&str]) -> std::process::Output {

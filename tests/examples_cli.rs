@@ -4,6 +4,8 @@
 //! same figure in its table and its JSON line) with the step-0 evaluation in metrics.csv.
 //! Runs the example binaries that `cargo test` builds (built here when missing).
 
+#![cfg(all(feature = "cli", feature = "plot", feature = "tokenizers"))]
+
 mod common;
 
 use common::{example, text, tmp};

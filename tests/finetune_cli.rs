@@ -6,6 +6,8 @@
 //! text's. Needs scripts/fetch_smollm2.sh and scripts/fetch_shakespeare.sh (as `.ci/run` does)
 //! and the example binary that `cargo test` builds.
 
+#![cfg(all(feature = "cli", feature = "plot", feature = "tokenizers"))]
+
 mod common;
 
 use common::{example, result, text, tmp};

@@ -7,6 +7,8 @@
 //! logits. Padded batches (packing off) train too. Needs scripts/fetch_smollm2.sh (the tokenizer
 //! and chat template of the tiny model) and the `wick` binary `cargo test` builds.
 
+#![cfg(all(feature = "cli", feature = "plot", feature = "tokenizers"))]
+
 mod common;
 
 use common::{result, text, tmp};

@@ -3,6 +3,8 @@
 //! scripts/gemma3_fixture.py), on the file scripts/fetch_gemma3.sh assembles (`.ci/run` calls
 //! it); without data/gemma3 they fail, naming the script, as the other tests on fetched data do.
 
+#![cfg(feature = "tokenizers")]
+
 mod common;
 use anyhow::Result;
 use candle_core::quantized::gguf_file;

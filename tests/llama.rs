@@ -4,6 +4,8 @@
 //! random configs). The real model is SmolLM2-135M-Instruct's GGUF (scripts/fetch_smollm2.sh,
 //! which `.ci/run` calls).
 
+#![cfg(feature = "tokenizers")]
+
 mod common;
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var, D};

@@ -6,6 +6,8 @@
 //! formulas (transformers' `_compute_llama3_parameters`, llama.cpp's `convert_hf_to_gguf.py`,
 //! PEFT's `LoraLayer.update_layer`) or taken from candle-transformers 0.11.1's `llama`.
 
+#![cfg(feature = "tokenizers")]
+
 mod common;
 use anyhow::Result;
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};

@@ -4,6 +4,8 @@
 //! the trained targets), and the padded batch gives the same. The examples are longer than
 //! Mistral's and Gemma 3's windows, so windows and document boundaries both bind.
 
+#![cfg(feature = "tokenizers")]
+
 mod common;
 
 use candle_core::{Device, Tensor};

@@ -1,5 +1,7 @@
 //! `wick plot` writes PNGs of the requested size from small CSV files.
 
+#![cfg(all(feature = "cli", feature = "plot"))]
+
 use std::path::PathBuf;
 use std::process::Command;
 use wick::plot::png_dimensions;

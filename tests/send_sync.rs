@@ -30,5 +30,6 @@ fn library_types_are_send_and_sync_where_shared() {
     send_sync::<Published<Decoder>>();
     send_sync::<FeedbackSender<Vec<f32>>>();
     send_sync::<OnlineStats>();
+    #[cfg(feature = "tokenizers")]
     send_sync::<wick::models::tokenizer::TextTokenizer>();
 }

@@ -8,6 +8,8 @@
 //! adapter; flags out of range are refused naming the flag. Loops are bounded; nothing asserts
 //! on time, and no assertion depends on how the trainer thread and the requests interleave.
 
+#![cfg(all(feature = "cli", feature = "tokenizers"))]
+
 mod common;
 
 use common::tmp;

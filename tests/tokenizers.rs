@@ -5,6 +5,8 @@
 //! the GGUF tokenizer back (SmolLM2 and Gemma 3, on the files scripts/fetch_smollm2.sh and
 //! scripts/fetch_gemma3.sh fetch), and tokenizer_config.json's keys are read or refused.
 
+#![cfg(feature = "tokenizers")]
+
 mod common;
 use anyhow::Result;
 use candle_core::quantized::gguf_file;

@@ -6,6 +6,7 @@ use candle_core::{DType, Device, Module, Tensor};
 use std::path::{Path, PathBuf};
 use wick::checkpoint::Checkpointer;
 use wick::data::{DataLoader, LoaderConfig, LoaderState, TensorDataset};
+#[cfg(feature = "plot")] // only_rank_0_writes_files
 use wick::dist::{DdpConfig, LocalCollective};
 use wick::trainer::{FitSummary, Hooks, Metrics, Trainer, TrainerConfig};
 use wick::{loss, nn, Engine, EngineConfig, ParamStore, Precision};
@@ -154,6 +155,7 @@ fn a_resumed_run_appends_to_the_metrics_files() -> anyhow::Result<()> {
 /// Step 0 (the untrained model) is evaluated and written; plots appear only when asked for,
 /// after `fit`.
 #[test]
+#[cfg(feature = "plot")]
 fn step_zero_evaluation_is_a_metrics_row_and_plots_come_after_fit() -> anyhow::Result<()> {
     let out = tmp("plots");
     let mut run = run_setup()?;
@@ -178,6 +180,7 @@ fn step_zero_evaluation_is_a_metrics_row_and_plots_come_after_fit() -> anyhow::R
 
 /// Two data-parallel ranks with their own out_dir: only rank 0 writes metrics and plots.
 #[test]
+#[cfg(feature = "plot")]
 fn only_rank_0_writes_files() -> anyhow::Result<()> {
     let root = tmp("ranks");
     let handles: Vec<_> = LocalCollective::group(2)?
