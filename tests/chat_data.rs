@@ -442,18 +442,10 @@ fn shakespeare_dialogues_counts_and_lengths() -> Result<()> {
         assert_eq!(r.kept, set.len());
         assert_eq!(r.merged_boundaries, 0);
         let lens: Vec<usize> = toks.iter().map(|t| t.ids.len()).collect();
-        let ans: Vec<usize> = toks.iter().map(|t| t.trained_targets()).collect();
         println!(
-            "{name}: {} examples, tokens per example (SmolLM2 template) p50 {} p90 {} p99 {} \
-             max {}; assistant tokens p50 {} p90 {} max {}; {} tokens, {} trained",
+            "{name}: {} examples, {}; {} tokens, {} trained",
             set.len(),
-            percentile(&lens, 50.0),
-            percentile(&lens, 90.0),
-            percentile(&lens, 99.0),
-            percentile(&lens, 100.0),
-            percentile(&ans, 50.0),
-            percentile(&ans, 90.0),
-            percentile(&ans, 100.0),
+            lengths(&toks),
             r.tokens,
             r.targets
         );
@@ -512,21 +504,13 @@ fn chitchat_conversations_read_and_lengths() -> Result<()> {
         assert_eq!(r.merged_boundaries, 0);
         println!("Chit-Chat {name}: {r}");
         let lens: Vec<usize> = toks.iter().map(|t| t.ids.len()).collect();
-        let ans: Vec<usize> = toks.iter().map(|t| t.trained_targets()).collect();
         let turns: Vec<usize> = set.iter().map(|e| e.messages.len()).collect();
         println!(
-            "{name}: {} examples, turns p50 {} p90 {}; tokens per example (SmolLM2 template) \
-             p50 {} p90 {} p99 {} max {}; assistant tokens p50 {} p90 {} max {}",
+            "{name}: {} examples, turns p50 {} p90 {}; {}",
             set.len(),
             percentile(&turns, 50.0),
             percentile(&turns, 90.0),
-            percentile(&lens, 50.0),
-            percentile(&lens, 90.0),
-            percentile(&lens, 99.0),
-            percentile(&lens, 100.0),
-            percentile(&ans, 50.0),
-            percentile(&ans, 90.0),
-            percentile(&ans, 100.0),
+            lengths(&toks),
         );
         for m in [512, 1024, 2048] {
             let over = lens.iter().filter(|&&l| l > m).count();
@@ -534,4 +518,23 @@ fn chitchat_conversations_read_and_lengths() -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The length distribution of tokenized examples: tokens per example (p50, p90, p99, max) and
+/// assistant (trained) tokens (p50, p90, max).
+fn lengths(toks: &[wick::data::chat::Tokenized]) -> String {
+    let lens: Vec<usize> = toks.iter().map(|t| t.ids.len()).collect();
+    let ans: Vec<usize> = toks.iter().map(|t| t.trained_targets()).collect();
+    let p = |v: &[usize], q: f64| percentile(v, q);
+    format!(
+        "tokens per example (SmolLM2 template) p50 {} p90 {} p99 {} max {}; assistant tokens \
+         p50 {} p90 {} max {}",
+        p(&lens, 50.0),
+        p(&lens, 90.0),
+        p(&lens, 99.0),
+        p(&lens, 100.0),
+        p(&ans, 50.0),
+        p(&ans, 90.0),
+        p(&ans, 100.0)
+    )
 }

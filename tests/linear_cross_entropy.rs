@@ -7,20 +7,12 @@
 //! machine) the CUDA path against the CPU reference:
 //! `cargo test --release --features cuda --test linear_cross_entropy -- --nocapture`.
 
+mod common;
+
 use candle_core::{DType, Device, Result, Tensor, Var};
+use common::tensors::rand_t;
 use rand::{Rng, SeedableRng};
 use wick::ops::{self, IGNORE_INDEX};
-
-/// Uniform values in `[lo, hi)` from a seeded generator, as `dtype` on `dev`.
-fn rand_t(shape: &[usize], lo: f32, hi: f32, seed: u64, dtype: DType, dev: &Device) -> Tensor {
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let n: usize = shape.iter().product();
-    let v: Vec<f32> = (0..n).map(|_| rng.random_range(lo..hi)).collect();
-    Tensor::from_vec(v, shape, &Device::Cpu)
-        .and_then(|t| t.to_dtype(dtype))
-        .and_then(|t| t.to_device(dev))
-        .unwrap()
-}
 
 /// `n` targets in `0..v` with [`IGNORE_INDEX`] at `ignored` rows, as i64.
 fn targets(n: usize, v: usize, ignored: &[usize], seed: u64) -> Vec<i64> {

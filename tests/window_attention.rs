@@ -8,63 +8,11 @@
 //! with `WICK_ATTENTION_KERNELS=mma` for the mma.sync build of bf16/f16, and with
 //! `WICK_ATTENTION_LOADS=cp` for the wgmma kernels' cp.async loads).
 
-use candle_core::{DType, Device, Result, Tensor, Var};
-use rand::{Rng, SeedableRng};
+mod common;
+
+use candle_core::{DType, Device, Result, Tensor};
+use common::tensors::{bits, err, rand_t, value_and_grad};
 use wick::ops;
-
-fn rand_t(shape: &[usize], lo: f32, hi: f32, seed: u64, dtype: DType, dev: &Device) -> Tensor {
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let n: usize = shape.iter().product();
-    let v: Vec<f32> = (0..n).map(|_| rng.random_range(lo..hi)).collect();
-    Tensor::from_vec(v, shape, &Device::Cpu)
-        .and_then(|t| t.to_dtype(dtype))
-        .and_then(|t| t.to_device(dev))
-        .unwrap()
-}
-
-/// Max |a - b| over max(1, max |b|), both read back as f32 on the CPU.
-fn err(a: &Tensor, b: &Tensor) -> f32 {
-    assert_eq!(a.dims(), b.dims(), "shapes differ");
-    let f = |t: &Tensor| {
-        t.to_device(&Device::Cpu)
-            .unwrap()
-            .to_dtype(DType::F32)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-    };
-    let (a, b) = (f(a), f(b));
-    let max = |t: Tensor| t.max(0).unwrap().to_scalar::<f32>().unwrap();
-    max((&a - &b).unwrap().abs().unwrap()) / max(b.abs().unwrap()).max(1.0)
-}
-
-/// Bits of a tensor read back as f32 on the CPU.
-fn bits(t: &Tensor) -> Vec<u32> {
-    t.to_device(&Device::Cpu)
-        .unwrap()
-        .to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap()
-        .into_iter()
-        .map(f32::to_bits)
-        .collect()
-}
-
-/// `(y, dqkv)` of `sum(f(qkv) * r)` (the loss in f32).
-fn value_and_grad(
-    f: &dyn Fn(&Tensor) -> Result<Tensor>,
-    qkv: &Tensor,
-    r: &Tensor,
-) -> Result<(Tensor, Tensor)> {
-    let v = Var::from_tensor(qkv)?;
-    let y = f(v.as_tensor())?;
-    let g = y.to_dtype(DType::F32)?.mul(r)?.sum_all()?.backward()?;
-    let dq = g.get(&v).cloned().expect("qkv gets a gradient");
-    Ok((y, dq))
-}
 
 /// The composition: q, k, v split from qkv, [`ops::grouped_attention`] with the window and the
 /// default scale.
@@ -217,6 +165,7 @@ fn window_one_is_v_and_zero_is_refused() -> Result<()> {
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::*;
+    use common::tensors::assert_deterministic;
     use std::time::Instant;
 
     fn gpu() -> Device {
@@ -304,14 +253,7 @@ mod cuda {
                 assert_eq!(bits(&g), bits(&g_c), "{dtype:?} window {win:?}: dqkv");
             }
             let f = |x: &Tensor| ops::grouped_window_attention(x, h, hkv, Some(37));
-            let (y1, g1) = value_and_grad(&f, &qkv, &r)?;
-            let (y2, g2) = value_and_grad(&f, &qkv, &r)?;
-            assert_eq!(bits(&y1), bits(&y2), "{dtype:?}: forward not deterministic");
-            assert_eq!(
-                bits(&g1),
-                bits(&g2),
-                "{dtype:?}: backward not deterministic"
-            );
+            assert_deterministic(&f, &qkv, &r, &format!("{dtype:?}"));
         }
         Ok(())
     }

@@ -30,10 +30,10 @@
 
 use super::check_device;
 use super::cross_entropy::cross_entropy_rows_no_bwd;
-use super::linear_cross_entropy::{check_head, storage_copy};
-use candle_core::{
-    bail, CpuStorage, CustomOp2, DType, Device, Layout, Result, Shape, Storage, Tensor,
-};
+#[cfg(feature = "cuda")]
+use super::linear_cross_entropy::stored_cuda;
+use super::linear_cross_entropy::{check_head, stored_cpu};
+use candle_core::{bail, CpuStorage, CustomOp2, DType, Device, Layout, Result, Shape, Tensor};
 use std::sync::Mutex;
 
 /// The target that marks a row to skip (zero loss, zero gradient), as PyTorch's
@@ -362,10 +362,7 @@ impl CustomOp2 for SumNode {
         _w: &CpuStorage,
         _lw: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        match storage_copy(&self.loss)? {
-            Storage::Cpu(s) => Ok((s, Shape::from(()))),
-            _ => bail!("linear_cross_entropy_sum: the loss is not on the CPU (internal error)"),
-        }
+        stored_cpu("linear_cross_entropy_sum", &self.loss)
     }
 
     #[cfg(feature = "cuda")]
@@ -376,10 +373,7 @@ impl CustomOp2 for SumNode {
         _w: &candle_core::CudaStorage,
         _lw: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        match storage_copy(&self.loss)? {
-            Storage::Cuda(s) => Ok((s, Shape::from(()))),
-            _ => bail!("linear_cross_entropy_sum: the loss is not on the GPU (internal error)"),
-        }
+        stored_cuda("linear_cross_entropy_sum", &self.loss)
     }
 
     fn bwd(

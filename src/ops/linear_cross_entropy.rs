@@ -75,11 +75,24 @@ pub(super) fn check_head(op: &str, h: &Tensor, w: &Tensor) -> Result<(usize, usi
     Ok((n, c, v))
 }
 
-/// A copy of the storage of `t`, a result computed before a graph node's forward, which that
-/// forward hands out as its output.
-pub(super) fn storage_copy(t: &Tensor) -> Result<Storage> {
+/// A copy of the CPU storage of `t` and its shape: a result computed before a graph node's
+/// forward (`op`), which that forward hands out as its output.
+pub(super) fn stored_cpu(op: &str, t: &Tensor) -> Result<(CpuStorage, Shape)> {
     let (s, l) = t.storage_and_layout();
-    s.try_clone(l)
+    match s.try_clone(l)? {
+        Storage::Cpu(c) => Ok((c, t.shape().clone())),
+        _ => bail!("{op}: the loss is not on the CPU (internal error)"),
+    }
+}
+
+/// [`stored_cpu`] on the GPU.
+#[cfg(feature = "cuda")]
+pub(super) fn stored_cuda(op: &str, t: &Tensor) -> Result<(candle_core::CudaStorage, Shape)> {
+    let (s, l) = t.storage_and_layout();
+    match s.try_clone(l)? {
+        Storage::Cuda(c) => Ok((c, t.shape().clone())),
+        _ => bail!("{op}: the loss is not on the GPU (internal error)"),
+    }
 }
 
 /// The graph node: its forward hands out the loss computed above (an `N`-float copy), its
@@ -105,10 +118,7 @@ impl CustomOp2 for HeadLoss {
         _w: &CpuStorage,
         _lw: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        match storage_copy(&self.loss)? {
-            Storage::Cpu(s) => Ok((s, self.loss.shape().clone())),
-            _ => bail!("linear_cross_entropy: the loss is not on the CPU (internal error)"),
-        }
+        stored_cpu("linear_cross_entropy", &self.loss)
     }
 
     #[cfg(feature = "cuda")]
@@ -119,10 +129,7 @@ impl CustomOp2 for HeadLoss {
         _w: &candle_core::CudaStorage,
         _lw: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        match storage_copy(&self.loss)? {
-            Storage::Cuda(s) => Ok((s, self.loss.shape().clone())),
-            _ => bail!("linear_cross_entropy: the loss is not on the GPU (internal error)"),
-        }
+        stored_cuda("linear_cross_entropy", &self.loss)
     }
 
     fn bwd(

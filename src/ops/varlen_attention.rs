@@ -53,14 +53,14 @@ pub fn grouped_varlen_attention(
     if t == 0 {
         return Tensor::zeros((1, 0, n_head * dh), qkv.dtype(), qkv.device());
     }
-    match fused_varlen_attention(qkv, n_head, n_kv_head, window, scale, segments)? {
+    match fused_checked(op, qkv, dh, n_head, n_kv_head, window, scale, segments)? {
         Some((y, _)) => Ok(y),
         None => grouped_varlen_attention_composed(qkv, n_head, n_kv_head, window, scale, segments),
     }
 }
 
-/// [`grouped_varlen_attention`]'s one-node form with the op that ran it, for a checked,
-/// non-empty `qkv`; `None` where that function takes the composition.
+/// [`grouped_varlen_attention`]'s one-node form with the op that ran it, for a non-empty
+/// `qkv` (the arguments checked here); `None` where that function takes the composition.
 pub(super) fn fused_varlen_attention(
     qkv: &Tensor,
     n_head: usize,
@@ -71,6 +71,21 @@ pub(super) fn fused_varlen_attention(
 ) -> Result<Option<(Tensor, AttentionOp)>> {
     let op = "grouped_varlen_attention";
     let dh = check(op, qkv, n_head, n_kv_head, window, scale, segments)?;
+    fused_checked(op, qkv, dh, n_head, n_kv_head, window, scale, segments)
+}
+
+/// [`fused_varlen_attention`] for arguments [`check`] accepted (head width `dh`).
+#[allow(clippy::too_many_arguments)]
+fn fused_checked(
+    op: &str,
+    qkv: &Tensor,
+    dh: usize,
+    n_head: usize,
+    n_kv_head: usize,
+    window: Option<usize>,
+    scale: Option<f64>,
+    segments: &Segments,
+) -> Result<Option<(Tensor, AttentionOp)>> {
     let t = qkv.dim(1)?;
     let masks = Masks {
         window: binding_window(op, window, t)?,

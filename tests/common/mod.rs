@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod decoder_reference;
+pub mod tensors;
 
 use candle_core::{Device, Tensor};
 use candle_nn::Init;
