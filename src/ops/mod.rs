@@ -1,6 +1,23 @@
 //! Differentiable fused ops: each is one candle `CustomOp` with a forward and a backward kernel,
 //! on the CPU (rayon, one pass per row) and on CUDA (kernels in `kernels/*.cu`).
 //!
+//! The ops are grouped by kind, each kind a folder; this module is their public face (every
+//! op is re-exported here, `wick::ops::layer_norm`):
+//!
+//! | kind | holds |
+//! |---|---|
+//! | `common` | the toolkit: dtype dispatch (`with_type!`, `Elem`), argument checks, CPU storage access, `SideOutput`; no ops |
+//! | `elementwise` | bias add, GELU, ReLU, the residual add, SwiGLU, GeGLU |
+//! | `norm` | LayerNorm, RMSNorm, the per-head q/k RMSNorm |
+//! | `attention` | causal (flash), windowed, packed-document (varlen), key-padding, composed and KV-cached attention; softmaxes; head split/merge; rotary embedding |
+//! | `linear` | the autocast linear, activation + linear, LoRA linear (CPU and CUDA paths), embedding |
+//! | `loss` | cross-entropy over logits and fused with the head's linear |
+//! | `block` | pre-norm and post-norm transformer blocks as one node, on top of the kinds above |
+//!
+//! Every kind builds on `common`; `block` builds on the others and nothing imports `block`.
+//! The two files that used to import each other share their vocabulary through a file of
+//! its own: `block/layer.rs`, `linear/lora_parts.rs`, `attention/qkv.rs`.
+//!
 //! | op | computes (over the last dim) | x dtype | output dtype |
 //! |---|---|---|---|
 //! | [`layer_norm`] | `y = (x - mean) / sqrt(var + eps) * w + b` | f32, bf16, f16 | x's (or f32: [`layer_norm_with_dtype`]) |
@@ -60,191 +77,49 @@
 //! # Ok(()) }
 //! ```
 
-/// Runs `$body!(T)` with `T` the Rust type of a fused op's storage dtype (f32, bf16 or f16);
-/// an error naming `$op` for any other dtype. Used by the op modules below (`DType`, `bf16`
-/// and `f16` must be in scope there).
-macro_rules! with_type {
-    ($op:expr, $dt:expr, $body:ident) => {
-        match $dt {
-            DType::F32 => $body!(f32),
-            DType::BF16 => $body!(bf16),
-            DType::F16 => $body!(f16),
-            d => candle_core::bail!(
-                "{}: dtype {d:?} is not supported; use f32, bf16 or f16",
-                $op
-            ),
-        }
-    };
-}
+#[macro_use]
+mod common;
 
-mod act_linear;
 mod attention;
-mod bias;
-mod block_step;
-mod chunked_cross_entropy;
-mod cross_entropy;
-mod decoder_ops;
-mod embedding;
-mod gelu;
-mod heads;
-mod layer_norm;
+mod block;
+mod elementwise;
 mod linear;
-mod linear_cross_entropy;
-#[cfg(feature = "cuda")]
-mod lora_cuda;
-mod lora_linear;
-mod padded_attention;
-mod post_norm_block;
-mod relu;
-mod residual;
-mod residual_block;
-mod rms_norm;
-mod rotary;
-mod segments;
-mod softmax;
-mod swiglu;
-mod varlen_attention;
+mod loss;
+mod norm;
 
-pub use act_linear::{act_linear, gelu_linear, Activation};
-pub use attention::{
+pub use attention::causal::{
     causal_attention, causal_attention_composed, grouped_causal_attention,
     grouped_causal_attention_composed, grouped_window_attention,
 };
-pub use bias::bias_add;
-pub use chunked_cross_entropy::{
+pub use attention::composed::grouped_attention;
+pub use attention::heads::{merge_heads, split_heads};
+pub use attention::padded::key_padding_attention;
+pub use attention::rotary::{rotary_qkv, rotary_tables, rotary_tables_from_inv_freq};
+pub use attention::segments::Segments;
+pub use attention::softmax::{
+    causal_softmax_last_dim, key_padding_softmax_last_dim, softmax_last_dim,
+};
+pub use attention::varlen::{grouped_varlen_attention, grouped_varlen_attention_composed};
+pub use attention::window::window_causal_attention;
+pub use block::layer::{Layer, NormParams};
+pub use block::post_norm::post_norm_block;
+pub use block::pre_norm::{
+    attention_block, mlp_block, pre_norm_composed, pre_norm_stack, AttentionParams, Half, MlpParams,
+};
+pub use elementwise::bias::bias_add;
+pub use elementwise::geglu::geglu_tanh;
+pub use elementwise::gelu::{gelu_erf, gelu_tanh};
+pub use elementwise::residual::residual_add;
+pub use elementwise::swiglu::swiglu;
+pub use linear::act_linear::{act_linear, gelu_linear, Activation};
+pub use linear::dense::linear;
+pub use linear::embedding::embedding;
+pub use linear::lora::{lora_linear, lora_linear_dropout, lora_linear_grouped};
+pub use loss::chunked_cross_entropy::{
     default_chunk_rows, linear_cross_entropy_sum, DEFAULT_CHUNK_LOGITS, IGNORE_INDEX,
 };
-pub use cross_entropy::{cross_entropy_mean, cross_entropy_rows};
-pub use decoder_ops::{geglu_tanh, grouped_attention, qk_rms_norm, window_causal_attention};
-pub use embedding::embedding;
-pub use gelu::{gelu_erf, gelu_tanh};
-pub use heads::{merge_heads, split_heads};
-pub use layer_norm::{layer_norm, layer_norm_with_dtype};
-pub use linear::linear;
-pub use linear_cross_entropy::linear_cross_entropy_rows;
-pub use lora_linear::{lora_linear, lora_linear_dropout, lora_linear_grouped};
-pub use padded_attention::key_padding_attention;
-pub use post_norm_block::post_norm_block;
-pub use residual::residual_add;
-pub use residual_block::{
-    attention_block, mlp_block, pre_norm_composed, pre_norm_stack, AttentionParams, Half, Layer,
-    MlpParams, NormParams,
-};
-pub use rms_norm::{rms_norm, rms_norm_with_dtype};
-pub use rotary::{rotary_qkv, rotary_tables, rotary_tables_from_inv_freq};
-pub use segments::Segments;
-pub use softmax::{causal_softmax_last_dim, key_padding_softmax_last_dim, softmax_last_dim};
-pub use swiglu::swiglu;
-pub use varlen_attention::{grouped_varlen_attention, grouped_varlen_attention_composed};
-
-use candle_core::{bail, CpuStorage, DType, Layout, Result, Storage, Tensor};
-use half::{bf16, f16};
-use std::sync::Mutex;
-
-/// Storage element types of the fused ops, with f32 conversions (round to nearest even, as the
-/// CUDA kernels' `from_f32`).
-pub(crate) trait Elem: candle_core::WithDType + Send + Sync {
-    fn to32(self) -> f32;
-    fn from32(v: f32) -> Self;
-}
-impl Elem for f32 {
-    fn to32(self) -> f32 {
-        self
-    }
-    fn from32(v: f32) -> Self {
-        v
-    }
-}
-impl Elem for bf16 {
-    fn to32(self) -> f32 {
-        self.to_f32()
-    }
-    fn from32(v: f32) -> Self {
-        bf16::from_f32(v)
-    }
-}
-impl Elem for f16 {
-    fn to32(self) -> f32 {
-        self.to_f32()
-    }
-    fn from32(v: f32) -> Self {
-        f16::from_f32(v)
-    }
-}
-
-/// Errors unless `dtype` is one of the storage dtypes the fused ops take (f32, bf16, f16).
-pub(crate) fn check_float(op: &str, what: &str, dtype: DType) -> Result<()> {
-    match dtype {
-        DType::F32 | DType::BF16 | DType::F16 => Ok(()),
-        d => bail!("{op}: {what} has dtype {d:?}; expected f32, bf16 or f16 (cast it with .to_dtype(DType::F32))"),
-    }
-}
-
-/// Errors unless `a` and `b` are on the same device.
-pub(crate) fn check_device(op: &str, what: &str, x: &Tensor, other: &Tensor) -> Result<()> {
-    if !x.device().same_device(other.device()) {
-        bail!(
-            "{op}: {what} is on {:?} but x is on {:?}; move both to the same device",
-            other.device(),
-            x.device()
-        )
-    }
-    Ok(())
-}
-
-/// Class indices / token ids as a contiguous u32 tensor (u32 as is; i64 and u8 converted);
-/// `what` names the argument in the error for other dtypes.
-pub(crate) fn index_u32(op: &str, what: &str, t: &Tensor) -> Result<Tensor> {
-    match t.dtype() {
-        DType::U32 => t.contiguous(),
-        DType::I64 | DType::U8 => t.to_dtype(DType::U32),
-        d => bail!("{op}: {what} must hold integer indices (u32, i64 or u8), found {d:?}"),
-    }
-}
-
-/// The contiguous data of a CPU storage as `&[T]`.
-pub(crate) fn cpu_slice<'a, T: candle_core::WithDType>(
-    op: &str,
-    what: &str,
-    s: &'a CpuStorage,
-    l: &Layout,
-) -> Result<&'a [T]> {
-    let Some((o1, o2)) = l.contiguous_offsets() else {
-        bail!("{op}: {what} must be contiguous (internal error: the public function makes it so)")
-    };
-    Ok(&T::cpu_storage_as_slice(s)?[o1..o2])
-}
-
-/// A tensor a custom op leaves beside its one output: candle's `CustomOp` returns a single
-/// storage, so a backward kernel that also produces parameter gradients (the norms), or a
-/// forward that keeps something for its own backward (attention's log-sum-exp, the head
-/// loss's logits), puts it here. Not tracked by autograd.
-#[derive(Default)]
-pub(crate) struct SideOutput(Mutex<Option<Tensor>>);
-
-impl SideOutput {
-    /// Holds `t`.
-    pub(crate) fn holding(t: Tensor) -> Self {
-        Self(Mutex::new(Some(t)))
-    }
-
-    /// Stores a storage produced inside `cpu_fwd` / `cuda_fwd` as a tensor of `shape`.
-    pub(crate) fn put(&self, s: Storage, shape: impl Into<candle_core::Shape>) {
-        let t = Tensor::from_storage(s, shape, candle_core::op::BackpropOp::none(), false);
-        *self.lock() = Some(t);
-    }
-
-    /// Removes and returns the tensor (frees it once the caller drops it).
-    pub(crate) fn take(&self) -> Option<Tensor> {
-        self.lock().take()
-    }
-
-    /// The tensor, left in place (a second backward through the same graph finds it again).
-    pub(crate) fn get(&self) -> Option<Tensor> {
-        self.lock().clone()
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Tensor>> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
-    }
-}
+pub use loss::cross_entropy::{cross_entropy_mean, cross_entropy_rows};
+pub use loss::linear_cross_entropy::linear_cross_entropy_rows;
+pub use norm::layer_norm::{layer_norm, layer_norm_with_dtype};
+pub use norm::qk_norm::qk_rms_norm;
+pub use norm::rms_norm::{rms_norm, rms_norm_with_dtype};
