@@ -14,8 +14,8 @@ For every folder under DIR it prints
             module and going down into it (`super::common::check_float`);
   inline    the same climbs written in code rather than in a `use` (`super::swiglu(&x)`).
 Then the circles: pairs of files under DIR that reach each other (a `use` or a path in code
-naming an item of the other file, re-exports followed), and any larger strongly connected
-group. `-v` lists every back-up import and inline path with its file and line.
+naming an item of the other file, re-exports followed), which folders import from which, and
+any larger strongly connected group of files. `-v` lists every back-up import and inline path with its file and line.
 
 Comments, doc comments and string literals are skipped, so doc links do not count. Paths are
 resolved from the file system (`x.rs`, `x/mod.rs`) and the inline `mod x { .. }` blocks.
@@ -323,6 +323,16 @@ def report(root, verbose):
     print(f"\ntwo-file circles: {len(pairs)}")
     for a, b in pairs:
         print(f"- {name(a)} <-> {name(b)}")
+    folder_of = lambda mod: os.path.dirname(name(mod))
+    deps = defaultdict(set)
+    for a in edges:
+        for b in edges[a]:
+            if folder_of(a) != folder_of(b):
+                deps[folder_of(a)].add(folder_of(b))
+    if deps:
+        print("\nfolder imports (sideways or down, by file):")
+        for folder in sorted(deps):
+            print(f"- {folder} -> " + ", ".join(sorted(deps[folder])))
     big = [c for c in sccs(sorted(stats), edges) if len(c) > 2]
     print(f"larger strongly connected groups: {len(big)}")
     for c in big:

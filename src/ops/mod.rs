@@ -15,8 +15,8 @@
 //! | `block` | pre-norm and post-norm transformer blocks as one node, on top of the kinds above |
 //!
 //! Every kind builds on `common`; `block` builds on the others and nothing imports `block`.
-//! The two files that used to import each other share their vocabulary through a file of
-//! its own: `block/layer.rs`, `linear/lora_parts.rs`, `attention/qkv.rs`.
+//! No two files import each other: a vocabulary that several files speak has a file of its
+//! own (`block/layer.rs`, `linear/lora_parts.rs`, `attention/qkv.rs`, `attention/segments.rs`).
 //!
 //! | op | computes (over the last dim) | x dtype | output dtype |
 //! |---|---|---|---|

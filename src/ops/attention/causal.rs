@@ -51,7 +51,9 @@
 //!   products are summed (CUTLASS's `OpMultiplyAddFastF32`, which PyTorch's memory-efficient
 //!   attention uses for f32), about f32's accuracy at three times the tensor-core work.
 
+use super::composed::grouped_attention;
 use super::heads::{merge_heads, split_heads};
+use super::qkv::split_qkv;
 use super::segments::Segments;
 use super::softmax::causal_softmax_last_dim;
 use crate::ops::common::{check_float, cpu_slice, Elem, SideOutput};
@@ -132,8 +134,8 @@ pub fn grouped_window_attention(
         (Some((y, _)), _) => Ok(y),
         (None, None) => grouped_causal_attention_composed(qkv, n_head, n_kv_head),
         (None, Some(w)) => {
-            let (q, k, v) = super::qkv::split_qkv(qkv, n_head, n_kv_head, d.dh)?;
-            super::composed::grouped_attention(&q, &k, &v, 0, Some(w), 1.0 / (d.dh as f64).sqrt())
+            let (q, k, v) = split_qkv(qkv, n_head, n_kv_head, d.dh)?;
+            grouped_attention(&q, &k, &v, 0, Some(w), 1.0 / (d.dh as f64).sqrt())
         }
     }
 }
