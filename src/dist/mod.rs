@@ -61,7 +61,7 @@ pub use sync::GradSync;
 pub(crate) use crate::collective::{check_flat, check_float};
 pub use crate::collective::{Collective, Pending, ReduceOp, Solo};
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 
 /// The process group of this process, from torchrun's environment ([`DistEnv::from_env`]).
 ///
@@ -91,7 +91,7 @@ fn init_nccl(env: &DistEnv, device: &candle_core::Device) -> Result<Box<dyn Coll
 
 #[cfg(not(feature = "nccl"))]
 fn init_nccl(env: &DistEnv, _device: &candle_core::Device) -> Result<Box<dyn Collective>> {
-    bail!(
+    anyhow::bail!(
         "WORLD_SIZE={} asks for {} processes, but this build of wick has no NCCL backend: \
          build with `--features nccl` (CUDA toolkit and NCCL needed)",
         env.world_size,
