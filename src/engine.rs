@@ -3,27 +3,37 @@
 //! ```text
 //! forward (user closure, autocast policy)  → loss (f32 scalar, unscaled)
 //! scale_loss                                → loss * loss_scale
-//! backward                                  → grads w.r.t. working copies / masters
-//!   (data parallelism, last micro-batch)      buckets' all-reduces start as grads turn final
+//! sync.backward                             → grads w.r.t. working copies / masters
+//!   (data parallelism, last micro-batch)      the window's reduction begins; buckets'
+//!                                              all-reduces start as grads turn final
 //! check_coverage (until a backward passes)  → error if a trainable parameter got no grad
-//! accumulate                                → fp32 buffers += weight * grad
+//! accumulate                                → fp32 buffers += weight * grad, window weight
 //! ── at the accumulation boundary ──
-//! sync.reduce                               → the global gradient (data parallelism)
+//! sync.finish_window
+//!   reduce                                  → the global gradient (data parallelism)
 //!                                              the other buckets start; all are awaited
-//! check                                     → found_inf (grads, scaled loss, 1/scale), norm
-//! clip_value (optional, after the check)    → clamped buffers, norm measured again
-//! clip                                      → multiplier = unscale * min(1, max_norm / norm)
-//! sync.agree                                → every rank skips together
-//! optimizer.step (skipped when found_inf)   → masters, moments, per-parameter step counts
-//! refresh working copies / sync.after_update→ bf16/f16 copies; ZeRO-1 broadcasts
+//!   check                                   → found_inf (grads, scaled loss, 1/scale), norm
+//!   clip_value (optional, after the check)  → clamped buffers, norm measured again
+//!   clip                                    → multiplier = unscale * min(1, max_norm / norm)
+//!   agree                                   → every rank skips together
+//! sync.update
+//!   optimizer.step (skipped on found_inf)   → masters, moments, per-parameter step counts
+//!   refresh working copies                  → bf16/f16 copies; ZeRO-1 broadcasts/gathers
 //! amp.update                                → applied-step count, loss-scale state machine
 //! advance the LR schedule (every boundary, as scheduler.step() in a GradScaler loop)
 //! ```
+//! The step makes three calls into the gradient-synchronisation seam ([`GradSync`]), the same
+//! whatever the variant (one process, DDP, ZeRO-1); a failed boundary asks it a fourth thing,
+//! whether a collective is attached (the buffers may then hold the global gradient, and the
+//! next window starts empty). Attaching a process group is [`Engine::with_collective`]
+//! (`engine/parallel.rs`); the optimizer state checkpoints save is `engine/state.rs`'s.
 //! On the fused CUDA path every value above stays on the device; nothing waits for it.
 
 use crate::amp::{AmpState, ScaleValue};
+use crate::collective::Collective;
 use crate::coverage::Coverage;
 use crate::dist::reduce::Reduction;
+use crate::dist::sync::MicroBatch;
 use crate::dist::GradSync;
 use crate::grads::{GradBuffers, GradStats, Limit};
 use crate::optim::{AdamW, AdamWConfig, Impl, LrSchedule, OptimPath, Optimizer, StepInputs};
@@ -36,6 +46,8 @@ use anyhow::{bail, Context, Result};
 use candle_core::{backprop::GradStore, DType, Tensor};
 
 mod graph;
+mod parallel;
+mod state;
 pub use graph::CapturedStep;
 
 /// Source of [`Engine`] identities (a [`CapturedStep`] replays only on its own engine).
@@ -126,6 +138,12 @@ impl StepCtx<'_> {
     /// The precision mode (its compute dtype is what matmul-class inputs should be cast to).
     pub fn precision(&self) -> Precision {
         self.store.precision()
+    }
+
+    /// The autocast policy the store's layers follow ([`crate::precision::Autocast`]): ask
+    /// it for the dtype of an op class, or to cast an input for it.
+    pub fn autocast(&self) -> crate::precision::Autocast {
+        self.store.autocast()
     }
 
     /// Index of this micro-batch within the accumulation window (0-based).
@@ -271,70 +289,6 @@ impl Engine {
         })
     }
 
-    /// Attaches a process group: checks that every rank has the same parameter layout,
-    /// broadcasts rank 0's parameters to every rank, and from then on all-reduces the gradients
-    /// at each accumulation boundary (in buckets, f32, weighted by the micro-batch weights of
-    /// every rank) before clipping, the norm and found_inf, which are therefore global; every
-    /// rank skips together. Call it on every rank, right after [`Engine::new`] (or after
-    /// restoring a checkpoint, which every rank restores alike). World size 1: only the
-    /// collective is stored; steps run exactly as without it.
-    pub fn with_collective(
-        mut self,
-        collective: Box<dyn crate::dist::Collective>,
-        config: crate::dist::DdpConfig,
-    ) -> Result<Self> {
-        if self.sync.collective().is_some() {
-            bail!("Engine::with_collective: a collective is attached already");
-        }
-        self.sync = GradSync::attach(
-            collective,
-            config,
-            &self.store,
-            self.grads.micro_steps(),
-            self.config.stochastic_rounding,
-        )?;
-        self.optimizer.set_owned(self.sync.owned());
-        let params = self.store.params();
-        // flat ZeRO-1: the optimizer's parameters are this rank's segments from now on; its
-        // state so far (by the store's parameters: no collective was attached) is cut to them
-        let state = match self.sync.gathers_masters() {
-            true => self.optimizer.state_tensors(&params)?.into_iter().collect(),
-            false => std::collections::HashMap::new(),
-        };
-        if let Some(share) = self.sync.shard_state(&params, &state)? {
-            let applied = self.optimizer_steps()?;
-            self.optimizer.load_state_tensors(
-                self.sync.optimizer_params(&params),
-                &share,
-                applied,
-            )?;
-        }
-        self.generation += 1;
-        Ok(self)
-    }
-
-    /// The attached process group, if any.
-    pub fn collective(&self) -> Option<&dyn crate::dist::Collective> {
-        self.sync.collective()
-    }
-
-    /// The parameters the optimizer updates and keeps state for, as [`Optimizer::state_tensors`]
-    /// takes them: the store's, or under flat ZeRO-1 this rank's segments
-    /// (`"{param}[start..end]"`, 1-D; [`crate::dist::flat`]).
-    pub fn optimizer_params(&self) -> Vec<Param> {
-        let params = self.store.params();
-        self.sync.optimizer_params(&params).to_vec()
-    }
-
-    /// Data parallelism: `(started, buckets)`, how many gradient buckets began their
-    /// all-reduce during the last boundary's backward, overlapping it (the first boundary
-    /// starts none: it learns when each gradient is final; [`crate::dist::reduce`]). `None`
-    /// without a collective of more than one rank or with [`crate::dist::DdpConfig::overlap`]
-    /// off.
-    pub fn buckets_started_in_backward(&self) -> Option<(usize, usize)> {
-        self.sync.buckets_started_in_backward()
-    }
-
     /// One micro-batch with weight 1 (see [`Engine::step_weighted`]).
     pub fn step<F, E>(&mut self, forward: F) -> Result<StepReport>
     where
@@ -424,18 +378,13 @@ impl Engine {
         // gradient buckets' all-reduces as they become final
         let loss_scale = self.amp.loss_scale()?;
         let scaled = loss_scale.scale_loss(&loss)?;
-        let keep_raw = self.config.accumulation_steps == 1;
-        let at_boundary = close || self.grads.micro_steps() + 1 >= self.config.accumulation_steps;
-        let mut reduction = match at_boundary {
-            true => self
-                .sync
-                .begin_reduction(&params, self.grads.buffers(), weight, keep_raw)?,
-            false => None,
+        let micro = MicroBatch {
+            weight,
+            keep_raw: self.config.accumulation_steps == 1,
+            closes_window: close || self.grads.micro_steps() + 1 >= self.config.accumulation_steps,
         };
-        let grads = self
-            .sync
-            .backward(&scaled, reduction.as_mut())
-            .context("backward failed")?;
+        let backward = self.sync.backward(&scaled, &params, &self.grads, micro);
+        let (grads, reduction) = backward.context("backward failed")?;
         // from here on nothing holds the forward graph: its activations are freed before the
         // optimizer runs (and allocates its moments on the first step), as PyTorch frees saved
         // tensors during the backward
@@ -446,15 +395,14 @@ impl Engine {
         if self.check_coverage_next {
             self.check_coverage(&params, &grads)?;
         }
-        self.grads.accumulate(&params, &grads, weight, keep_raw)?;
+        self.grads
+            .accumulate(&params, &grads, weight, micro.keep_raw)?;
         self.grads.note_scaled_loss(&scaled)?;
         drop(grads);
-        self.sync.note_micro_batch(weight);
         let lr = self.config.schedule.lr(self.boundaries);
-        let stats = if at_boundary {
-            Some(self.boundary(&params, &loss_scale, lr, reduction)?)
-        } else {
-            None
+        let stats = match micro.closes_window {
+            true => Some(self.boundary(&params, &loss_scale, lr, reduction)?),
+            false => None,
         };
         let spans = StepSpans::from_marks([m0, m1, m2, Mark::now(&device)?]);
         Ok(StepReport {
@@ -476,37 +424,48 @@ impl Engine {
         lr: f64,
         reduction: Option<Reduction>,
     ) -> Result<GradStats> {
-        self.sync.reduce(&mut self.grads, reduction)?;
-        let result = self.update(params, loss_scale, lr);
+        let result = self.finish_and_update(params, loss_scale, lr, reduction);
         if result.is_err() && self.sync.collective().is_some() {
-            // the buffers hold the global gradient (flat ZeRO-1: this rank's segments of it),
-            // not this window's accumulation: the next window starts empty
+            // the buffers may hold the global gradient (flat ZeRO-1: this rank's segments of
+            // it), not this window's accumulation: the next window starts empty
             self.grads.clear();
         }
         result
     }
 
-    /// The boundary after the reduction: statistics, update, working copies, scaler.
-    fn update(&mut self, params: &[Param], loss_scale: &ScaleValue, lr: f64) -> Result<GradStats> {
-        let stats = self.check(loss_scale)?;
-        let stats = self.sync.agree(stats, self.store.device())?; // every rank skips together
+    /// The global gradient and its statistics, agreed by every rank; the update; the scaler.
+    fn finish_and_update(
+        &mut self,
+        params: &[Param],
+        loss_scale: &ScaleValue,
+        lr: f64,
+        reduction: Option<Reduction>,
+    ) -> Result<GradStats> {
+        let check = BoundaryCheck {
+            amp: &self.amp,
+            config: &self.config,
+            imp: self.imp,
+            loss_scale,
+        };
+        let stats = self.sync.finish_window(
+            &mut self.grads,
+            reduction,
+            self.store.device(),
+            |grads, across| check.run(grads, across),
+        )?;
         let inputs = StepInputs {
             stats: &stats,
             lr,
             seed: self.boundaries,
             stochastic_rounding: self.config.stochastic_rounding,
         };
-        let updated = self.sync.before_update(params)?; // flat ZeRO-1: this rank's segments
-        let applied = self
-            .optimizer
-            .step(&updated, self.grads.buffers(), inputs)?;
-        if applied == Some(true)
-            && !self.optimizer.writes_working_copies()
-            && !self.sync.gathers_masters()
-        {
-            self.store.refresh_working_copies()?;
-        }
-        self.sync.after_update(params)?;
+        let (optimizer, grads) = (&mut self.optimizer, &self.grads);
+        let applied = self.sync.update(
+            params,
+            &self.store,
+            optimizer.writes_working_copies(),
+            |updated| optimizer.step(updated, grads.buffers(), inputs),
+        )?;
         self.amp.update(&stats, applied)?;
         self.grads.clear();
         self.boundaries += 1;
@@ -524,96 +483,6 @@ impl Engine {
             tracing::warn!("gradient coverage: {coverage}");
         }
         self.coverage = Some(coverage);
-        Ok(())
-    }
-
-    /// The boundary pass: found_inf (inf/NaN gradients, a non-finite scaled loss, a reciprocal
-    /// of the scale that is not finite), the global norm and the multiplier. With
-    /// `clip_value`, found_inf is taken before the clamp (PyTorch: `unscale_` finds the inf,
-    /// `clip_grad_value_` clamps, the step is skipped) and the norm after it.
-    fn check(&mut self, loss_scale: &ScaleValue) -> Result<GradStats> {
-        let raw = self.grad_stats(loss_scale)?;
-        let Some(v) = self.config.clip_value else {
-            return Ok(raw);
-        };
-        // the buffers hold `scale * sum_w * g`: clamp to `±v * scale * sum_w` (no device read)
-        let limit = match loss_scale {
-            ScaleValue::Host(s) => Limit::Host(v * *s as f64),
-            ScaleValue::Device(t) => Limit::Device((t * v)?),
-        };
-        self.grads.clamp(&limit)?;
-        self.grad_stats(loss_scale)?.with_found_inf_of(&raw)
-    }
-
-    fn grad_stats(&self, loss_scale: &ScaleValue) -> Result<GradStats> {
-        let max_norm = self.config.max_grad_norm;
-        let across = self.sync.shards_gradients(); // flat ZeRO-1: this rank's part of the norm
-        match (&self.amp, loss_scale) {
-            #[cfg(feature = "cuda")]
-            (AmpState::Device { scaler, .. }, _) => self
-                .grads
-                .unscale_and_check_on_device(scaler, max_norm, across),
-            (_, ScaleValue::Host(s)) => {
-                self.grads
-                    .unscale_and_check(*s, max_norm, self.imp == Impl::FusedCpu, across)
-            }
-            _ => bail!("device loss scale without the fused CUDA path"),
-        }
-    }
-
-    /// The optimizer state by name (`"{param}.exp_avg"`, ..., `"{param}.step"`), as checkpoints
-    /// save it. With ZeRO-1 every rank gathers the owners' state, so the result is the full
-    /// state on every rank (collective: call it on every rank).
-    pub fn optimizer_state(&self) -> Result<Vec<(String, Tensor)>> {
-        let params = self.store.params();
-        let local = self
-            .optimizer
-            .state_tensors(self.sync.optimizer_params(&params))?;
-        self.sync
-            .gather_state(&params, local, &self.optimizer.state_suffixes())
-    }
-
-    /// The counters and scaler state (device reads on the fused CUDA path). Only meaningful at
-    /// an accumulation boundary; errors in the middle of an accumulation window, and when the
-    /// scaler state is one a checkpoint could not restore.
-    pub fn state(&self) -> Result<EngineState> {
-        if self.grads.micro_steps() != 0 {
-            bail!(
-                "Engine::state: {} micro-batches are accumulated; checkpoint at an accumulation \
-                 boundary (or close the window with Engine::step_weighted_closing)",
-                self.grads.micro_steps()
-            );
-        }
-        let scaler = self.scaler_state()?;
-        scaler.validate()?;
-        Ok(EngineState {
-            boundaries: self.boundaries,
-            applied_steps: self.optimizer_steps()?,
-            scaler,
-        })
-    }
-
-    /// Restores counters, scaler state and optimizer state (see [`Optimizer::load_state_tensors`];
-    /// under ZeRO-1 each rank keeps its share). Parameters are restored separately, into the
-    /// store (then call [`ParamStore::refresh_working_copies`]). Nothing changes when an error
-    /// is returned.
-    pub fn load_state(
-        &mut self,
-        state: &EngineState,
-        optimizer: &std::collections::HashMap<String, Tensor>,
-    ) -> Result<()> {
-        state.scaler.validate()?;
-        let params = self.store.params();
-        let share = self.sync.shard_state(&params, optimizer)?;
-        self.optimizer.load_state_tensors(
-            self.sync.optimizer_params(&params),
-            share.as_ref().unwrap_or(optimizer),
-            state.applied_steps,
-        )?;
-        self.amp.load(state.scaler, state.applied_steps)?;
-        self.boundaries = state.boundaries;
-        self.grads.clear();
-        self.generation += 1;
         Ok(())
     }
 
@@ -677,6 +546,50 @@ impl Engine {
     /// The configuration.
     pub fn config(&self) -> &EngineConfig {
         &self.config
+    }
+}
+
+/// What the boundary pass needs besides the buffers: the loss scale and where it lives, the
+/// clipping options and the implementation.
+struct BoundaryCheck<'a> {
+    amp: &'a AmpState,
+    config: &'a EngineConfig,
+    imp: Impl,
+    loss_scale: &'a ScaleValue,
+}
+
+impl BoundaryCheck<'_> {
+    /// The boundary pass: found_inf (inf/NaN gradients, a non-finite scaled loss, a reciprocal
+    /// of the scale that is not finite), the global norm and the multiplier. With
+    /// `clip_value`, found_inf is taken before the clamp (PyTorch: `unscale_` finds the inf,
+    /// `clip_grad_value_` clamps, the step is skipped) and the norm after it. `across`: flat
+    /// ZeRO-1's collective, over whose ranks the buffers are split.
+    fn run(&self, grads: &mut GradBuffers, across: Option<&dyn Collective>) -> Result<GradStats> {
+        let raw = self.stats(grads, across)?;
+        let Some(v) = self.config.clip_value else {
+            return Ok(raw);
+        };
+        // the buffers hold `scale * sum_w * g`: clamp to `±v * scale * sum_w` (no device read)
+        let limit = match self.loss_scale {
+            ScaleValue::Host(s) => Limit::Host(v * *s as f64),
+            ScaleValue::Device(t) => Limit::Device((t * v)?),
+        };
+        grads.clamp(&limit)?;
+        self.stats(grads, across)?.with_found_inf_of(&raw)
+    }
+
+    fn stats(&self, grads: &GradBuffers, across: Option<&dyn Collective>) -> Result<GradStats> {
+        let max_norm = self.config.max_grad_norm;
+        match (self.amp, self.loss_scale) {
+            #[cfg(feature = "cuda")]
+            (AmpState::Device { scaler, .. }, _) => {
+                grads.unscale_and_check_on_device(scaler, max_norm, across)
+            }
+            (_, ScaleValue::Host(s)) => {
+                grads.unscale_and_check(*s, max_norm, self.imp == Impl::FusedCpu, across)
+            }
+            _ => bail!("device loss scale without the fused CUDA path"),
+        }
     }
 }
 

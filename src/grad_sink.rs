@@ -129,7 +129,7 @@ pub fn backward(loss: &Tensor) -> Result<GradStore> {
 /// [`backward`], calling `hook(leaf, gradient so far)` each time the sink takes a leaf's
 /// gradient, while the backward runs: a leaf offered once by one op (each parameter of a
 /// block op, of a linear layer) has its final gradient at that call, so the caller can start
-/// work on it (data parallelism's bucket all-reduce, [`crate::dist::overlap`]) while the rest
+/// work on it (data parallelism's bucket all-reduce, `dist::reduce`) while the rest
 /// of the backward runs. Gradients that candle computes itself (ops outside wick's) are not
 /// seen by the hook; they are in the returned store, added to the sunk ones where both exist.
 ///

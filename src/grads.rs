@@ -9,7 +9,7 @@
 //! The divide, the loss-scale unscale and the clip factor are folded into one multiplier that
 //! the optimizer applies in its update pass, so the buffers are read once per step.
 
-use crate::dist::Collective;
+use crate::collective::Collective;
 use crate::params::Param;
 use anyhow::{bail, Result};
 use candle_core::backprop::GradStore;
@@ -25,7 +25,12 @@ pub struct GradBuffers {
     bufs: Vec<Option<Tensor>>,
     /// Persistent f32 allocations reused by the CUDA accumulation kernel.
     pool: Vec<Option<Tensor>>,
+    /// What the buffers are divided by at the boundary: the window's weight, or 1 when they
+    /// hold a single micro-batch's raw gradient or the reduced (already normalised) gradient.
     weight_sum: f64,
+    /// The window's weight `sum_i w_i` (this rank's share of the global normaliser under data
+    /// parallelism); the one place it is kept.
+    window_weight: f64,
     micro_steps: usize,
     /// The window's first scaled loss plus `0 * scaled_loss` of each later one: not finite
     /// exactly when some scaled loss was inf or NaN.
@@ -149,6 +154,7 @@ impl GradBuffers {
             bufs: vec![None; n],
             pool: vec![None; n],
             weight_sum: 0.0,
+            window_weight: 0.0,
             micro_steps: 0,
             loss_probe: None,
         }
@@ -200,8 +206,8 @@ impl GradBuffers {
     }
 
     /// Flat ZeRO-1: replaces every buffer by this rank's segments of the global gradient (one
-    /// per segment, in the order of [`crate::dist::flat::FlatShard::params`], which the
-    /// optimizer then updates), normaliser 1. [`Self::clear`] ends it; the next accumulation
+    /// per segment, in the order of the flat layout's segments, which the optimizer then
+    /// updates), normaliser 1. [`Self::clear`] ends it; the next accumulation
     /// uses the parameters' buffers again.
     pub fn set_segments(&mut self, segments: Vec<Option<Tensor>>) -> Result<()> {
         self.bufs = segments;
@@ -241,6 +247,7 @@ impl GradBuffers {
         if keep_raw && self.micro_steps == 0 {
             self.bufs = incoming;
             self.weight_sum = 1.0;
+            self.window_weight = weight;
             self.micro_steps = 1;
             return Ok(());
         }
@@ -253,6 +260,7 @@ impl GradBuffers {
                 weight as f32,
             )?;
             self.weight_sum += weight;
+            self.window_weight += weight;
             self.micro_steps += 1;
             return Ok(());
         }
@@ -270,8 +278,15 @@ impl GradBuffers {
             });
         }
         self.weight_sum += weight;
+        self.window_weight += weight;
         self.micro_steps += 1;
         Ok(())
+    }
+
+    /// The weight of the window so far: the sum of the accumulated micro-batches' weights
+    /// (0 after [`Self::clear`]). Data parallelism weights this rank's contribution by it.
+    pub fn window_weight(&self) -> f64 {
+        self.window_weight
     }
 
     /// Micro-batches accumulated since the last [`Self::clear`].
@@ -288,6 +303,7 @@ impl GradBuffers {
     pub fn clear(&mut self) {
         self.bufs.iter_mut().for_each(|b| *b = None);
         self.weight_sum = 0.0;
+        self.window_weight = 0.0;
         self.micro_steps = 0;
         self.loss_probe = None;
     }
@@ -462,6 +478,7 @@ mod tests {
             bufs: vec![Some(a.clone()), Some(e)],
             pool: vec![],
             weight_sum: 2.0,
+            window_weight: 2.0,
             micro_steps: 1,
             loss_probe: None,
         };
@@ -479,6 +496,7 @@ mod tests {
             bufs: vec![Some(a), Some(inf)],
             pool: vec![],
             weight_sum: 1.0,
+            window_weight: 1.0,
             micro_steps: 1,
             loss_probe: None,
         };
@@ -516,6 +534,7 @@ mod tests {
                 bufs: vec![Some(grads.clone())],
                 pool: vec![],
                 weight_sum: 1.0,
+                window_weight: 1.0,
                 micro_steps: 1,
                 loss_probe: None,
             };

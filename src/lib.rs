@@ -30,7 +30,8 @@
 //! step), [`coverage`] (which parameters received no gradient, and
 //! why), [`data`] (loader, sampler, datasets), [`trainer`] (the fit loop), [`checkpoint`],
 //! [`profile`] and [`timing`] (per-phase timing), [`plot`], [`perf`], [`models`] (GPT, BERT, the shared decoder),
-//! [`dist`] (data parallelism, behind the engine's [`dist::GradSync`] seam), [`serve`]
+//! [`collective`] (the collective vocabulary, on the ground floor), [`dist`] (data
+//! parallelism, behind the engine's [`dist::GradSync`] seam), [`serve`]
 //! (published inference snapshots, a bounded feedback queue and an online trainer thread, for
 //! services that keep learning), [`doctor`] and [`bench`](mod@bench) (behind the `wick`
 //! command line).
@@ -54,6 +55,7 @@ pub mod checkpoint;
 pub mod classify;
 #[cfg(feature = "cli")]
 pub mod cli;
+pub mod collective;
 pub mod coverage;
 pub mod cuda;
 pub mod data;

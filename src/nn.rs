@@ -15,7 +15,7 @@
 //! CUDA kernels with their own backward replace it on the GPU.
 
 use crate::params::{ParamStore, Role};
-use crate::precision::{to_f32, Precision};
+use crate::precision::{to_f32, Autocast, OpClass, Precision};
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::Init;
 
@@ -38,7 +38,7 @@ fn param(
 pub struct Linear {
     weight: Tensor,
     bias: Option<Tensor>,
-    precision: Precision,
+    autocast: Autocast,
 }
 
 impl Linear {
@@ -76,7 +76,7 @@ impl Linear {
         Ok(Self {
             weight: w,
             bias: b,
-            precision: store.precision(),
+            autocast: store.autocast(),
         })
     }
 
@@ -113,7 +113,7 @@ impl Linear {
         Ok(Self {
             weight,
             bias,
-            precision,
+            autocast: precision.autocast(),
         })
     }
 }
@@ -126,7 +126,7 @@ impl Module for Linear {
         // the op casts f32/bf16/f16 itself; other float dtypes (f64) take a separate cast
         let x = match x.dtype() {
             DType::F32 | DType::BF16 | DType::F16 => x.clone(),
-            _ => self.precision.to_compute(x)?,
+            _ => self.autocast.cast(OpClass::Matmul, x)?,
         };
         crate::ops::linear(&x, &self.weight, self.bias.as_ref())
     }
@@ -138,7 +138,7 @@ impl Module for Linear {
 #[derive(Debug, Clone)]
 pub struct Conv2d {
     inner: candle_nn::Conv2d,
-    precision: Precision,
+    autocast: Autocast,
 }
 
 impl Conv2d {
@@ -184,7 +184,7 @@ impl Conv2d {
         };
         Ok(Self {
             inner: candle_nn::Conv2d::new(w, b, cfg),
-            precision: store.precision(),
+            autocast: store.autocast(),
         })
     }
 
@@ -211,7 +211,7 @@ impl Conv2d {
         }
         Ok(Self {
             inner: candle_nn::Conv2d::new(weight, bias, cfg),
-            precision,
+            autocast: precision.autocast(),
         })
     }
 }
@@ -225,7 +225,7 @@ impl Module for Conv2d {
     /// autocast would for an op without a kernel in the compute dtype; the gradient flows back
     /// through both casts to the working copies. f16 and f32 (and bf16 on CUDA) run natively.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let compute = self.precision.compute_dtype();
+        let compute = self.autocast.dtype(OpClass::Matmul);
         if compute == DType::BF16 && x.device().is_cpu() {
             let f32 = |t: &Tensor| t.to_dtype(DType::F32);
             let conv = candle_nn::Conv2d::new(
@@ -235,7 +235,7 @@ impl Module for Conv2d {
             );
             return conv.forward(&x.to_dtype(DType::F32)?)?.to_dtype(compute);
         }
-        self.inner.forward(&self.precision.to_compute(x)?)
+        self.inner.forward(&self.autocast.cast(OpClass::Matmul, x)?)
     }
 }
 

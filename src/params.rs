@@ -14,7 +14,8 @@
 //! Parameter groups: weight decay is off by default for tensors of rank < 2 (biases, norm
 //! gains), the usual GPT/BERT practice; [`ParamStore::set_weight_decay`] overrides it by name.
 
-use crate::precision::Precision;
+pub use crate::precision::Role;
+use crate::precision::{Autocast, Precision};
 use anyhow::{bail, Context};
 use candle_core::{DType, Device, Shape, Tensor, Var};
 use candle_nn::Init;
@@ -22,16 +23,6 @@ use rand::{rngs::StdRng, SeedableRng};
 use rand_distr::{Distribution, Normal, Uniform};
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
-
-/// Which tensor of a parameter the model's forward pass differentiates.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Role {
-    /// Input of a matmul-class op: a working copy in the compute dtype (the master itself in
-    /// [`Precision::Fp32`]).
-    Matmul,
-    /// Input of an f32 op (norm gain/bias): the fp32 master is differentiated directly.
-    Fp32,
-}
 
 /// Per-parameter options, resolved when the parameter is created.
 #[derive(Debug, Clone, PartialEq)]
@@ -68,6 +59,18 @@ impl Param {
     pub fn elem_count(&self) -> usize {
         self.master.elem_count()
     }
+
+    /// Copies the master into the working copy, if there is one (cast to the working copy's
+    /// dtype, round to nearest even): the one place a working copy is refreshed, after an
+    /// applied update or a load of the masters.
+    ///
+    /// Errors: the cast or the copy (a device error).
+    pub fn refresh_working_copy(&self) -> candle_core::Result<()> {
+        match &self.working {
+            Some(w) => w.set(&self.master.as_tensor().to_dtype(w.dtype())?),
+            None => Ok(()),
+        }
+    }
 }
 
 struct Inner {
@@ -82,7 +85,7 @@ struct Inner {
 /// The parameter store. Cheap to clone (shared handle).
 #[derive(Clone)]
 pub struct ParamStore {
-    precision: Precision,
+    autocast: Autocast,
     device: Device,
     inner: Arc<RwLock<Inner>>,
 }
@@ -100,7 +103,7 @@ impl ParamStore {
     /// same seed and the same model code hold identical weights.
     pub fn new(precision: Precision, device: Device, seed: u64) -> Self {
         Self {
-            precision,
+            autocast: precision.autocast(),
             device,
             inner: Arc::new(RwLock::new(Inner {
                 params: Vec::new(),
@@ -115,7 +118,13 @@ impl ParamStore {
 
     /// The precision mode.
     pub fn precision(&self) -> Precision {
-        self.precision
+        self.autocast.precision()
+    }
+
+    /// The autocast policy of the store's precision: what layers and models ask for the dtype
+    /// of their ops and what decides the parameters' working copies.
+    pub fn autocast(&self) -> Autocast {
+        self.autocast
     }
 
     /// The device the parameters live on.
@@ -264,13 +273,9 @@ impl ParamStore {
         master: Var,
         role: Role,
     ) -> candle_core::Result<Tensor> {
-        let working = match (role, self.precision.is_mixed()) {
-            (Role::Matmul, true) => Some(Var::from_tensor(
-                &master
-                    .as_tensor()
-                    .to_dtype(self.precision.compute_dtype())?,
-            )?),
-            _ => None,
+        let working = match self.autocast.working_dtype(role) {
+            Some(dtype) => Some(Var::from_tensor(&master.as_tensor().to_dtype(dtype)?)?),
+            None => None,
         };
         let mut options = ParamOptions {
             weight_decay: master.rank() >= 2,
@@ -329,12 +334,10 @@ impl ParamStore {
     /// Copies every master into its working copy (cast to the compute dtype, round to nearest
     /// even). Called by the engine after each applied optimizer step.
     pub fn refresh_working_copies(&self) -> candle_core::Result<()> {
-        for p in self.read().params.iter() {
-            if let Some(w) = &p.working {
-                w.set(&p.master.as_tensor().to_dtype(w.dtype())?)?;
-            }
-        }
-        Ok(())
+        self.read()
+            .params
+            .iter()
+            .try_for_each(Param::refresh_working_copy)
     }
 
     /// The fp32 masters by the model's names (what `model.safetensors` holds).
@@ -379,7 +382,7 @@ impl ParamStore {
     pub fn var_builder(&self) -> candle_nn::VarBuilder<'static> {
         candle_nn::VarBuilder::from_backend(
             Box::new(StoreBackend(self.clone())),
-            self.precision.compute_dtype(),
+            self.autocast.compute_dtype(),
             self.device.clone(),
         )
     }

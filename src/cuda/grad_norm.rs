@@ -24,7 +24,7 @@ pub fn grad_stats(
     weight_sum: f32,
     max_norm: Option<f32>,
     loss_probe: Option<&Tensor>,
-    across: Option<&dyn crate::dist::Collective>,
+    across: Option<&dyn crate::collective::Collective>,
 ) -> Result<Tensor> {
     let dev = cuda_device(amp_state)?;
     let mut keep = Vec::new();

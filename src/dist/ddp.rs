@@ -229,12 +229,12 @@ pub fn agree_found_inf(coll: &dyn Collective, local: bool, device: &Device) -> R
 // ------------------------------------------------------------------------------------------
 
 /// What the engine keeps when a collective is attached: the collective, the bucket
-/// configuration, this accumulation window's weight sum, and when each gradient becomes final
-/// (learned by [`super::reduce::Reduction`]).
+/// configuration, and when each gradient becomes final (learned by
+/// [`super::reduce::Reduction`]). The window's weight is the gradient buffers'
+/// ([`crate::grads::GradBuffers::window_weight`]).
 pub struct Ddp {
     coll: Box<dyn Collective>,
     config: DdpConfig,
-    window_weight: f64,
     ready_counts: Vec<Option<usize>>,
     /// (buckets started during the last boundary backward, buckets).
     overlap: Option<(usize, usize)>,
@@ -277,7 +277,6 @@ impl Ddp {
         Ok(Self {
             coll,
             config,
-            window_weight: 0.0,
             ready_counts: Vec::new(),
             overlap: None,
             stale: None,
@@ -327,16 +326,6 @@ impl Ddp {
             self.config.reduce_dtype.size_in_bytes(),
             &self.config.buckets,
         )
-    }
-
-    /// The weight of this accumulation window so far on this rank.
-    pub fn window_weight(&self) -> f64 {
-        self.window_weight
-    }
-
-    /// Ends the window: its weight, reset to 0.
-    pub fn take_window_weight(&mut self) -> f64 {
-        std::mem::take(&mut self.window_weight)
     }
 
     /// Per store position, how many sink offers made the gradient final at the last boundary
@@ -428,11 +417,6 @@ impl Ddp {
         }
         store.refresh_working_copies()?;
         Ok(())
-    }
-
-    /// Records one micro-batch of weight `weight` in this accumulation window.
-    pub fn note_micro_batch(&mut self, weight: f64) {
-        self.window_weight += weight;
     }
 
     /// Makes the boundary statistics agree across ranks (all-reduce MAX; see

@@ -97,9 +97,9 @@ impl std::fmt::Debug for Reduction {
 
 impl Reduction {
     /// Begins the window's reduction before the backward of its last micro-batch, of weight
-    /// `weight`; `prior` are the window's buffers so far (unused with `keep_raw`, the raw
-    /// gradient of a single micro-batch); `flat`: flat ZeRO-1's layout. `None` for world size
-    /// 1 or nothing to reduce.
+    /// `weight`; `prior` holds the window so far (its buffers, unused with `keep_raw`, the raw
+    /// gradient of a single micro-batch, and its weight); `flat`: flat ZeRO-1's layout. `None`
+    /// for world size 1 or nothing to reduce.
     ///
     /// Errors: a window weight that is not finite and > 0; with bf16 reduction or flat
     /// ZeRO-1, the weight's all-reduce; flat ZeRO-1 whose trainable parameters are no longer
@@ -108,11 +108,11 @@ impl Reduction {
         ddp: &Ddp,
         flat: Option<&FlatShard>,
         params: &[Param],
-        prior: &[Option<Tensor>],
+        prior: &GradBuffers,
         weight: f64,
         keep_raw: bool,
     ) -> Result<Option<Self>> {
-        let window = ddp.window_weight() + weight;
+        let window = prior.window_weight() + weight;
         if ddp.collective().world_size() == 1 {
             return Ok(None);
         }
@@ -176,7 +176,10 @@ impl Reduction {
             latest: vec![None; n],
             latest_id: vec![None; n],
             missing,
-            prior: if keep_raw { Vec::new() } else { prior.to_vec() },
+            prior: match keep_raw {
+                true => Vec::new(),
+                false => prior.buffers().to_vec(),
+            },
             scale: (weight != 1.0).then_some(weight),
             keep_raw,
             window,

@@ -22,7 +22,7 @@ use crate::data::packing::TrainBatch;
 use crate::lora::{LoraAdapter, LoraConfig};
 use crate::ops;
 use crate::params::{ParamStore, Role};
-use crate::precision::{to_f32, Precision};
+use crate::precision::{to_f32, Autocast, OpClass};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use rand::{rngs::StdRng, SeedableRng};
@@ -129,7 +129,7 @@ pub enum FineTune {
 /// The decoder. Build it with [`Decoder::new`] from [`DecoderWeights`].
 pub struct Decoder {
     config: DecoderConfig,
-    precision: Precision,
+    autocast: Autocast,
     device: Device,
     /// The token table `(V, C)`: an fp32 master (full) or a compute-dtype constant (LoRA).
     embed: Tensor,
@@ -217,8 +217,8 @@ impl Decoder {
     pub fn new(store: &ParamStore, weights: &DecoderWeights, fine_tune: &FineTune) -> Result<Self> {
         weights.check()?;
         let config = weights.config.clone();
-        let precision = store.precision();
-        let compute = precision.compute_dtype();
+        let autocast = store.autocast();
+        let compute = autocast.dtype(OpClass::Matmul);
         let lora = match fine_tune {
             FineTune::Full => None,
             FineTune::Lora(l) => {
@@ -329,7 +329,7 @@ impl Decoder {
         }
         Ok(Self {
             config,
-            precision,
+            autocast,
             device: store.device().clone(),
             embed,
             head,
@@ -379,13 +379,13 @@ impl Decoder {
     }
 
     fn compute(&self) -> DType {
-        self.precision.compute_dtype()
+        self.autocast.dtype(OpClass::Matmul)
     }
 
     /// The head weight `(V, C)` in the compute dtype (the token table's, when tied).
     fn head_weight(&self) -> Result<Tensor> {
         let w = self.head.as_ref().unwrap_or(&self.embed);
-        Ok(self.precision.to_compute(w)?)
+        Ok(self.autocast.cast(OpClass::Matmul, w)?)
     }
 
     fn check_ids(&self, ids: &Tensor, what: &str) -> Result<(usize, usize)> {
@@ -882,7 +882,7 @@ impl Decoder {
         }
         Ok(Decoder {
             config: self.config.clone(),
-            precision: self.precision,
+            autocast: self.autocast,
             device: self.device.clone(),
             embed: base(&self.embed)?,
             head: self.head.as_ref().map(&base).transpose()?,

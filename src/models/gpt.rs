@@ -62,7 +62,7 @@
 use crate::nn::{Embedding, LayerNorm, Linear};
 use crate::ops::{Activation, Half};
 use crate::params::{ParamStore, Role};
-use crate::precision::{to_f32, Precision};
+use crate::precision::{to_f32, Autocast, OpClass};
 use candle_core::{bail, DType, Device, Module, Result, Tensor};
 use candle_nn::Init;
 use rand::{rngs::StdRng, SeedableRng};
@@ -353,7 +353,7 @@ pub struct Gpt {
     lnf: LayerNorm,
     /// The store's device.
     device: Device,
-    precision: Precision,
+    autocast: Autocast,
 }
 
 impl Gpt {
@@ -378,7 +378,7 @@ impl Gpt {
             blocks,
             lnf,
             device: store.device().clone(),
-            precision: store.precision(),
+            autocast: store.autocast(),
         })
     }
 
@@ -407,7 +407,7 @@ impl Gpt {
 
     /// The tied head's weight: the token table's working copy in the compute dtype, `(V, C)`.
     fn head_weight(&self) -> Result<Tensor> {
-        self.precision.to_compute(self.wte.weight())
+        self.autocast.cast(OpClass::Matmul, self.wte.weight())
     }
 
     /// The final LayerNorm's output as `(B*T, C)` rows in the compute dtype (validates `ids`).
@@ -445,10 +445,9 @@ impl Gpt {
             .map(Block::halves)
             .collect::<Result<Vec<_>>>()?
             .concat();
-        let x = crate::ops::pre_norm_stack(&x, &halves, self.precision.compute_dtype())?;
-        self.lnf
-            .forward_to(&x, self.precision.compute_dtype())?
-            .reshape((b * t, c))
+        let compute = self.autocast.dtype(OpClass::Matmul);
+        let x = crate::ops::pre_norm_stack(&x, &halves, compute)?;
+        self.lnf.forward_to(&x, compute)?.reshape((b * t, c))
     }
 
     /// Mean next-token cross-entropy (f32 scalar) of `ids: (B, T)` against `targets: (B, T)`,
