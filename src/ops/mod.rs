@@ -94,6 +94,7 @@ mod linear_cross_entropy;
 mod lora_cuda;
 mod lora_linear;
 mod padded_attention;
+mod paged_attention;
 mod post_norm_block;
 mod relu;
 mod residual;
@@ -124,6 +125,7 @@ pub use linear::linear;
 pub use linear_cross_entropy::linear_cross_entropy_rows;
 pub use lora_linear::{lora_linear, lora_linear_dropout, lora_linear_grouped};
 pub use padded_attention::key_padding_attention;
+pub use paged_attention::{paged_attention, PagedSeq};
 pub use post_norm_block::post_norm_block;
 pub use residual::residual_add;
 pub use residual_block::{

@@ -217,6 +217,25 @@ pub enum Layer<'a> {
         /// The score scale; `None`: `1 / sqrt(Dh)`.
         scale: Option<f64>,
     },
+    /// Inference only: [`crate::ops::paged_attention`] of a packed `(1, N, (H + 2 Hkv) Dh)`
+    /// qkv of several sequences (normed and rotated), writing their new keys and values into
+    /// the layer's pools and reading each sequence's through its slot table. Composition only.
+    PagedAttention {
+        /// The layer's key pool `(S, Hkv Dh)`.
+        k_pool: &'a Tensor,
+        /// The layer's value pool `(S, Hkv Dh)`.
+        v_pool: &'a Tensor,
+        /// The sequences of the packed row.
+        seqs: &'a [super::PagedSeq],
+        /// Query heads H.
+        n_head: usize,
+        /// Key/value heads Hkv.
+        n_kv_head: usize,
+        /// Keys seen per query, its own included; `None`: all earlier ones.
+        window: Option<usize>,
+        /// The score scale; `None`: `1 / sqrt(Dh)`.
+        scale: Option<f64>,
+    },
 }
 
 /// One half of a pre-norm transformer block, `x ← x + branch(norm(x))`.
@@ -243,7 +262,7 @@ pub enum Half<'a> {
 /// not an f32 variable, a parameter is neither a variable nor untracked (a tensor computed
 /// from one), an attention half would take the composed attention (CUDA with a head width
 /// other than 64), or a branch has a composition-only layer ([`Layer::QkNorm`],
-/// [`Layer::Norm`], [`Layer::GeGlu`], [`Layer::Bias`], [`Layer::CachedAttention`], a
+/// [`Layer::Norm`], [`Layer::GeGlu`], [`Layer::Bias`], [`Layer::CachedAttention`], [`Layer::PagedAttention`], a
 /// [`Layer::WindowAttention`] whose scale is not the default: known before any op runs), each half is the composition of its ops. The same values and gradients
 /// either way, bit for bit when the stack is x's only consumer (with another, candle sums x's
 /// gradients in another order). An empty `halves` returns x.
@@ -375,7 +394,8 @@ impl<'a> Layer<'a> {
             | Layer::PaddedAttention { .. }
             | Layer::GeGlu
             | Layer::WindowAttention { .. }
-            | Layer::CachedAttention { .. } => {}
+            | Layer::CachedAttention { .. }
+            | Layer::PagedAttention { .. } => {}
         }
     }
 
@@ -406,7 +426,8 @@ impl<'a> Layer<'a> {
             | Layer::Norm(_)
             | Layer::GeGlu
             | Layer::Bias { .. }
-            | Layer::CachedAttention { .. } => false,
+            | Layer::CachedAttention { .. }
+            | Layer::PagedAttention { .. } => false,
         }
     }
 
@@ -489,6 +510,17 @@ impl<'a> Layer<'a> {
                 window,
                 scale,
             ),
+            Layer::PagedAttention {
+                k_pool,
+                v_pool,
+                seqs,
+                n_head,
+                n_kv_head,
+                window,
+                scale,
+            } => {
+                super::paged_attention(x, k_pool, v_pool, seqs, (n_head, n_kv_head), window, scale)
+            }
         }
     }
 }
