@@ -3,7 +3,8 @@
 //! cached forward (every family: grouped KV, sliding windows, Gemma's scale); reused blocks
 //! hold no stale keys; 64 concurrent requests over three adapters give the tokens of
 //! single-request greedy generation; seeded sampling does not depend on batch neighbours;
-//! stop strings, admission control and version pinning.
+//! stop strings, admission control and version pinning; the BGMV batched-LoRA reference
+//! gathers each row's adapter.
 
 use candle_core::{Device, Tensor};
 use std::collections::HashMap;
@@ -488,4 +489,47 @@ fn a_request_finishes_on_the_version_it_started_with() {
     assert_eq!(b.ids, v1.generate(&prompt, 16, 0.0, 0).unwrap());
     assert_ne!(a.ids, b.ids, "the two versions should answer differently");
     s.shutdown().unwrap();
+}
+
+#[test]
+fn bgmv_gives_each_row_its_own_adapters_update() {
+    let (n, d_in, d_out, r, l) = (7usize, 6usize, 5usize, 3usize, 4usize);
+    let dev = Device::Cpu;
+    let x = Tensor::randn(0f32, 1.0, (n, d_in), &dev).unwrap();
+    let a = Tensor::randn(0f32, 1.0, (l, r, d_in), &dev).unwrap();
+    let b = Tensor::randn(0f32, 1.0, (l, d_out, r), &dev).unwrap();
+    // rows 2 and 5 use no adapter (index L)
+    let idx: Vec<u32> = vec![0, 3, 4, 1, 3, 4, 2];
+    let indices = Tensor::new(idx.as_slice(), &dev).unwrap();
+    let y: Vec<Vec<f32>> = wick::ops::bgmv(&x, &a, &b, &indices, 0.5)
+        .unwrap()
+        .to_vec2()
+        .unwrap();
+    let xs: Vec<Vec<f32>> = x.to_vec2().unwrap();
+    let as_: Vec<Vec<Vec<f32>>> = a.to_vec3().unwrap();
+    let bs: Vec<Vec<Vec<f32>>> = b.to_vec3().unwrap();
+    for (row, &i) in idx.iter().enumerate() {
+        let want: Vec<f32> = match (i as usize) < l {
+            false => vec![0.0; d_out],
+            true => {
+                let (ai, bi) = (&as_[i as usize], &bs[i as usize]);
+                let t: Vec<f32> = (0..r)
+                    .map(|k| (0..d_in).map(|j| ai[k][j] * xs[row][j]).sum())
+                    .collect();
+                (0..d_out)
+                    .map(|o| 0.5 * (0..r).map(|k| bi[o][k] * t[k]).sum::<f32>())
+                    .collect()
+            }
+        };
+        assert!(
+            max_diff(&y[row], &want) < 1e-5,
+            "row {row}: {:?} vs {want:?}",
+            y[row]
+        );
+    }
+    let past = Tensor::new(&[0u32, 5, 0, 0, 0, 0, 0], &dev).unwrap();
+    let err = wick::ops::bgmv(&x, &a, &b, &past, 1.0)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("index 5"), "{err}");
 }

@@ -52,6 +52,10 @@ impl BlockTable {
 /// and a value pool `(num_blocks · block_size, Hkv · D)` in the model's compute dtype on its
 /// device, made once. One cache serves every sequence of a scheduler (and every published
 /// version of the weights: a sequence's keys are those of the version it runs on).
+///
+/// A sliding-window layer keeps every position of a sequence here too (the window is a mask
+/// in the attention), so a sequence's blocks are sized by its whole length; freeing the
+/// blocks that fell out of every layer's window is not done.
 pub struct PagedKvCache {
     block_size: usize,
     num_blocks: usize,

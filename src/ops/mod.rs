@@ -79,6 +79,7 @@ macro_rules! with_type {
 
 mod act_linear;
 mod attention;
+mod bgmv;
 mod bias;
 mod block_step;
 mod chunked_cross_entropy;
@@ -111,6 +112,7 @@ pub use attention::{
     causal_attention, causal_attention_composed, grouped_causal_attention,
     grouped_causal_attention_composed, grouped_window_attention,
 };
+pub use bgmv::bgmv;
 pub use bias::bias_add;
 pub use chunked_cross_entropy::{
     default_chunk_rows, linear_cross_entropy_sum, DEFAULT_CHUNK_LOGITS, IGNORE_INDEX,

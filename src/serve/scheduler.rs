@@ -583,7 +583,11 @@ impl<M: CausalLm> Engine<M> {
         }
         let mut ended: Vec<(usize, Option<FinishReason>)> = Vec::new();
         for group in &groups {
-            match self.forward(group) {
+            // a panic inside the model fails this group's requests, not the engine thread
+            let result =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.forward(group)))
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("the model panicked on this batch")));
+            match result {
                 Ok(rows) => {
                     for (&(i, n), row) in group.iter().zip(rows) {
                         let s = &mut self.running[i];
