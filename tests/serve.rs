@@ -1083,6 +1083,11 @@ fn flags_out_of_range_are_refused_naming_the_flag() {
         ("--checkpoint-every", "-1", ">= 0"),
         ("--queue-capacity", "-5", ">= 1"),
         ("--train-share", "-0.5", "(0, 1]"),
+        ("--kv-block-size", "0", ">= 1"),
+        ("--kv-blocks", "0", ">= 1"),
+        ("--max-running", "0", ">= 1"),
+        ("--max-waiting", "-2", ">= 1"),
+        ("--step-tokens", "0", ">= 1"),
     ];
     for (flag, value, range) in cases {
         let err = refused(&[flag, value]);
@@ -1098,6 +1103,21 @@ fn flags_out_of_range_are_refused_naming_the_flag() {
     let err = refused(&["--port", "-1"]);
     assert!(
         err.contains("invalid value '-1' for '--port <PORT>'"),
+        "{err}"
+    );
+    // a step must hold every running sequence's decode token
+    let err = refused(&[
+        "--model",
+        "llama",
+        "--tiny",
+        "--step-tokens",
+        "8",
+        "--max-running",
+        "16",
+    ]);
+    assert!(
+        err.contains("--step-tokens")
+            && err.contains("step_tokens (8) must be >= max_running (16)"),
         "{err}"
     );
 }
