@@ -1005,6 +1005,17 @@ fn openai_routes_answer_concurrent_requests_as_they_answer_one_alone() {
         "length"
     );
 
+    let (status, body) = s.get("/metrics");
+    assert_eq!(status, 200);
+    let text = String::from_utf8(body).unwrap();
+    for name in [
+        "wick_serve_engine_steps_total",
+        "wick_serve_kv_free_blocks",
+        "wick_serve_running_sequences 0",
+        "wick_serve_waiting_requests 0",
+    ] {
+        assert!(text.contains(name), "{name} missing from /metrics:\n{text}");
+    }
     let (status, models) = s.get_json("/v1/models");
     assert_eq!(status, 200);
     assert_eq!(models["data"][0]["id"], "live", "{models}");

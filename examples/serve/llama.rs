@@ -393,6 +393,7 @@ pub fn build(
         "starting the scheduler (flags --kv-block-size, --kv-blocks, --max-running, \
          --max-waiting, --step-tokens)",
     )?;
+    let _ = metrics.scheduler.set(scheduler.stats().clone());
     let base_name = source
         .path()
         .file_name()

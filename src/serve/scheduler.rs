@@ -624,12 +624,23 @@ impl<M: CausalLm> Engine<M> {
             .last_batch
             .store(groups.iter().map(Vec::len).sum(), Ordering::Relaxed);
         ended.sort_by_key(|e| std::cmp::Reverse(e.0));
+        let mut done = Vec::with_capacity(ended.len());
         for (i, reason) in ended {
             let mut s = self.running.remove(i);
+            self.cache.release(std::mem::take(&mut s.table));
+            done.push((s, reason));
+        }
+        // the counters first: whoever hears `Done` sees the sequence gone from them
+        self.stats
+            .running
+            .store(self.running.len(), Ordering::Relaxed);
+        self.stats
+            .free_blocks
+            .store(self.cache.free_blocks(), Ordering::Relaxed);
+        for (mut s, reason) in done {
             if let Some(reason) = reason {
                 s.finish(reason);
             }
-            self.cache.release(s.table);
         }
     }
 
