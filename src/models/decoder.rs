@@ -691,7 +691,8 @@ impl Decoder {
             || cache.dtype() != self.compute()
         {
             bail!(
-                "{who}: the cache holds {} layer(s) of (Hkv, D) = {:?} in {:?}; the model has {}                  of {:?} in {:?}; make it with Decoder::paged_cache",
+                "{who}: the cache holds {} layer(s) of (Hkv, D) = {:?} in {:?}; the model has {} \
+                 of {:?} in {:?}; make it with Decoder::paged_cache",
                 cache.layers().len(),
                 cache.kv_shape(),
                 cache.dtype(),
