@@ -11,6 +11,26 @@
 # requests/s (training running). Prints one JSON line per run (serve_load's) and stops the
 # server with SIGTERM. Environment: BIN, PORT (18100), CLIENTS (16), RUN_SECONDS (20),
 # FEEDBACK_RATE (10), LOAD_FLAGS (extra serve_load flags, e.g. "--max-tokens 32").
+#
+# Issue 40 (the scheduler): completions run on one engine thread with continuous batching
+# over a paged KV cache, so the llama figures depend on the scheduler's flags. For the GPU run
+# (not yet measured; the lead runs it):
+#   cargo build --release --features cuda --example serve --example serve_load
+#   # one stream, then 64 concurrent streams, 32 new tokens each, without and with training
+#   CLIENTS=1  FEEDBACK_RATE=4 RUN_SECONDS=15 LOAD_FLAGS="--max-tokens 32" \
+#     scripts/serve_bench.sh llama --device cuda --checkpoint-every 0 --kv-blocks 4096
+#   CLIENTS=64 FEEDBACK_RATE=4 RUN_SECONDS=15 LOAD_FLAGS="--max-tokens 32" PORT=18101 \
+#     scripts/serve_bench.sh llama --device cuda --checkpoint-every 0 --kv-blocks 4096 \
+#     --max-running 64 --step-tokens 512
+# carry: target/release/examples/serve, target/release/examples/serve_load, scripts/,
+# data/smollm2/ (the GGUF). Memory of the cache: 2 x 30 layers x 4096 blocks x 16 positions x
+# 3 KV heads x 64 x 2 bytes (bf16) = 1.5 GB for SmolLM2-135M. What to read beside the JSON
+# lines: /metrics' wick_serve_generated_tokens_total over the run (tokens/s in total) and the
+# p99 latency / max-tokens (time per output token). Expect the CPU-reference paged attention
+# (a gather and a small attention per sequence per layer, host-side sampling with one
+# device-to-host read of the logits per step) to dominate until the CUDA paged decode kernel
+# and the per-bucket CUDA graphs land: this run is the baseline they are measured against.
+# transformers' generate beside it (static cache, torch.compile) needs its own script.
 set -euo pipefail
 model=${1:?usage: scripts/serve_bench.sh mnist|llama [server flags]}
 shift

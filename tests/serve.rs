@@ -5,7 +5,8 @@
 //! checkpoint that loads; bad requests get the right 4xx with a JSON error; a full feedback
 //! queue answers 429; a panicking handler answers 500 and the server goes on; a tiny Llama
 //! with a LoRA adapter learns a repeated completion, streams it and serves it as a named
-//! adapter; flags out of range are refused naming the flag. Loops are bounded; nothing asserts
+//! adapter; the OpenAI routes answer concurrent requests (batched by the scheduler) as they
+//! answer each alone, stream chat, stop at stop strings and refuse what they do not implement; flags out of range are refused naming the flag. Loops are bounded; nothing asserts
 //! on time, and no assertion depends on how the trainer thread and the requests interleave.
 
 #![cfg(all(feature = "cli", feature = "tokenizers"))]
@@ -763,7 +764,7 @@ fn tiny_llama_learns_a_repeated_completion_and_serves_it_as_an_adapter() {
         (Some("live"), Some(0))
     );
     assert_ne!(
-        before["text"], target,
+        before["choices"][0]["text"], target,
         "the untrained model already completes it"
     );
 
@@ -785,12 +786,12 @@ fn tiny_llama_learns_a_repeated_completion_and_serves_it_as_an_adapter() {
             "{v}"
         );
         after = v;
-        if after["text"] == target {
+        if after["choices"][0]["text"] == target {
             break;
         }
     }
     assert_eq!(
-        after["text"], target,
+        after["choices"][0]["text"], target,
         "not learned after 60 feedback examples: {after}"
     );
     let version = after["version"].as_u64().unwrap();
@@ -798,8 +799,8 @@ fn tiny_llama_learns_a_repeated_completion_and_serves_it_as_an_adapter() {
     // nothing trains without feedback: the same version answers the same again
     let again = s.post("/v1/completions", &ask).1;
     assert_eq!(
-        (again["version"].as_u64(), &again["text"]),
-        (Some(version), &after["text"])
+        (again["version"].as_u64(), &again["choices"][0]["text"]),
+        (Some(version), &after["choices"][0]["text"])
     );
 
     // streamed: server-sent events of the same version that add up to the same text
@@ -822,7 +823,7 @@ fn tiny_llama_learns_a_repeated_completion_and_serves_it_as_an_adapter() {
             (v["adapter"].as_str(), v["version"].as_u64()),
             (Some("live"), Some(version))
         );
-        text.push_str(v["text"].as_str().unwrap());
+        text.push_str(v["choices"][0]["text"].as_str().unwrap());
     }
     assert_eq!(text, target);
 
@@ -839,7 +840,7 @@ fn tiny_llama_learns_a_repeated_completion_and_serves_it_as_an_adapter() {
         (v["adapter"].as_str(), v["version"].as_u64()),
         (Some("learned"), Some(1))
     );
-    assert_eq!(v["text"], target);
+    assert_eq!(v["choices"][0]["text"], target);
     let mut r = s
         .agent
         .delete(&s.url("/v1/adapters/learned"))
@@ -897,6 +898,149 @@ fn tiny_llama_learns_a_repeated_completion_and_serves_it_as_an_adapter() {
     assert!(candle_core::safetensors::load_buffer(&bytes, &candle_core::Device::Cpu).is_ok());
 }
 
+/// The texts of an SSE body's `data:` chunks (the last one `[DONE]`), as JSON.
+fn sse_chunks(body: &str) -> Vec<Value> {
+    let data: Vec<&str> = body
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(data.last(), Some(&"[DONE]"), "{body}");
+    data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect()
+}
+
+#[test]
+fn openai_routes_answer_concurrent_requests_as_they_answer_one_alone() {
+    // no feedback: one version (0) throughout
+    let s = Server::start(&[
+        "--model",
+        "llama",
+        "--tiny",
+        "--step-tokens",
+        "24",
+        "--max-running",
+        "16",
+    ]);
+    let prompts: Vec<String> = (0..8)
+        .map(|i| format!("Prompt number {i}: {}", "and so on ".repeat(i)))
+        .collect();
+    let ask = |i: usize| json!({ "prompt": prompts[i], "max_tokens": 3 + 2 * i });
+    // each alone first
+    let alone: Vec<Value> = (0..8)
+        .map(|i| {
+            let (status, v) = s.post("/v1/completions", &ask(i));
+            assert_eq!(status, 200, "{v}");
+            assert_eq!(v["object"], "text_completion");
+            assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+            let usage = &v["usage"];
+            assert_eq!(usage["completion_tokens"], 3 + 2 * i as u64);
+            assert_eq!(
+                usage["total_tokens"].as_u64(),
+                Some(usage["prompt_tokens"].as_u64().unwrap() + 3 + 2 * i as u64)
+            );
+            v
+        })
+        .collect();
+    // then 24 at once (three of each): the scheduler batches them; each answer is the same
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..24)
+            .map(|k| {
+                let (s, ask) = (&s, &ask);
+                scope.spawn(move || (k % 8, s.post("/v1/completions", &ask(k % 8))))
+            })
+            .collect();
+        for h in handles {
+            let (i, (status, v)) = h.join().unwrap();
+            assert_eq!(status, 200, "{v}");
+            assert_eq!(v["token_ids"], alone[i]["token_ids"], "prompt {i}");
+            assert_eq!(v["choices"][0]["text"], alone[i]["choices"][0]["text"]);
+            assert_eq!(v["version"], 0);
+        }
+    });
+
+    // a stop string: the answer ends before its first occurrence
+    let text = alone[7]["choices"][0]["text"].as_str().unwrap().to_string();
+    let cut = text.char_indices().nth(text.chars().count() / 2).unwrap().0;
+    let stop: String = text[cut..].chars().take(2).collect();
+    let (status, v) = s.post(
+        "/v1/completions",
+        &json!({ "prompt": prompts[7], "max_tokens": 17, "stop": stop }),
+    );
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    assert_eq!(v["choices"][0]["text"], text[..text.find(&stop).unwrap()]);
+
+    // chat: the model's template, JSON and streamed alike
+    let chat = json!({
+        "model": "live",
+        "messages": [{ "role": "user", "content": "Where is Candleburg?" }],
+        "max_tokens": 6,
+    });
+    let (status, v) = s.post("/v1/chat/completions", &chat);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+    let content = v["choices"][0]["message"]["content"].as_str().unwrap();
+    let mut streamed = chat.clone();
+    streamed["stream"] = json!(true);
+    let mut r = s
+        .agent
+        .post(&s.url("/v1/chat/completions"))
+        .send_json(&streamed)
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let chunks = sse_chunks(&r.body_mut().read_to_string().unwrap());
+    let joined: String = chunks
+        .iter()
+        .map(|c| c["choices"][0]["delta"]["content"].as_str().unwrap())
+        .collect();
+    assert_eq!(joined, content);
+    assert!(chunks
+        .iter()
+        .all(|c| c["object"] == "chat.completion.chunk"));
+    assert_eq!(
+        chunks.last().unwrap()["choices"][0]["finish_reason"],
+        "length"
+    );
+
+    let (status, body) = s.get("/metrics");
+    assert_eq!(status, 200);
+    let text = String::from_utf8(body).unwrap();
+    for name in [
+        "wick_serve_engine_steps_total",
+        "wick_serve_kv_free_blocks",
+        "wick_serve_running_sequences 0",
+        "wick_serve_waiting_requests 0",
+    ] {
+        assert!(text.contains(name), "{name} missing from /metrics:\n{text}");
+    }
+    let (status, models) = s.get_json("/v1/models");
+    assert_eq!(status, 200);
+    assert_eq!(models["data"][0]["id"], "live", "{models}");
+    assert_eq!(models["data"][0]["version"], 0);
+
+    // options wick does not implement are refused, naming them
+    for (body, what) in [
+        (
+            json!({ "prompt": "x", "presence_penalty": 1.0 }),
+            "presence_penalty",
+        ),
+        (json!({ "prompt": "x", "n": 2 }), "n:"),
+        (json!({ "prompt": "x", "top_p": 0.0 }), "top_p"),
+        (json!({ "messages": [] }), "messages"),
+        (json!({ "prompt": "x", "model": "nope" }), "unknown adapter"),
+    ] {
+        let (status, v) = s.post("/v1/completions", &body);
+        assert!(status == 422 || status == 404, "{body}: {status} {v}");
+        assert!(error_message(status, &v).contains(what), "{body}: {v}");
+    }
+    let (status, v) = s.post("/v1/chat/completions", &json!({ "prompt": "x" }));
+    assert_eq!(status, 422);
+    assert!(error_message(422, &v).contains("messages"), "{v}");
+}
+
 /// Runs the example with `args` and expects it to refuse them: an exit with a failure status
 /// (within 60 s, before it serves) and nothing on stdout. Returns stderr.
 fn refused(args: &[&str]) -> String {
@@ -950,6 +1094,11 @@ fn flags_out_of_range_are_refused_naming_the_flag() {
         ("--checkpoint-every", "-1", ">= 0"),
         ("--queue-capacity", "-5", ">= 1"),
         ("--train-share", "-0.5", "(0, 1]"),
+        ("--kv-block-size", "0", ">= 1"),
+        ("--kv-blocks", "0", ">= 1"),
+        ("--max-running", "0", ">= 1"),
+        ("--max-waiting", "-2", ">= 1"),
+        ("--step-tokens", "0", ">= 1"),
     ];
     for (flag, value, range) in cases {
         let err = refused(&[flag, value]);
@@ -965,6 +1114,21 @@ fn flags_out_of_range_are_refused_naming_the_flag() {
     let err = refused(&["--port", "-1"]);
     assert!(
         err.contains("invalid value '-1' for '--port <PORT>'"),
+        "{err}"
+    );
+    // a step must hold every running sequence's decode token
+    let err = refused(&[
+        "--model",
+        "llama",
+        "--tiny",
+        "--step-tokens",
+        "8",
+        "--max-running",
+        "16",
+    ]);
+    assert!(
+        err.contains("--step-tokens")
+            && err.contains("step_tokens (8) must be >= max_running (16)"),
         "{err}"
     );
 }

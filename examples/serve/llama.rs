@@ -1,14 +1,14 @@
 //! `--model llama`: SmolLM2 (GGUF) with a LoRA adapter that keeps training on feedback.
-//! `POST /v1/completions` (JSON or server-sent events), `POST /v1/feedback`,
+//! The OpenAI routes (`POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`:
+//! [`crate::openai`]) run on one continuous-batching scheduler; `POST /v1/feedback`,
 //! `GET /v1/adapters`, `POST /v1/adapters/{name}` (load `--adapters-dir/name`),
 //! `POST /v1/adapters/{name}/save` (save the live adapter there), `DELETE /v1/adapters/{name}`,
 //! `GET /v1/snapshots/{version}` (the live adapter of a retained version, safetensors).
 //!
 //! Every answer names the adapter and its version: `live` (the one being trained; its version
 //! is the publication number) or a loaded name (its version counts loads). A completion runs
-//! entirely on the snapshot it loaded first, with a KV cache of its own: a publication
-//! between two requests gives the next request a fresh cache over the new weights, never a
-//! cache built by old ones.
+//! entirely on the snapshot it loaded when it arrived: the scheduler keeps that model for
+//! the request to its end, and its keys in the paged cache come from those weights only.
 
 use crate::http::{blocking, ApiError, ApiJson};
 use crate::metrics::Metrics;
@@ -16,27 +16,28 @@ use crate::Args;
 use anyhow::{Context, Result};
 use axum::extract::{Path, State};
 use axum::http::{header, StatusCode};
-use axum::response::sse::{Event, Sse};
-use axum::response::{IntoResponse, Response};
+use axum::response::IntoResponse;
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 use serde::Deserialize;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
-use std::time::Instant;
+use wick::data::packing::{Tokenized, TrainBatch, IGNORE_INDEX};
 use wick::lora::{self, LoraConfig};
 use wick::models::tokenizer::TextTokenizer;
 use wick::models::Source;
 use wick::models::{Decoder, DecoderConfig, DecoderWeights, FineTune};
-use wick::serve::{FeedbackSender, OnlineLearner, Published, QueueError};
+use wick::serve::{
+    FeedbackSender, OnlineLearner, Published, QueueError, Scheduler, SchedulerConfig,
+};
 use wick::{Engine, ParamStore};
 
-/// A feedback example: prompt and preferred completion as token ids, trained on as one
-/// sequence (next-token loss over every position, prompt included).
+/// A feedback example: prompt and preferred completion as one sequence, the loss on the
+/// completion's tokens only (the prompt's labels masked).
 pub struct Example {
-    ids: Vec<u32>,
+    tokens: Tokenized,
 }
 
 pub struct Learner {
@@ -48,16 +49,14 @@ impl OnlineLearner for Learner {
     type Example = Example;
     type Snapshot = Arc<Decoder>;
 
-    /// One sequence per micro-batch (no padding), weighted by its token count; the last one
-    /// closes the accumulation window: one optimizer step per batch.
+    /// One sequence per micro-batch (no padding), weighted by its trained (completion)
+    /// tokens; the last one closes the accumulation window: one optimizer step per batch.
     fn train_step(&mut self, engine: &mut Engine, batch: &[Example]) -> Result<f32> {
         let (mut loss_sum, mut weight_sum) = (0.0f64, 0.0f64);
         for (i, e) in batch.iter().enumerate() {
-            let n = e.ids.len() - 1;
-            let x = Tensor::from_slice(&e.ids[..n], (1, n), &self.dev)?;
-            let y = Tensor::from_slice(&e.ids[1..], (1, n), &self.dev)?;
-            let w = n as f64;
-            let f = |_: &wick::StepCtx| self.model.loss(&x, &y);
+            let b = TrainBatch::packed(&[&e.tokens], &self.dev)?;
+            let w = b.trained_targets() as f64;
+            let f = |_: &wick::StepCtx| self.model.batch_loss(&b);
             let r = if i + 1 == batch.len() {
                 engine.step_weighted_closing(w, f)?
             } else {
@@ -75,47 +74,31 @@ impl OnlineLearner for Learner {
 }
 
 /// A loaded named adapter.
-struct Named {
+pub struct Named {
     model: Arc<Decoder>,
-    version: u64,
+    pub version: u64,
 }
 
 #[derive(Clone)]
 pub struct LlamaState {
     pub published: Arc<Published<Arc<Decoder>>>,
-    named: Arc<RwLock<HashMap<String, Named>>>,
+    pub named: Arc<RwLock<HashMap<String, Named>>>,
     loads: Arc<AtomicU64>,
-    tok: Arc<TextTokenizer>,
+    pub tok: Arc<TextTokenizer>,
     lora: LoraConfig,
     adapters_dir: std::path::PathBuf,
-    max_tokens_limit: usize,
-    metrics: Arc<Metrics>,
+    pub max_tokens_limit: usize,
+    pub metrics: Arc<Metrics>,
+    /// The engine thread every completion runs on.
+    pub scheduler: Arc<Scheduler<Decoder>>,
+    /// The served model's file or folder name (`/v1/models`' `root`).
+    pub base_name: String,
 }
 
 #[derive(Clone)]
-struct Routes {
-    s: LlamaState,
+pub struct Routes {
+    pub s: LlamaState,
     feedback: FeedbackSender<Example>,
-}
-
-fn default_max_tokens() -> usize {
-    16
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct CompletionRequest {
-    prompt: String,
-    #[serde(default = "default_max_tokens")]
-    max_tokens: usize,
-    #[serde(default)]
-    temperature: f64,
-    #[serde(default)]
-    stream: bool,
-    #[serde(default)]
-    seed: u64,
-    /// `live` (default) or the name of a loaded adapter.
-    adapter: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -125,8 +108,12 @@ struct FeedbackRequest {
     completion: String,
 }
 
-/// The model, adapter name and version a request runs on.
-fn resolve(s: &LlamaState, adapter: Option<&str>) -> Result<(Arc<Decoder>, String, u64), ApiError> {
+/// The model, adapter name and version a request runs on: the live adapter's current
+/// snapshot (`None`, `live`) or a loaded adapter.
+pub fn resolve(
+    s: &LlamaState,
+    adapter: Option<&str>,
+) -> Result<(Arc<Decoder>, String, u64), ApiError> {
     match adapter {
         None | Some("live") => {
             let v = s.published.load();
@@ -145,126 +132,6 @@ fn resolve(s: &LlamaState, adapter: Option<&str>) -> Result<(Arc<Decoder>, Strin
     }
 }
 
-fn check_completion(
-    s: &LlamaState,
-    r: &CompletionRequest,
-    prompt_len: usize,
-    positions: usize,
-) -> Result<(), ApiError> {
-    if r.prompt.is_empty() {
-        return Err(ApiError::invalid("prompt is empty"));
-    }
-    if r.max_tokens == 0 || r.max_tokens > s.max_tokens_limit {
-        return Err(ApiError::invalid(format!(
-            "max_tokens {} is out of range: 1..={} (--max-tokens-limit)",
-            r.max_tokens, s.max_tokens_limit
-        )));
-    }
-    if !(r.temperature.is_finite() && (0.0..=100.0).contains(&r.temperature)) {
-        return Err(ApiError::invalid(format!(
-            "temperature {} must be in 0..=100 (0: greedy)",
-            r.temperature
-        )));
-    }
-    if prompt_len + r.max_tokens > positions {
-        return Err(ApiError::invalid(format!(
-            "prompt ({prompt_len} tokens) + max_tokens ({}) exceeds the model's {positions} positions",
-            r.max_tokens
-        )));
-    }
-    Ok(())
-}
-
-async fn completions(
-    State(r): State<Routes>,
-    ApiJson(req): ApiJson<CompletionRequest>,
-) -> Result<Response, ApiError> {
-    let s = r.s;
-    let (model, adapter, version) = resolve(&s, req.adapter.as_deref())?;
-    let prompt = s
-        .tok
-        .encode(&req.prompt)
-        .map_err(|e| ApiError::invalid(format!("prompt: {e:#}")))?;
-    check_completion(
-        &s,
-        &req,
-        prompt.len(),
-        model.config().max_position_embeddings,
-    )?;
-    let (max, temp, seed) = (req.max_tokens, req.temperature, req.seed);
-    if req.stream {
-        return Ok(stream(s, model, prompt, adapter, version, max, temp, seed).into_response());
-    }
-    let (tok, metrics) = (s.tok.clone(), s.metrics.clone());
-    let (ids, text, secs) = blocking(move || {
-        let t = Instant::now();
-        let ids = model.generate(&prompt, max, temp, seed)?;
-        let secs = t.elapsed().as_secs_f64();
-        Ok((ids.clone(), tok.decode(&ids)?, secs))
-    })
-    .await?;
-    metrics.tokens.inc_by(ids.len() as u64);
-    metrics
-        .tokens_per_second
-        .set(ids.len() as f64 / secs.max(1e-9));
-    Ok(Json(serde_json::json!({
-        "adapter": adapter,
-        "version": version,
-        "text": text,
-        "token_ids": ids,
-        "completion_tokens": ids.len(),
-    }))
-    .into_response())
-}
-
-/// Server-sent events: one `data: {adapter, version, text, token_id}` per token (`text` the
-/// new characters), then `data: [DONE]`. Generation stops when the client goes away.
-#[allow(clippy::too_many_arguments)]
-fn stream(
-    s: LlamaState,
-    model: Arc<Decoder>,
-    prompt: Vec<u32>,
-    adapter: String,
-    version: u64,
-    max: usize,
-    temp: f64,
-    seed: u64,
-) -> impl IntoResponse {
-    let (tx, rx) = tokio::sync::mpsc::channel::<Event>(64);
-    let (tok, metrics) = (s.tok.clone(), s.metrics.clone());
-    tokio::task::spawn_blocking(move || {
-        let t = Instant::now();
-        let mut ids = Vec::new();
-        let mut sent = String::new();
-        let result = model.generate_with(&prompt, max, temp, seed, |id| {
-            ids.push(id);
-            let text = tok.decode(&ids).unwrap_or_default();
-            let delta = text.get(sent.len()..).unwrap_or("").to_string();
-            sent = text;
-            let data = serde_json::json!({ "adapter": adapter, "version": version, "text": delta, "token_id": id });
-            tx.blocking_send(Event::default().data(data.to_string())).is_ok()
-        });
-        let last = match result {
-            Ok(ids) => {
-                metrics.tokens.inc_by(ids.len() as u64);
-                metrics
-                    .tokens_per_second
-                    .set(ids.len() as f64 / t.elapsed().as_secs_f64().max(1e-9));
-                Event::default().data("[DONE]")
-            }
-            Err(e) => Event::default()
-                .event("error")
-                .data(serde_json::json!({ "error": format!("{e:#}") }).to_string()),
-        };
-        let _ = tx.blocking_send(last);
-    });
-    let events = tokio_stream::StreamExt::map(
-        tokio_stream::wrappers::ReceiverStream::new(rx),
-        Ok::<Event, std::convert::Infallible>,
-    );
-    Sse::new(events)
-}
-
 async fn post_feedback(
     State(r): State<Routes>,
     ApiJson(req): ApiJson<FeedbackRequest>,
@@ -276,9 +143,9 @@ async fn post_feedback(
         ));
     }
     // one BOS at the start (if the file adds one), never between prompt and completion
-    let ids = s
+    let (ids, prompt_len) = s
         .tok
-        .encode_prompt_completion(&req.prompt, &req.completion)
+        .encode_prompt_completion_parts(&req.prompt, &req.completion)
         .map_err(|e| ApiError::invalid(format!("{e:#}")))?;
     let positions = s.published.load().value.config().max_position_embeddings;
     if ids.len() > positions + 1 {
@@ -289,10 +156,29 @@ async fn post_feedback(
         )));
     }
     let n = ids.len();
-    r.feedback.try_push(Example { ids }).map_err(|e| match e {
-        QueueError::Full { .. } => ApiError::new(StatusCode::TOO_MANY_REQUESTS, e.to_string()),
-        QueueError::Closed => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
-    })?;
+    // the loss reads the completion's labels only (and the EOS the file may add after it)
+    let labels = ids
+        .iter()
+        .enumerate()
+        .map(|(k, &id)| {
+            if k < prompt_len {
+                IGNORE_INDEX
+            } else {
+                id as i64
+            }
+        })
+        .collect();
+    let tokens = Tokenized {
+        ids,
+        labels,
+        merged_boundaries: 0,
+    };
+    r.feedback
+        .try_push(Example { tokens })
+        .map_err(|e| match e {
+            QueueError::Full { .. } => ApiError::new(StatusCode::TOO_MANY_REQUESTS, e.to_string()),
+            QueueError::Closed => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+        })?;
     Ok((
         StatusCode::ACCEPTED,
         Json(serde_json::json!({ "queued": 1, "tokens": n, "queue_depth": r.feedback.depth() })),
@@ -437,7 +323,12 @@ async fn snapshot_weights(
 
 pub fn router(s: LlamaState, feedback: FeedbackSender<Example>) -> Router {
     Router::new()
-        .route("/v1/completions", post(completions))
+        .route("/v1/completions", post(crate::openai::completions))
+        .route(
+            "/v1/chat/completions",
+            post(crate::openai::chat_completions),
+        )
+        .route("/v1/models", get(crate::openai::models))
         .route("/v1/feedback", post(post_feedback))
         .route("/v1/adapters", get(list_adapters))
         .route(
@@ -468,7 +359,7 @@ pub fn build(
             source.path().display()
         )
     })?;
-    let tok = source.tokenizer()?;
+    let tok = Arc::new(source.tokenizer()?);
     let weights = if a.tiny {
         let mut c = DecoderConfig::tiny_family(config.model_type, config.vocab_size);
         c.eos_token_id = config.eos_token_id;
@@ -489,15 +380,35 @@ pub fn build(
         dev: dev.clone(),
     };
     let first = learner.snapshot(&engine)?;
+    let sched = SchedulerConfig {
+        block_size: a.kv_block_size,
+        num_blocks: a.kv_blocks,
+        max_running: a.max_running,
+        max_waiting: a.max_waiting,
+        step_tokens: a.step_tokens,
+    };
+    let detok = tok.clone();
+    let detokenize: wick::serve::Detokenize = Arc::new(move |ids: &[u32]| detok.decode(ids));
+    let scheduler = Scheduler::spawn(first.clone(), sched, Some(detokenize)).context(
+        "starting the scheduler (flags --kv-block-size, --kv-blocks, --max-running, \
+         --max-waiting, --step-tokens)",
+    )?;
+    let _ = metrics.scheduler.set(scheduler.stats().clone());
+    let base_name = source
+        .path()
+        .file_name()
+        .map_or("model".into(), |n| n.to_string_lossy().into_owned());
     let state = LlamaState {
         published: Arc::new(Published::starting_at(first, version, a.keep_versions)),
         named: Default::default(),
         loads: Default::default(),
-        tok: Arc::new(tok),
+        tok,
         lora,
         adapters_dir: a.adapters_dir.clone(),
         max_tokens_limit: a.max_tokens_limit,
         metrics,
+        scheduler: Arc::new(scheduler),
+        base_name,
     };
     Ok((engine, learner, state))
 }

@@ -10,7 +10,7 @@
 //! ```
 //! Routes: `GET /health`, `GET /metrics` (Prometheus text); mnist: `POST /predict`,
 //! `POST /feedback`, `GET /v1/snapshots/{version}`; llama: `POST /v1/completions`,
-//! `POST /v1/feedback`, `POST|DELETE /v1/adapters/{name}`, `GET /v1/snapshots/{version}`.
+//! `POST /v1/chat/completions`, `GET /v1/models` (OpenAI's), `POST /v1/feedback`, `POST|DELETE /v1/adapters/{name}`, `GET /v1/snapshots/{version}`.
 //! docs/serving.md has curl examples. Prints
 //! `listening on http://ADDR` on stdout once the port is bound (`--port 0`: any free port).
 //! SIGTERM / Ctrl-C: stop accepting, let the trainer finish its step, publish, save a
@@ -22,6 +22,7 @@ mod metrics;
 mod mnist;
 #[path = "../common/mnist_net.rs"]
 mod mnist_net;
+mod openai;
 
 use anyhow::{Context, Result};
 use axum::extract::{DefaultBodyLimit, State};
@@ -129,6 +130,22 @@ pub struct Args {
     /// llama: LoRA rank (>= 1).
     #[arg(long, default_value_t = 8, allow_negative_numbers = true, value_parser = wick::cli::positive_usize)]
     lora_rank: usize,
+    /// llama: positions per paged KV-cache block (>= 1).
+    #[arg(long, default_value_t = 16, allow_negative_numbers = true, value_parser = wick::cli::positive_usize)]
+    kv_block_size: usize,
+    /// llama: blocks in the paged KV cache (>= 1); memory: 2 x layers x blocks x block size x
+    /// KV heads x head width elements of the compute dtype.
+    #[arg(long, default_value_t = 512, allow_negative_numbers = true, value_parser = wick::cli::positive_usize)]
+    kv_blocks: usize,
+    /// llama: most sequences decoding at once (>= 1, <= --step-tokens).
+    #[arg(long, default_value_t = 64, allow_negative_numbers = true, value_parser = wick::cli::positive_usize)]
+    max_running: usize,
+    /// llama: most completions waiting for the model (>= 1); beyond them, 429.
+    #[arg(long, default_value_t = 256, allow_negative_numbers = true, value_parser = wick::cli::positive_usize)]
+    max_waiting: usize,
+    /// llama: tokens per engine step, decode tokens and prefill chunks together (>= 1).
+    #[arg(long, default_value_t = 512, allow_negative_numbers = true, value_parser = wick::cli::positive_usize)]
+    step_tokens: usize,
     /// llama: folder of named adapters for POST /v1/adapters/{name}.
     #[arg(long, default_value = "runs/adapters")]
     adapters_dir: PathBuf,

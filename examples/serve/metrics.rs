@@ -14,7 +14,7 @@ use prometheus_client::registry::Registry;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Instant;
-use wick::serve::OnlineStats;
+use wick::serve::{OnlineStats, SchedulerStats};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RouteLabels {
@@ -44,6 +44,13 @@ pub struct Metrics {
     pub publishes: Counter,
     pub tokens: Counter,
     pub tokens_per_second: Gauge<f64, AtomicU64>,
+    /// The scheduler's counters (llama), read at each render.
+    pub scheduler: std::sync::OnceLock<Arc<SchedulerStats>>,
+    engine_steps: Counter,
+    running: Gauge,
+    waiting: Gauge,
+    kv_free_blocks: Gauge,
+    batch: Gauge,
 }
 
 impl Metrics {
@@ -78,6 +85,12 @@ impl Metrics {
             publishes: Counter::default(),
             tokens: Counter::default(),
             tokens_per_second: Gauge::default(),
+            scheduler: Default::default(),
+            engine_steps: Counter::default(),
+            running: Gauge::default(),
+            waiting: Gauge::default(),
+            kv_free_blocks: Gauge::default(),
+            batch: Gauge::default(),
             registry,
         };
         let mut m = m;
@@ -142,6 +155,31 @@ impl Metrics {
             "Generated tokens / wall-clock s of the last completion, prompt prefill included (llama)",
             m.tokens_per_second.clone(),
         );
+        r.register(
+            "engine_steps",
+            "Scheduler steps (one batch of decode tokens and prefill chunks each; llama)",
+            m.engine_steps.clone(),
+        );
+        r.register(
+            "running_sequences",
+            "Sequences being decoded or prefilled (llama)",
+            m.running.clone(),
+        );
+        r.register(
+            "waiting_requests",
+            "Completions waiting for admission (llama)",
+            m.waiting.clone(),
+        );
+        r.register(
+            "kv_free_blocks",
+            "Free blocks of the paged KV cache (llama)",
+            m.kv_free_blocks.clone(),
+        );
+        r.register(
+            "batch_sequences",
+            "Sequences in the last scheduler step (llama)",
+            m.batch.clone(),
+        );
         m
     }
 
@@ -165,6 +203,13 @@ impl Metrics {
         self.version.set(version as i64);
         self.queue_depth.set(depth as i64);
         self.publish_seconds.set(stats.last_publish_seconds());
+        if let Some(s) = self.scheduler.get() {
+            catch_up(&self.engine_steps, s.steps());
+            self.running.set(s.running() as i64);
+            self.waiting.set(s.waiting() as i64);
+            self.kv_free_blocks.set(s.free_blocks() as i64);
+            self.batch.set(s.last_batch() as i64);
+        }
         let mut out = String::new();
         if let Err(e) = encode(&mut out, &self.registry) {
             out = format!("# encoding failed: {e}\n");

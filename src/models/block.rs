@@ -258,6 +258,14 @@ pub(super) enum Attend<'a> {
         /// Positions already cached.
         start: usize,
     },
+    /// A packed row of several sequences at their own positions over a paged KV cache
+    /// (serving), which the layer extends.
+    Paged {
+        /// The layer's `(key pool, value pool)`, `(S, Hkv D)` each.
+        pools: &'a (Tensor, Tensor),
+        /// The sequences of the row.
+        seqs: &'a [ops::PagedSeq],
+    },
 }
 
 impl<'a> Attend<'a> {
@@ -360,6 +368,15 @@ impl<'a> Prepared<'a> {
             Attend::Cached { kv, start } => Layer::CachedAttention {
                 kv,
                 start,
+                n_head,
+                n_kv_head,
+                window: s.window,
+                scale: s.scale,
+            },
+            Attend::Paged { pools, seqs } => Layer::PagedAttention {
+                k_pool: &pools.0,
+                v_pool: &pools.1,
+                seqs,
                 n_head,
                 n_kv_head,
                 window: s.window,

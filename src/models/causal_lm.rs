@@ -5,7 +5,8 @@
 //! tokenizer from a GGUF file or an HF folder, detecting the family.
 
 use super::config::DecoderConfig;
-use super::decoder::{Decoder, DecoderWeights, KvCache};
+use super::decoder::{Decoder, DecoderWeights, KvCache, PagedBatchEntry};
+use super::paged::PagedKvCache;
 #[cfg(feature = "tokenizers")]
 use super::tokenizer::TextTokenizer;
 use crate::data::packing::TrainBatch;
@@ -33,6 +34,11 @@ pub trait CausalLm: Send + Sync + Sized {
     fn eval_loss(&self, batch: &TrainBatch) -> Result<Tensor>;
     /// Logits of `ids` at positions `cache.len()..`, extending the cache (prefill or decode).
     fn forward_cached(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor>;
+    /// A paged KV cache for this model: `num_blocks` blocks of `block_size` positions.
+    fn paged_cache(&self, block_size: usize, num_blocks: usize) -> Result<PagedKvCache>;
+    /// Next-token logits `(B, V)` f32 of a batch of sequences at their own positions over a
+    /// paged cache (continuous batching), extending it.
+    fn forward_paged(&self, seqs: &[PagedBatchEntry<'_>], cache: &PagedKvCache) -> Result<Tensor>;
     /// Up to `max_new_tokens` ids after `prompt` (greedy at temperature 0), each handed to
     /// `on_token` as drawn; stops at an end-of-sequence id or when `on_token` returns false.
     fn generate_with(
@@ -86,6 +92,12 @@ impl CausalLm for Decoder {
     }
     fn forward_cached(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
         Decoder::forward_cached(self, ids, cache)
+    }
+    fn paged_cache(&self, block_size: usize, num_blocks: usize) -> Result<PagedKvCache> {
+        Decoder::paged_cache(self, block_size, num_blocks)
+    }
+    fn forward_paged(&self, seqs: &[PagedBatchEntry<'_>], cache: &PagedKvCache) -> Result<Tensor> {
+        Decoder::forward_paged(self, seqs, cache)
     }
     fn generate_with(
         &self,

@@ -18,6 +18,7 @@
 use super::block::{self, adapted_outs, Attend, Block, Norms, Proj, Spec};
 use super::config::{DecoderConfig, EMBED, FINAL_NORM, HEAD};
 use super::family::LINEARS;
+use super::paged::{BlockTable, PagedKvCache};
 use crate::data::packing::TrainBatch;
 use crate::lora::{LoraAdapter, LoraConfig};
 use crate::ops;
@@ -646,6 +647,123 @@ impl Decoder {
         Ok(logits)
     }
 
+    /// A paged KV cache for this model ([`PagedKvCache::new`] in its compute dtype on its
+    /// device): `num_blocks` blocks of `block_size` positions per layer.
+    ///
+    /// Errors: as [`PagedKvCache::new`].
+    pub fn paged_cache(&self, block_size: usize, num_blocks: usize) -> Result<PagedKvCache> {
+        PagedKvCache::new(
+            &self.config,
+            self.compute(),
+            &self.device,
+            block_size,
+            num_blocks,
+        )
+    }
+
+    /// Next-token logits `(B, V)` f32 of a batch of `B` sequences, each at its own
+    /// positions over the paged `cache` (continuous batching): sequence i brings
+    /// `seqs[i].ids` (>= 1 token: a prefill chunk or one decode token) at positions
+    /// `start..start + len`, its keys and values of positions `0..start` already in the
+    /// blocks of its table. The new tokens of all sequences run as one packed row (one GEMM
+    /// per projection for the whole batch, RoPE at each token's own position), the attention
+    /// of each sequence reads its keys through its table ([`ops::paged_attention`]), and
+    /// the new keys and values are written into its blocks. Row i of the result is the
+    /// logits after sequence i's last new token. Inference only.
+    ///
+    /// The caller commits the positions (`start += len`) only after a successful call; a
+    /// failed one may have written slots of the uncommitted positions, which the retry
+    /// overwrites.
+    ///
+    /// Errors: no sequences, a sequence without ids or with an id outside the vocabulary,
+    /// positions past `max_position_embeddings`, a table without room for `start + len`
+    /// positions, a cache made for another model (layers, key/value heads, head width,
+    /// dtype).
+    pub fn forward_paged(
+        &self,
+        seqs: &[PagedBatchEntry<'_>],
+        cache: &PagedKvCache,
+    ) -> Result<Tensor> {
+        let who = "Decoder::forward_paged";
+        let (hkv, d) = (self.config.num_key_value_heads, self.config.head_dim());
+        if cache.layers().len() != self.blocks.len()
+            || cache.kv_shape() != (hkv, d)
+            || cache.dtype() != self.compute()
+        {
+            bail!(
+                "{who}: the cache holds {} layer(s) of (Hkv, D) = {:?} in {:?}; the model has {} \
+                 of {:?} in {:?}; make it with Decoder::paged_cache",
+                cache.layers().len(),
+                cache.kv_shape(),
+                cache.dtype(),
+                self.blocks.len(),
+                (hkv, d),
+                self.compute()
+            );
+        }
+        if seqs.is_empty() {
+            bail!("{who}: no sequences; pass at least one");
+        }
+        let (mut ids, mut positions, mut paged, mut last) = (vec![], vec![], vec![], vec![]);
+        for (i, s) in seqs.iter().enumerate() {
+            let (start, len) = (s.start, s.ids.len());
+            if len == 0 {
+                bail!("{who}: sequence {i} brings no ids; give each at least one");
+            }
+            if let Some(bad) = s
+                .ids
+                .iter()
+                .find(|&&id| id as usize >= self.config.vocab_size)
+            {
+                bail!(
+                    "{who}: sequence {i} has id {bad}, outside the vocabulary of {}",
+                    self.config.vocab_size
+                );
+            }
+            if start + len > self.config.max_position_embeddings {
+                bail!(
+                    "{who}: sequence {i} reaches position {} past max_position_embeddings {}",
+                    start + len,
+                    self.config.max_position_embeddings
+                );
+            }
+            let slots = cache
+                .slots(s.table, 0..start + len)
+                .with_context(|| format!("{who}: sequence {i}"))?;
+            paged.push(ops::PagedSeq {
+                start,
+                len,
+                offset: ids.len(),
+                new_slots: slots[start..].to_vec(),
+                slots: Tensor::from_vec(slots, start + len, &self.device)?,
+            });
+            ids.extend_from_slice(s.ids);
+            positions.extend((start..start + len).map(|p| p as u32));
+            last.push((ids.len() - 1) as u32);
+        }
+        let n = ids.len();
+        let end = seqs
+            .iter()
+            .map(|s| s.start + s.ids.len())
+            .max()
+            .unwrap_or(0);
+        let positions = Tensor::from_vec(positions, n, &self.device)?;
+        let ropes = self.position_tables(end)?.gather(&positions)?;
+        let x = self.embed_ids(&Tensor::from_vec(ids, (1, n), &self.device)?)?;
+        let all = self.blocks.iter().zip(cache.layers()).map(|(b, pools)| {
+            let attend = Attend::Paged {
+                pools,
+                seqs: &paged,
+            };
+            (&**b, ropes.of(b), attend)
+        });
+        let x = block::run(&x, all, false, true, self.compute())?;
+        let last = Tensor::from_vec(last, seqs.len(), &self.device)?;
+        let h = self.final_norm(&x.squeeze(0)?.index_select(&last, 0)?)?;
+        let logits = h.matmul(&self.head_weight()?.t()?)?;
+        Ok(to_f32(&logits)?.detach())
+    }
+
     /// Generates up to `max_new_tokens` ids after `prompt` with a KV cache: the prompt in one
     /// forward, then one token per forward. Each id is drawn from `softmax(logits /
     /// temperature)` (seeded by `seed`); `temperature == 0` is greedy. Stops after the config's
@@ -983,4 +1101,16 @@ impl KvCache {
     pub fn clear(&mut self) {
         *self = Self::default();
     }
+}
+
+/// One sequence of a [`Decoder::forward_paged`] batch: its new token ids at positions
+/// `start..start + ids.len()`, and the table of its blocks in the cache (with room for them).
+#[derive(Debug, Clone, Copy)]
+pub struct PagedBatchEntry<'a> {
+    /// The new ids (a prefill chunk, or the last sampled token).
+    pub ids: &'a [u32],
+    /// Positions already in the cache.
+    pub start: usize,
+    /// The sequence's blocks.
+    pub table: &'a BlockTable,
 }

@@ -23,6 +23,7 @@ pub mod decoder;
 pub mod family;
 pub mod files;
 pub mod gpt;
+pub mod paged;
 mod sampling;
 #[cfg(feature = "tokenizers")]
 pub mod spm_tokenizer;
@@ -32,5 +33,6 @@ pub mod tokenizer;
 pub use bert::{Bert, BertConfig};
 pub use causal_lm::{CausalLm, Source};
 pub use config::DecoderConfig;
-pub use decoder::{Decoder, DecoderWeights, FineTune, KvCache};
+pub use decoder::{Decoder, DecoderWeights, FineTune, KvCache, PagedBatchEntry};
 pub use gpt::{Gpt, GptConfig};
+pub use paged::{BlockTable, OutOfBlocks, PagedKvCache};

@@ -464,12 +464,26 @@ impl TextTokenizer {
     ///
     /// Errors: a tokenizer failure (naming the part).
     pub fn encode_prompt_completion(&self, prompt: &str, completion: &str) -> Result<Vec<u32>> {
+        Ok(self.encode_prompt_completion_parts(prompt, completion)?.0)
+    }
+
+    /// [`Self::encode_prompt_completion`] and how many of its ids are the prompt's (the BOS
+    /// included): the labels of the first ones are masked when training on the completion
+    /// only.
+    ///
+    /// Errors: a tokenizer failure (naming the part).
+    pub fn encode_prompt_completion_parts(
+        &self,
+        prompt: &str,
+        completion: &str,
+    ) -> Result<(Vec<u32>, usize)> {
         let special = self.encode_with("", true)?; // the BOS / EOS the flags add
         let mut ids = Vec::new();
         if self.add_bos_token {
             ids.extend(special.first());
         }
         ids.extend(self.encode_with(prompt, false).context("the prompt")?);
+        let prompt_len = ids.len();
         ids.extend(
             self.encode_with(completion, false)
                 .context("the completion")?,
@@ -477,7 +491,7 @@ impl TextTokenizer {
         if self.add_eos_token {
             ids.extend(special.last());
         }
-        Ok(ids)
+        Ok((ids, prompt_len))
     }
 
     /// Token ids of the start of `text`: at least `min_tokens` of them (or all of `text`),

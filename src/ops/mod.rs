@@ -9,8 +9,8 @@
 //! | `common` | the toolkit: dtype dispatch (`with_type!`, `Elem`), argument checks, CPU storage access, `SideOutput`; no ops |
 //! | `elementwise` | bias add, GELU, ReLU, the residual add, SwiGLU, GeGLU |
 //! | `norm` | LayerNorm, RMSNorm, the per-head q/k RMSNorm |
-//! | `attention` | causal (flash), windowed, packed-document (varlen), key-padding, composed and KV-cached attention; softmaxes; head split/merge; rotary embedding |
-//! | `linear` | the autocast linear, activation + linear, LoRA linear (CPU and CUDA paths), embedding |
+//! | `attention` | causal (flash), windowed, packed-document (varlen), key-padding, composed, KV-cached and paged (block-table) attention; softmaxes; head split/merge; rotary embedding |
+//! | `linear` | the autocast linear, activation + linear, LoRA linear (CPU and CUDA paths), batched per-row LoRA (BGMV), embedding |
 //! | `loss` | cross-entropy over logits and fused with the head's linear |
 //! | `block` | pre-norm and post-norm transformer blocks as one node, on top of the kinds above |
 //!
@@ -94,6 +94,7 @@ pub use attention::causal::{
 pub use attention::composed::grouped_attention;
 pub use attention::heads::{merge_heads, split_heads};
 pub use attention::padded::key_padding_attention;
+pub use attention::paged::{paged_attention, PagedSeq};
 pub use attention::rotary::{rotary_qkv, rotary_tables, rotary_tables_from_inv_freq};
 pub use attention::segments::Segments;
 pub use attention::softmax::{
@@ -112,6 +113,7 @@ pub use elementwise::gelu::{gelu_erf, gelu_tanh};
 pub use elementwise::residual::residual_add;
 pub use elementwise::swiglu::swiglu;
 pub use linear::act_linear::{act_linear, gelu_linear, Activation};
+pub use linear::bgmv::bgmv;
 pub use linear::dense::linear;
 pub use linear::embedding::embedding;
 pub use linear::lora::{lora_linear, lora_linear_dropout, lora_linear_grouped};

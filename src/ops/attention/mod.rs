@@ -8,6 +8,7 @@ pub(super) mod causal;
 pub(super) mod composed;
 pub(super) mod heads;
 pub(super) mod padded;
+pub(super) mod paged;
 pub(super) mod qkv;
 pub(super) mod rotary;
 pub(super) mod segments;

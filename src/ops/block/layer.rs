@@ -6,6 +6,7 @@
 use crate::ops::attention::cached::cached_attention;
 use crate::ops::attention::causal::grouped_causal_attention;
 use crate::ops::attention::padded::key_padding_attention;
+use crate::ops::attention::paged::{paged_attention, PagedSeq};
 use crate::ops::attention::rotary::rotary_qkv;
 use crate::ops::attention::segments::Segments;
 use crate::ops::attention::varlen::grouped_varlen_attention;
@@ -170,6 +171,25 @@ pub enum Layer<'a> {
         /// The score scale; `None`: `1 / sqrt(Dh)`.
         scale: Option<f64>,
     },
+    /// Inference only: [`crate::ops::paged_attention`] of a packed `(1, N, (H + 2 Hkv) Dh)`
+    /// qkv of several sequences (normed and rotated), writing their new keys and values into
+    /// the layer's pools and reading each sequence's through its slot table. Composition only.
+    PagedAttention {
+        /// The layer's key pool `(S, Hkv Dh)`.
+        k_pool: &'a Tensor,
+        /// The layer's value pool `(S, Hkv Dh)`.
+        v_pool: &'a Tensor,
+        /// The sequences of the packed row.
+        seqs: &'a [PagedSeq],
+        /// Query heads H.
+        n_head: usize,
+        /// Key/value heads Hkv.
+        n_kv_head: usize,
+        /// Keys seen per query, its own included; `None`: all earlier ones.
+        window: Option<usize>,
+        /// The score scale; `None`: `1 / sqrt(Dh)`.
+        scale: Option<f64>,
+    },
 }
 
 impl<'a> NormParams<'a> {
@@ -211,7 +231,8 @@ impl<'a> Layer<'a> {
             | Layer::PaddedAttention { .. }
             | Layer::GeGlu
             | Layer::WindowAttention { .. }
-            | Layer::CachedAttention { .. } => {}
+            | Layer::CachedAttention { .. }
+            | Layer::PagedAttention { .. } => {}
         }
     }
 
@@ -242,7 +263,8 @@ impl<'a> Layer<'a> {
             | Layer::Norm(_)
             | Layer::GeGlu
             | Layer::Bias { .. }
-            | Layer::CachedAttention { .. } => false,
+            | Layer::CachedAttention { .. }
+            | Layer::PagedAttention { .. } => false,
         }
     }
 
@@ -318,6 +340,15 @@ impl<'a> Layer<'a> {
                 window,
                 scale,
             } => cached_attention(x, kv, start, (n_head, n_kv_head), window, scale),
+            Layer::PagedAttention {
+                k_pool,
+                v_pool,
+                seqs,
+                n_head,
+                n_kv_head,
+                window,
+                scale,
+            } => paged_attention(x, k_pool, v_pool, seqs, (n_head, n_kv_head), window, scale),
         }
     }
 }

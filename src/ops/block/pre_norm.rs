@@ -93,7 +93,7 @@ pub enum Half<'a> {
 /// not an f32 variable, a parameter is neither a variable nor untracked (a tensor computed
 /// from one), an attention half would take the composed attention (CUDA with a head width
 /// other than 64), or a branch has a composition-only layer ([`Layer::QkNorm`],
-/// [`Layer::Norm`], [`Layer::GeGlu`], [`Layer::Bias`], [`Layer::CachedAttention`], a
+/// [`Layer::Norm`], [`Layer::GeGlu`], [`Layer::Bias`], [`Layer::CachedAttention`], [`Layer::PagedAttention`], a
 /// [`Layer::WindowAttention`] whose scale is not the default: known before any op runs), each half is the composition of its ops. The same values and gradients
 /// either way, bit for bit when the stack is x's only consumer (with another, candle sums x's
 /// gradients in another order). An empty `halves` returns x.

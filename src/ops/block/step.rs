@@ -258,7 +258,8 @@ impl Step {
             | Layer::Norm(_)
             | Layer::GeGlu
             | Layer::Bias { .. }
-            | Layer::CachedAttention { .. } => return Ok(None),
+            | Layer::CachedAttention { .. }
+            | Layer::PagedAttention { .. } => return Ok(None),
         };
         Ok(Some(Self { op, x, y, want_x }))
     }

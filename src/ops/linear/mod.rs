@@ -3,6 +3,7 @@
 //! [`lora_parts`], its CUDA path in `lora_cuda`), and the embedding lookup.
 
 pub(super) mod act_linear;
+pub(super) mod bgmv;
 pub(super) mod dense;
 pub(super) mod embedding;
 pub(super) mod lora;
