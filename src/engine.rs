@@ -48,6 +48,9 @@ pub enum OptimizerConfig {
     AdamW(AdamWConfig),
     /// SGD with momentum, dampening, Nesterov and coupled (L2) weight decay.
     Sgd(crate::optim::SgdConfig),
+    /// Parameter groups, each with its own rule (e.g. Muon for the hidden layers' matrices and
+    /// AdamW for the rest: [`crate::optim::ParamGroups::muon_with_adamw`]).
+    Groups(crate::optim::ParamGroups),
 }
 
 /// Engine configuration. Start from [`EngineConfig::adamw`] and adjust fields.
@@ -249,6 +252,7 @@ impl Engine {
         let optimizer: Box<dyn Optimizer> = match &config.optimizer {
             OptimizerConfig::AdamW(c) => Box::new(AdamW::new(c.clone(), imp)?),
             OptimizerConfig::Sgd(c) => Box::new(crate::optim::Sgd::new(c.clone(), imp)?),
+            OptimizerConfig::Groups(g) => Box::new(crate::optim::Grouped::new(g, imp)?),
         };
         let scaler = config
             .scaler
@@ -285,6 +289,16 @@ impl Engine {
     ) -> Result<Self> {
         if self.sync.collective().is_some() {
             bail!("Engine::with_collective: a collective is attached already");
+        }
+        if config.zero1
+            && config.zero1_layout == crate::dist::Zero1Layout::Flat
+            && self.optimizer.needs_whole_tensors()
+        {
+            bail!(
+                "Engine::with_collective: the optimizer has a whole-tensor rule (Muon), which \
+                 needs whole matrices, and the flat ZeRO-1 layout splits them; use \
+                 Zero1Layout::Parameters (whole parameters per rank)"
+            );
         }
         self.sync = GradSync::attach(
             collective,

@@ -17,14 +17,23 @@
 
 pub mod adamw;
 pub mod driver;
+pub mod groups;
+pub mod muon;
 mod host;
+pub mod rule;
 pub mod schedule;
 pub mod sgd;
 mod state;
+mod whole;
+mod work;
 
 pub use crate::grads::{GradStats, HostStats};
 pub use adamw::{AdamW, AdamWConfig};
-pub use driver::{Driver, UpdateRule};
+pub use muon::{AdjustLr, Muon, MuonConfig};
+pub use driver::Driver;
+pub use groups::{Grouped, ParamGroup, ParamGroups, RuleConfig, Select};
+pub use rule::{TensorRule, UpdateRule};
+pub use whole::TensorDriver;
 pub use schedule::LrSchedule;
 pub use sgd::{Sgd, SgdConfig};
 
@@ -125,6 +134,18 @@ pub trait Optimizer: Send {
         grads: &[Option<Tensor>],
         inputs: StepInputs,
     ) -> Result<Option<bool>>;
+
+    /// Checks a step without changing anything: what [`Self::step`] would refuse (a
+    /// gradient of the wrong shape, dtype or device; a parameter the rule cannot update; an
+    /// option the rule does not support). [`Self::step`] checks too; a grouped optimizer calls
+    /// this on every group first, so that a step fails before any group changes.
+    fn check(&self, params: &[Param], grads: &[Option<Tensor>], inputs: &StepInputs) -> Result<()>;
+
+    /// True when some parameter's update needs the whole tensor (a [`TensorRule`]): such an
+    /// optimizer cannot run on the flat ZeRO-1 layout's segments, and the engine refuses it.
+    fn needs_whole_tensors(&self) -> bool {
+        false
+    }
 
     /// True when the update also writes the working copies (no separate refresh needed).
     fn writes_working_copies(&self) -> bool;
