@@ -1,6 +1,8 @@
 //! Optimizers over fp32 master weights.
 //!
-//! Like `torch.optim` (single-tensor / foreach / fused), every optimizer has two
+//! Two kinds of rule ([`rule`]): element-wise ([`UpdateRule`], run over chunks by [`Driver`])
+//! and whole-tensor ([`TensorRule`], run one whole parameter at a time by [`TensorDriver`]).
+//! Like `torch.optim` (single-tensor / foreach / fused), every element-wise optimizer has two
 //! implementations of one algorithm, chosen by [`OptimPath`] and tested against each other:
 //! - **reference**: plain candle tensor ops, any device; the correctness oracle and the
 //!   "unfused" baseline of the benchmarks;
@@ -8,18 +10,21 @@
 //!   kernels with the `cuda` feature).
 //!
 //! Optimizers: [`AdamW`] (decoupled decay) and [`Sgd`] (momentum, dampening, Nesterov, coupled
-//! L2 decay), both with `torch.optim` semantics.
+//! L2 decay), element-wise, and [`Muon`] (Newton–Schulz orthogonalised momentum for 2-D
+//! weights), whole-tensor, all with `torch.optim` semantics; [`Grouped`] is an optimizer made
+//! of parameter groups, each with its own rule ([`groups`]: Muon for the hidden layers'
+//! matrices, AdamW for the rest).
 //!
 //! The engine hands the optimizer raw fp32 gradient buffers plus one multiplier
 //! (`unscale * clip`), so unscaling and clipping cost no extra pass. What every optimizer
-//! shares (work list, state, step counts, save/load, ZeRO-1 ownership) is in [`driver`]; an
-//! optimizer file holds only its [`UpdateRule`].
+//! shares (work list, state, step counts, save/load, ZeRO-1 ownership) is in the drivers
+//! ([`driver`], [`TensorDriver`]); an optimizer file holds only its rule.
 
 pub mod adamw;
 pub mod driver;
 pub mod groups;
-pub mod muon;
 mod host;
+pub mod muon;
 pub mod rule;
 pub mod schedule;
 pub mod sgd;
@@ -29,13 +34,13 @@ mod work;
 
 pub use crate::grads::{GradStats, HostStats};
 pub use adamw::{AdamW, AdamWConfig};
-pub use muon::{AdjustLr, Muon, MuonConfig};
 pub use driver::Driver;
 pub use groups::{Grouped, ParamGroup, ParamGroups, RuleConfig, Select};
+pub use muon::{AdjustLr, Muon, MuonConfig};
 pub use rule::{TensorRule, UpdateRule};
-pub use whole::TensorDriver;
 pub use schedule::LrSchedule;
 pub use sgd::{Sgd, SgdConfig};
+pub use whole::TensorDriver;
 
 use crate::params::Param;
 use anyhow::Result;

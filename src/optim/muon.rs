@@ -15,7 +15,7 @@
 //! W  = W - adjusted_lr * O                   # "original": lr * sqrt(max(1, A / B))
 //!                                            # "match_rms_adamw": lr * 0.2 * sqrt(max(A, B))
 //! ```
-//! The GEMMs are candle's bf16 matmuls on the parameter's device (cuBLAS on CUDA, gemm on the
+//! The GEMMs are candle's bf16 matmuls (or f32 ones, [`MuonConfig::ns_dtype`]) on the parameter's device (cuBLAS on CUDA, gemm on the
 //! CPU); the momentum and the master stay f32. The gradient is the engine's fp32 buffer times
 //! its multiplier (unscale × clip). Muon is meant for hidden layers only: embeddings, the head,
 //! norms and biases belong in an AdamW group ([`super::groups::ParamGroups::muon_with_adamw`]),
@@ -85,6 +85,9 @@ pub struct MuonConfig {
     pub ns_steps: usize,
     /// The shape-based learning-rate adjustment. Default [`AdjustLr::Original`].
     pub adjust_lr: AdjustLr,
+    /// The dtype the Newton–Schulz iterations run in: bf16 (default), as `torch.optim.Muon`
+    /// runs them, or f32 (slower; for accuracy studies and tight tests). Others are refused.
+    pub ns_dtype: DType,
 }
 
 impl Default for MuonConfig {
@@ -98,6 +101,7 @@ impl Default for MuonConfig {
             eps: 1e-7,
             ns_steps: 5,
             adjust_lr: AdjustLr::Original,
+            ns_dtype: DType::BF16,
         }
     }
 }
@@ -106,12 +110,13 @@ impl Default for MuonConfig {
 pub type Muon = super::TensorDriver<MuonConfig>;
 
 /// The Newton–Schulz orthogonalisation of a 2-D `g` (any float dtype, any device), as
-/// `torch.optim.Muon`'s `_zeropower_via_newtonschulz`: in bf16, transposed when it has more
-/// rows than columns, divided by `max(||g||_F, eps)` (the norm summed in f32, rounded to
-/// bf16 as PyTorch's bf16 `norm()` returns it), then `steps` iterations of
-/// `X = a X + (b G + c G G) X` with `G = X X^T`. Returns bf16 of `g`'s shape: roughly
-/// `U S' V^T` for `g = U S V^T`, the singular values `S'` pushed into about [0.7, 1.2] by the
-/// default coefficients. Nothing is read back to the host.
+/// `torch.optim.Muon`'s `_zeropower_via_newtonschulz`: in `dtype` (bf16 in PyTorch),
+/// transposed when it has more rows than columns, divided by `max(||g||_F, eps)` (the norm
+/// summed in f32, rounded to `dtype` as PyTorch's bf16 `norm()` returns it), then `steps`
+/// iterations of `X = a X + (b G + c G G) X` with `G = X X^T`. Returns `dtype` of `g`'s shape:
+/// roughly `U S' V^T` for `g = U S V^T`, each singular value `s` mapped to the quintic
+/// `a x + b x^3 + c x^5` iterated `steps` times from `s / ||g||_F` (about [0.7, 1.2] for
+/// the default coefficients). Nothing is read back to the host.
 ///
 /// Errors: `g` not 2-D.
 pub fn newton_schulz(
@@ -119,12 +124,13 @@ pub fn newton_schulz(
     (a, b, c): (f64, f64, f64),
     steps: usize,
     eps: f64,
+    dtype: DType,
 ) -> Result<Tensor> {
     let (rows, cols) = g.dims2().map_err(|_| {
         anyhow::anyhow!("Newton–Schulz needs a 2-D matrix, got shape {:?}", g.dims())
     })?;
     let tall = rows > cols;
-    let mut x = g.to_dtype(DType::BF16)?;
+    let mut x = g.to_dtype(dtype)?;
     if tall {
         x = x.t()?.contiguous()?;
     }
@@ -133,7 +139,7 @@ pub fn newton_schulz(
         .sqr()?
         .sum_all()?
         .sqrt()?
-        .to_dtype(DType::BF16)?
+        .to_dtype(dtype)?
         .maximum(eps)?;
     x = x.broadcast_div(&norm)?;
     for _ in 0..steps {
@@ -158,7 +164,10 @@ impl TensorRule for MuonConfig {
             ("momentum", self.momentum),
             ("weight_decay", self.weight_decay),
         ] {
-            ensure!(v.is_finite() && v >= 0.0, "Muon {n} must be finite and >= 0, got {v}");
+            ensure!(
+                v.is_finite() && v >= 0.0,
+                "Muon {n} must be finite and >= 0, got {v}"
+            );
         }
         ensure!(
             self.eps.is_finite() && self.eps > 0.0,
@@ -170,6 +179,11 @@ impl TensorRule for MuonConfig {
             [a, b, c].iter().all(|v| v.is_finite()),
             "Muon ns_coefficients must be finite, got {:?}",
             self.ns_coefficients
+        );
+        ensure!(
+            matches!(self.ns_dtype, DType::BF16 | DType::F32),
+            "Muon ns_dtype must be BF16 (torch.optim.Muon's) or F32, got {:?}",
+            self.ns_dtype
         );
         ensure!(
             self.ns_steps < 100,
@@ -214,7 +228,13 @@ impl TensorRule for MuonConfig {
         } else {
             buf.clone()
         };
-        let o = newton_schulz(&u, self.ns_coefficients, self.ns_steps, self.eps)?;
+        let o = newton_schulz(
+            &u,
+            self.ns_coefficients,
+            self.ns_steps,
+            self.eps,
+            self.ns_dtype,
+        )?;
         let wd = if decayed { self.weight_decay } else { 0.0 };
         let step = self.adjust_lr.adjusted(lr, rows, cols);
         Ok(((master * (1.0 - lr * wd))? - (o.to_dtype(DType::F32)? * step)?)?)
