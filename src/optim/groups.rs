@@ -149,7 +149,10 @@ impl Grouped {
     /// Errors: no groups; an invalid glob; a group's `lr_scale` negative or not finite; a
     /// rule's hyper-parameters out of range (named by the rule).
     pub fn new(groups: &ParamGroups, imp: Impl) -> Result<Self> {
-        ensure!(!groups.0.is_empty(), "an optimizer needs at least one parameter group");
+        ensure!(
+            !groups.0.is_empty(),
+            "an optimizer needs at least one parameter group"
+        );
         let mut out = Vec::with_capacity(groups.0.len());
         for g in &groups.0 {
             ensure!(
@@ -198,7 +201,10 @@ impl Grouped {
         grads: &[Option<Tensor>],
     ) -> (Vec<Param>, Vec<Option<Tensor>>, Option<Vec<bool>>) {
         let ps = idx.iter().map(|&i| params[i].clone()).collect();
-        let gs = idx.iter().map(|&i| grads.get(i).cloned().flatten()).collect();
+        let gs = idx
+            .iter()
+            .map(|&i| grads.get(i).cloned().flatten())
+            .collect();
         let owned = self
             .owned
             .as_ref()
@@ -257,7 +263,9 @@ impl Optimizer for Grouped {
     }
 
     fn writes_working_copies(&self) -> bool {
-        self.groups.iter().all(|(_, _, o)| o.writes_working_copies())
+        self.groups
+            .iter()
+            .all(|(_, _, o)| o.writes_working_copies())
     }
 
     fn set_owned(&mut self, owned: Option<Vec<bool>>) {
@@ -295,7 +303,11 @@ impl Optimizer for Grouped {
         let mut before = Vec::with_capacity(members.len());
         for ((_, _, opt), idx) in self.groups.iter().zip(&members) {
             let ps: Vec<Param> = idx.iter().map(|&i| params[i].clone()).collect();
-            before.push(opt.state_tensors(&ps)?.into_iter().collect::<HashMap<_, _>>());
+            before.push(
+                opt.state_tensors(&ps)?
+                    .into_iter()
+                    .collect::<HashMap<_, _>>(),
+            );
         }
         for k in 0..members.len() {
             let (ps, _, owned) = self.share(&members[k], params, &[]);
@@ -304,7 +316,9 @@ impl Optimizer for Grouped {
             if let Err(e) = opt.load_state_tensors(&ps, tensors, applied_steps) {
                 for j in 0..k {
                     let (ps, _, _) = self.share(&members[j], params, &[]);
-                    self.groups[j].2.load_state_tensors(&ps, &before[j], applied_steps)?;
+                    self.groups[j]
+                        .2
+                        .load_state_tensors(&ps, &before[j], applied_steps)?;
                 }
                 return Err(e.context(format!("parameter group {:?}", self.groups[k].0.name)));
             }

@@ -200,7 +200,8 @@ impl<R: TensorRule> Optimizer for TensorDriver<R> {
                 .iter()
                 .map(|n| {
                     let key = format!("{}.{n}", p.name);
-                    let t = super::state_tensor(tensors, &key, p.master.shape(), p.master.device())?;
+                    let t =
+                        super::state_tensor(tensors, &key, p.master.shape(), p.master.device())?;
                     Ok(t.copy()?) // its own storage: the step replaces it, never aliases
                 })
                 .collect::<Result<Vec<_>>>()?;
