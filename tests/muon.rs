@@ -167,7 +167,11 @@ const SHAPES: &[(&str, &[usize])] = &[
 ];
 
 fn model(seed: u64) -> Result<ParamStore> {
-    let s = ParamStore::new(Precision::Fp32, Device::Cpu, seed);
+    model_on(seed, &Device::Cpu)
+}
+
+fn model_on(seed: u64, dev: &Device) -> Result<ParamStore> {
+    let s = ParamStore::new(Precision::Fp32, dev.clone(), seed);
     for (name, shape) in SHAPES {
         let role = if shape.len() == 2 {
             Role::Matmul
@@ -201,15 +205,30 @@ fn coefficients(step: u64) -> Result<Vec<Tensor>> {
 
 /// Steps `first..first + n` of the loss of [`coefficients`].
 fn steps(engine: &mut Engine, store: &ParamStore, first: u64, n: u64) -> Result<()> {
+    steps_scaled(engine, store, first, n, 1.0)
+}
+
+/// [`steps`] with the loss multiplied by `scale` (infinity: a step to skip).
+fn steps_scaled(
+    engine: &mut Engine,
+    store: &ParamStore,
+    first: u64,
+    n: u64,
+    scale: f64,
+) -> Result<()> {
+    let dev = store.device().clone();
     for step in first..first + n {
-        let cs = coefficients(step)?;
+        let cs = coefficients(step)?
+            .into_iter()
+            .map(|c| c.to_device(&dev))
+            .collect::<candle_core::Result<Vec<_>>>()?;
         engine.step(|_| {
-            let mut loss = Tensor::zeros((), DType::F32, &Device::Cpu)?;
+            let mut loss = Tensor::zeros((), DType::F32, &dev)?;
             for ((name, _), c) in SHAPES.iter().zip(&cs) {
                 let p = store.get(name).expect("created").differentiated().clone();
                 loss = (loss + (p.mul(c)?.sum_all()? + (p.sqr()?.sum_all()? * 0.1)?)?)?;
             }
-            Ok::<_, candle_core::Error>(loss)
+            loss * scale
         })?;
     }
     Ok(())
@@ -528,5 +547,71 @@ fn zero1_owns_whole_matrices_and_matches_one_rank() -> Result<()> {
         let err = format!("{:#}", r.unwrap_err());
         assert!(err.contains("flat ZeRO-1") && err.contains("Muon"), "{err}");
     }
+    Ok(())
+}
+
+/// On a GPU (the fused CUDA path: statistics stay on the device): the Newton–Schulz in bf16
+/// close to the f64 reference; three Muon + AdamW steps close to the same steps on the CPU
+/// (bf16 GEMMs of cuBLAS and of the CPU round differently); a step whose loss is infinite
+/// skipped, masters and Muon's momentum untouched, without a host read deciding it.
+#[cfg(feature = "cuda")]
+#[test]
+fn muon_on_the_gpu_matches_the_cpu_and_skips_an_inf_step() -> Result<()> {
+    let Ok(dev) = Device::new_cuda(0) else {
+        eprintln!("no CUDA device: skipped");
+        return Ok(());
+    };
+    let mut rng = StdRng::seed_from_u64(3);
+    let v: Vec<f32> = (0..40 * 24).map(|_| rng.random_range(-1.0..1.0)).collect();
+    let g = Tensor::from_vec(v, (40, 24), &Device::Cpu)?;
+    let got = newton_schulz(&g.to_device(&dev)?, COEFFS, 5, 1e-7, DType::BF16)?;
+    assert!(got.device().is_cuda() && got.dtype() == DType::BF16);
+    let err = max_abs_diff(&got.to_device(&Device::Cpu)?, &ns_f64(&g, 5)?)?;
+    assert!(err < 0.1, "GPU bf16 NS vs f64: {err}");
+
+    let groups = || {
+        ParamGroups::muon_with_adamw(
+            muon_config(AdjustLr::Original, DType::BF16),
+            ADAMW,
+            EMBEDDINGS_AND_HEAD,
+        )
+    };
+    let cpu = model(5)?;
+    let gpu = model_on(5, &dev)?;
+    let masters: HashMap<String, Tensor> = cpu.masters().into_iter().collect();
+    gpu.load_masters(&masters)?;
+    let mut e_cpu = engine(&cpu, groups(), 0.02)?;
+    let mut e_gpu = engine(&gpu, groups(), 0.02)?;
+    assert_eq!(e_gpu.implementation(), wick::optim::Impl::FusedCuda);
+    steps(&mut e_cpu, &cpu, 0, 3)?;
+    steps(&mut e_gpu, &gpu, 0, 3)?;
+    for ((n, a), (_, b)) in cpu.masters().iter().zip(gpu.masters()) {
+        let moved = max_abs_diff(a, &masters[n])?;
+        let err = max_abs_diff(a, &b.to_device(&Device::Cpu)?)?;
+        println!("{n}: GPU vs CPU {err}, moved up to {moved}");
+        assert!(
+            err < 0.1 * moved + 1e-6,
+            "{n}: GPU vs CPU {err}, moved {moved}"
+        );
+    }
+
+    let before = gpu.masters();
+    let momentum = e_gpu.optimizer_state()?;
+    steps_scaled(&mut e_gpu, &gpu, 3, 1, f64::INFINITY)?;
+    for ((n, a), (_, b)) in before.iter().zip(gpu.masters()) {
+        assert_eq!(
+            common::flat(a),
+            common::flat(&b),
+            "{n} changed in a skipped step"
+        );
+    }
+    for ((n, a), (_, b)) in momentum.iter().zip(e_gpu.optimizer_state()?) {
+        assert_eq!(
+            common::flat(a),
+            common::flat(&b),
+            "{n} changed in a skipped step"
+        );
+    }
+    assert_eq!(e_gpu.optimizer_steps()?, 3);
     Ok(())
 }
