@@ -7,7 +7,8 @@
 # (trailing mean over SMOOTH steps, default 50) reaches its AdamW's final smoothed train loss.
 #   GPU (one device call):  OUT=... scripts/muon_timing.sh
 #     carry .gpu/char_gpt.xz (examples/char_gpt built with --features cuda), .gpu/device-env.sh,
-#     .gpu/input.txt.xz; torch (>= 2.9, for torch.optim.Muon) from the machine's python3.
+#     .gpu/input.txt.xz, and .gpu/muon.xz (tests/muon.rs built with --features cuda: run first,
+#     its log in $OUT/muon_test.log); torch (>= 2.9, for torch.optim.Muon) from python3.
 #   CPU smoke run:  DEVICE=cpu TORCH=0 WICK=target/release/examples/char_gpt STEPS=30 \
 #     EXTRA="--layers 2 --d-model 64 --context 64 --batch-size 8 --warmup 5 --eval-batches 2" \
 #     OUT=/tmp/muon scripts/muon_timing.sh
@@ -15,7 +16,8 @@
 # default: .gpu/char_gpt.xz unpacked), EXTRA (more char_gpt flags), MUON_ADJUST (original)
 # and MUON_SCALE (20: the Muon group peaks at 0.02, Keller Jordan's rate, under the same
 # warmup-cosine schedule as AdamW's 1e-3), EVAL (250), TEXT (data/shakespeare/input.txt, unpacked
-# from .gpu/input.txt.xz when missing), WICK_TIMEOUT (240), TORCH_TIMEOUT (240).
+# from .gpu/input.txt.xz when missing), WICK_TIMEOUT (240), TORCH_TIMEOUT (240),
+# TEST_TIMEOUT (120).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to a folder for the logs (the device tool sets it)}"
@@ -27,6 +29,11 @@ mkdir -p "$OUT" "$(dirname "$T")"
 if [ "$DEVICE" = cuda ]; then
   set +eu; source .gpu/device-env.sh > "$OUT/env.txt" 2>&1; set -eu
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$OUT/env.txt"
+fi
+if [ "$DEVICE" = cuda ] && [ -f .gpu/muon.xz ]; then  # tests/muon.rs built with --features cuda
+  xz -dc .gpu/muon.xz > "$W/muon_test"; chmod +x "$W/muon_test"
+  timeout "${TEST_TIMEOUT:-120}" "$W/muon_test" --nocapture > "$OUT/muon_test.log" 2>&1 || echo "muon test: exit $?"
+  grep -h "test result\|FAILED\|panicked\|GPU vs CPU" "$OUT/muon_test.log" | head -12
 fi
 if [ -z "${WICK:-}" ]; then
   WICK="$W/char_gpt"; xz -dc .gpu/char_gpt.xz > "$WICK"; chmod +x "$WICK"
