@@ -230,13 +230,16 @@ impl Optimizer for Grouped {
         grads: &[Option<Tensor>],
         inputs: StepInputs,
     ) -> Result<Option<bool>> {
-        self.check(params, grads, &inputs)?; // every group, before any changes
         let members = self.split(params)?;
+        for (k, idx) in members.iter().enumerate() {
+            let owned = self.share(idx, params, &[]).2;
+            self.groups[k].2.set_owned(owned);
+        }
+        self.check(params, grads, &inputs)?; // every group, before any changes
         let mut applied = Some(true);
         for (k, idx) in members.iter().enumerate() {
-            let (ps, gs, owned) = self.share(idx, params, grads);
+            let (ps, gs, _) = self.share(idx, params, grads);
             let (group, _, opt) = &mut self.groups[k];
-            opt.set_owned(owned);
             let lr = inputs.lr * group.lr_scale;
             let got = opt.step(&ps, &gs, StepInputs { lr, ..inputs })?;
             applied = match (applied, got) {
