@@ -1,26 +1,28 @@
 //! Muon: momentum orthogonalised by Newton–Schulz, for the 2-D weights of hidden layers
 //! (K. Jordan et al., "Muon: An optimizer for hidden layers in neural networks", 2024,
 //! <https://kellerjordan.github.io/posts/muon/>), with the semantics of `torch.optim.Muon`
-//! (PyTorch 2.9, `torch/optim/_muon.py`: `_single_tensor_muon`, `_zeropower_via_newtonschulz`,
-//! `_adjust_lr`). For a matrix parameter `W (A, B)` with gradient `g`:
+//! (PyTorch 2.9's `torch/optim/_muon.py`, read at pytorch/pytorch@098e03f:
+//! `_single_tensor_muon`, `_zeropower_via_newtonschulz`, `_adjust_lr`). For a matrix `W` of `rows x cols` with gradient `g`:
 //! ```text
 //! B  = B + (1 - momentum) * (g - B)          # momentum_buffer.lerp_(g, 1 - momentum), f32
 //! U  = g + momentum * (B - g)                # nesterov: g.lerp(B, momentum); else U = B
-//! X  = bf16(U), transposed when A > B        # the Newton–Schulz iterations run in bf16
+//! X  = bf16(U), transposed if rows > cols    # the Newton–Schulz iterations run in bf16
 //! X  = X / max(||X||_F, eps)                 # spectral norm at most 1
 //! repeat ns_steps times:                     # quintic iteration, coefficients (a, b, c)
 //!     G = X X^T;  X = a X + (b G + c G G) X
 //! O  = X, transposed back
 //! W  = W * (1 - lr * weight_decay)           # decoupled decay at the unadjusted rate
-//! W  = W - adjusted_lr * O                   # "original": lr * sqrt(max(1, A / B))
-//!                                            # "match_rms_adamw": lr * 0.2 * sqrt(max(A, B))
+//! W  = W - adjusted_lr * O                   # adjust_lr (below)
 //! ```
-//! The GEMMs are candle's bf16 matmuls (or f32 ones, [`MuonConfig::ns_dtype`]) on the parameter's device (cuBLAS on CUDA, gemm on the
-//! CPU); the momentum and the master stay f32. The gradient is the engine's fp32 buffer times
-//! its multiplier (unscale × clip). Muon is meant for hidden layers only: embeddings, the head,
-//! norms and biases belong in an AdamW group ([`super::groups::ParamGroups::muon_with_adamw`]),
-//! as the PyTorch documentation advises. `torch.optim.Muon`'s `use_addmm` (the same polynomial
-//! fused into `addmm` calls; a rounding difference only) has no counterpart here.
+//! with `adjusted_lr = lr * sqrt(max(1, rows / cols))` ("original", PyTorch's default) or
+//! `lr * 0.2 * sqrt(max(rows, cols))` ("match_rms_adamw").
+//! The GEMMs are candle's bf16 matmuls (or f32 ones, [`MuonConfig::ns_dtype`]) on the
+//! parameter's device (cuBLAS on CUDA, gemm on the CPU); the momentum and the master stay f32.
+//! The gradient is the engine's fp32 buffer times its multiplier (unscale × clip). Muon is
+//! meant for hidden layers only: embeddings, the head, norms and biases belong in an AdamW
+//! group ([`super::groups::ParamGroups::muon_with_adamw`]), as the PyTorch documentation
+//! advises. `torch.optim.Muon`'s `use_addmm` (the same polynomial fused into `addmm` calls; a
+//! rounding difference only) has no counterpart here.
 
 use super::rule::TensorRule;
 use crate::params::Param;
