@@ -552,7 +552,8 @@ fn zero1_owns_whole_matrices_and_matches_one_rank() -> Result<()> {
 
 /// On a GPU (the fused CUDA path: statistics stay on the device): the Newton–Schulz in bf16
 /// close to the f64 reference; three Muon + AdamW steps close to the same steps on the CPU
-/// (bf16 GEMMs of cuBLAS and of the CPU round differently); a step whose loss is infinite
+/// (bf16 GEMMs of cuBLAS and of the CPU round differently: each is a few % of the update off
+/// the f64 step, `muon_steps_match_a_hand_written_step_and_adamw_keeps_its_bits`); a step whose loss is infinite
 /// skipped, masters and Muon's momentum untouched, without a host read deciding it.
 #[cfg(feature = "cuda")]
 #[test]
@@ -590,13 +591,22 @@ fn muon_on_the_gpu_matches_the_cpu_and_skips_an_inf_step() -> Result<()> {
         let err = max_abs_diff(a, &b.to_device(&Device::Cpu)?)?;
         println!("{n}: GPU vs CPU {err}, moved up to {moved}");
         assert!(
-            err < 0.1 * moved + 1e-6,
+            err < 0.25 * moved + 1e-6,
             "{n}: GPU vs CPU {err}, moved {moved}"
         );
     }
 
-    let before = gpu.masters();
-    let momentum = e_gpu.optimizer_state()?;
+    // copies: masters are written in place, and the fused AdamW kernel updates its moments so
+    let before: Vec<(String, Tensor)> = gpu
+        .masters()
+        .into_iter()
+        .map(|(n, t)| Ok((n, t.copy()?)))
+        .collect::<Result<_>>()?;
+    let momentum: Vec<(String, Tensor)> = e_gpu
+        .optimizer_state()?
+        .into_iter()
+        .map(|(n, t)| Ok((n, t.copy()?)))
+        .collect::<Result<_>>()?;
     steps_scaled(&mut e_gpu, &gpu, 3, 1, f64::INFINITY)?;
     for ((n, a), (_, b)) in before.iter().zip(gpu.masters()) {
         assert_eq!(
