@@ -16,8 +16,8 @@
 # default: .gpu/char_gpt.xz unpacked), EXTRA (more char_gpt flags), MUON_ADJUST (original)
 # and MUON_SCALE (20: the Muon group peaks at 0.02, Keller Jordan's rate, under the same
 # warmup-cosine schedule as AdamW's 1e-3), EVAL (250), TEXT (data/shakespeare/input.txt, unpacked
-# from .gpu/input.txt.xz when missing), WICK_TIMEOUT (240), TORCH_TIMEOUT (240),
-# TEST_TIMEOUT (120).
+# from .gpu/input.txt.xz when missing), WICK_TIMEOUT (120), TORCH_TIMEOUT (130),
+# TEST_TIMEOUT (60): together under the device call's 600 s.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to a folder for the logs (the device tool sets it)}"
@@ -32,7 +32,7 @@ if [ "$DEVICE" = cuda ]; then
 fi
 if [ "$DEVICE" = cuda ] && [ -f .gpu/muon.xz ]; then  # tests/muon.rs built with --features cuda
   xz -dc .gpu/muon.xz > "$W/muon_test"; chmod +x "$W/muon_test"
-  timeout "${TEST_TIMEOUT:-120}" "$W/muon_test" --nocapture > "$OUT/muon_test.log" 2>&1 || echo "muon test: exit $?"
+  timeout "${TEST_TIMEOUT:-60}" "$W/muon_test" --nocapture > "$OUT/muon_test.log" 2>&1 || echo "muon test: exit $?"
   grep -h "test result\|FAILED\|panicked\|GPU vs CPU" "$OUT/muon_test.log" | head -12
 fi
 if [ -z "${WICK:-}" ]; then
@@ -41,7 +41,7 @@ fi
 MUON=(--muon-adjust-lr "$MUON_ADJUST" --muon-lr-scale "$MUON_SCALE")
 for opt in adamw muon; do
   # shellcheck disable=SC2086 # EXTRA is a list of flags
-  timeout "${WICK_TIMEOUT:-240}" "$WICK" --device "$DEVICE" --text "$T" --steps "$STEPS" \
+  timeout "${WICK_TIMEOUT:-120}" "$WICK" --device "$DEVICE" --text "$T" --steps "$STEPS" \
     --eval-interval "$EVAL" --optimizer "$opt" "${MUON[@]}" --log-interval 1 --final-sample 0 \
     --metrics-dir "$OUT/wick_$opt" ${EXTRA:-} > "$OUT/wick_$opt.log" 2>&1 || echo "wick $opt: exit $?"
   grep -h "val loss" "$OUT/wick_$opt.log" | tail -1 || tail -3 "$OUT/wick_$opt.log"
@@ -49,7 +49,7 @@ done
 if [ "$TORCH" = 1 ]; then
   export PYTHONUNBUFFERED=1
   for opt in adamw muon; do
-    timeout "${TORCH_TIMEOUT:-240}" python3 scripts/reference/torch_muon_char.py --text "$T" \
+    timeout "${TORCH_TIMEOUT:-130}" python3 scripts/reference/torch_muon_char.py --text "$T" \
       --steps "$STEPS" --eval-every "$EVAL" --optimizer "$opt" --muon-adjust-lr "$MUON_ADJUST" \
       --muon-lr-scale "$MUON_SCALE" --csv "$OUT/torch_$opt.csv" > "$OUT/torch_$opt.log" 2>&1 \
       || echo "torch $opt: exit $?"
