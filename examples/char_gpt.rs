@@ -5,6 +5,10 @@
 //! 90/10 train/validation split by position — through the DataLoader, the Trainer and
 //! Engine::step, with checkpoints that resume exactly and text generation from a checkpoint.
 //!
+//! `--optimizer muon` trains the blocks' matrices with Muon instead (`torch.optim.Muon`'s
+//! algorithm; AdamW for the rest), beside `scripts/reference/torch_muon_char.py`
+//! (`scripts/muon_timing.sh` runs both on a GPU).
+//!
 //! ```text
 //! scripts/fetch_shakespeare.sh         # once: data/shakespeare/input.txt (5.0 MB, verified)
 //! cargo run --release --features cuda --example char_gpt -- --device cuda --steps 3000
@@ -32,6 +36,8 @@ use wick::data::{DataLoader, Dataset, LoaderConfig, LoaderState, TextWindows};
 use wick::engine::OptimizerConfig;
 use wick::models::gpt::{reference_adamw, reference_schedule};
 use wick::models::{Gpt, GptConfig};
+use wick::optim::groups::EMBEDDINGS_AND_HEAD;
+use wick::optim::{MuonConfig, ParamGroups};
 use wick::perf::PerfSettings;
 use wick::trainer::{Hooks, Metrics, Trainer, TrainerConfig};
 use wick::{Engine, EngineConfig, ParamStore, Precision};
@@ -77,6 +83,20 @@ struct Args {
     /// Peak learning rate (> 0).
     #[arg(long, default_value_t = 1e-3, allow_negative_numbers = true, value_parser = wick::cli::positive_f64)]
     lr: f64,
+    /// "adamw" (the reference's) or "muon": torch.optim.Muon's algorithm for the hidden
+    /// layers' 2-D weights (momentum 0.95, Nesterov, 5 Newton–Schulz steps, weight decay 0.1)
+    /// and the reference's AdamW for the embeddings (the tied head), LayerNorms and biases
+    /// (`scripts/reference/torch_muon_char.py` is the PyTorch side).
+    #[arg(long, default_value = "adamw", value_parser = ["adamw", "muon"])]
+    optimizer: String,
+    /// --optimizer muon: the Muon group's rate as a multiple of the schedule's.
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true, value_parser = wick::cli::positive_f64)]
+    muon_lr_scale: f64,
+    /// --optimizer muon: the shape-based rate adjustment, "original" (lr sqrt(max(1, A/B)))
+    /// (PyTorch's default; with --muon-lr-scale 20, Muon's usual peak rate 0.02) or
+    /// "match_rms_adamw" (lr 0.2 sqrt(max(A, B)), which lets Muon share AdamW's rate).
+    #[arg(long, default_value = "original")]
+    muon_adjust_lr: wick::optim::AdjustLr,
     /// Final learning rate of the cosine (>= 0, at most --lr).
     #[arg(long, default_value_t = 1e-4, allow_negative_numbers = true, value_parser = wick::cli::non_negative_f64)]
     min_lr: f64,
@@ -310,10 +330,24 @@ fn main() -> Result<()> {
     let gpt = Gpt::new(&store, config)?;
     let params = store.num_elements();
     let mut ec = EngineConfig::adamw(args.lr);
-    ec.optimizer = OptimizerConfig::AdamW(wick::optim::AdamWConfig {
+    let adamw = wick::optim::AdamWConfig {
         lr: args.lr,
         ..reference_adamw()
-    });
+    };
+    ec.optimizer = match args.optimizer.as_str() {
+        "muon" => {
+            let muon = MuonConfig {
+                lr: args.lr,
+                weight_decay: 0.1,
+                adjust_lr: args.muon_adjust_lr,
+                ..MuonConfig::default()
+            };
+            let groups = ParamGroups::muon_with_adamw(muon, adamw, EMBEDDINGS_AND_HEAD)
+                .with_lr_scale("muon", args.muon_lr_scale)?;
+            OptimizerConfig::Groups(groups)
+        }
+        _ => OptimizerConfig::AdamW(adamw),
+    };
     let (steps, warmup) = (args.steps as u64, args.warmup as u64);
     ec.schedule = reference_schedule(args.lr, args.min_lr, warmup, steps);
     ec.max_grad_norm = (args.clip > 0.0).then_some(args.clip);
@@ -346,6 +380,13 @@ fn main() -> Result<()> {
         wick::perf::precision_on_device(args.precision, &dev),
         args.accum
     );
+    if args.optimizer == "muon" {
+        println!(
+            "Muon (momentum 0.95, Nesterov, 5 Newton–Schulz steps, wd 0.1, {:?} rate x {}) for \
+             the blocks' matrices; AdamW below for the embeddings, LayerNorms and biases",
+            args.muon_adjust_lr, args.muon_lr_scale
+        );
+    }
     println!(
         "AdamW lr {} (warmup {}, cosine to {} at step {}), betas 0.9/0.99, wd 0.1 on rank >= 2, clip {}; \
          {} train / {} val bytes of {}",
@@ -437,6 +478,7 @@ fn main() -> Result<()> {
     let mut json = serde_json::json!({
         "model": config,
         "precision": args.precision.to_string(),
+        "optimizer": args.optimizer,
         "text_bytes": text.bytes().len(),
         "steps": last,
         "batch": batch,

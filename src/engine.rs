@@ -60,6 +60,9 @@ pub enum OptimizerConfig {
     AdamW(AdamWConfig),
     /// SGD with momentum, dampening, Nesterov and coupled (L2) weight decay.
     Sgd(crate::optim::SgdConfig),
+    /// Parameter groups, each with its own rule (e.g. Muon for the hidden layers' matrices and
+    /// AdamW for the rest: [`crate::optim::ParamGroups::muon_with_adamw`]).
+    Groups(crate::optim::ParamGroups),
 }
 
 /// Engine configuration. Start from [`EngineConfig::adamw`] and adjust fields.
@@ -267,6 +270,7 @@ impl Engine {
         let optimizer: Box<dyn Optimizer> = match &config.optimizer {
             OptimizerConfig::AdamW(c) => Box::new(AdamW::new(c.clone(), imp)?),
             OptimizerConfig::Sgd(c) => Box::new(crate::optim::Sgd::new(c.clone(), imp)?),
+            OptimizerConfig::Groups(g) => Box::new(crate::optim::Grouped::new(g, imp)?),
         };
         let scaler = config
             .scaler

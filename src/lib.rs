@@ -24,8 +24,9 @@
 //! copies), [`nn`] (policy-following layers), [`ops`] (fused differentiable ops), [`loss`],
 //! [`scaler`] and [`amp`] (the loss scale on the host or the device), [`grads`] (accumulation,
 //! unscale, norm, clipping), [`grad_sink`] (parameter gradients written once by the engine's
-//! backward), [`recompute`] (activation checkpointing), [`optim`] (one driver, an
-//! [`optim::UpdateRule`] per optimizer),
+//! backward), [`recompute`] (activation checkpointing), [`optim`] (element-wise
+//! [`optim::UpdateRule`]s and whole-tensor [`optim::TensorRule`]s run by shared drivers,
+//! parameter groups, AdamW, SGD, Muon),
 //! [`cuda`] (the kernels' launchers and the multi-tensor planning), [`engine`] (one training
 //! step), [`coverage`] (which parameters received no gradient, and
 //! why), [`data`] (loader, sampler, datasets), [`trainer`] (the fit loop), [`checkpoint`],

@@ -23,6 +23,16 @@ impl Engine {
         if self.sync.collective().is_some() {
             bail!("Engine::with_collective: a collective is attached already");
         }
+        if config.zero1
+            && config.zero1_layout == crate::dist::Zero1Layout::Flat
+            && self.optimizer.needs_whole_tensors()
+        {
+            bail!(
+                "Engine::with_collective: the optimizer has a whole-tensor rule (Muon), which \
+                 needs whole matrices, and the flat ZeRO-1 layout splits them; use \
+                 Zero1Layout::Parameters (whole parameters per rank)"
+            );
+        }
         self.sync = GradSync::attach(
             collective,
             config,

@@ -12,7 +12,8 @@
 //! gradient ([`super::driver`]), on every path, as PyTorch counts it. The kernel is
 //! kernels/adamw.cu.
 
-use super::driver::{Driver, UpdateRule};
+use super::driver::Driver;
+use super::rule::UpdateRule;
 use anyhow::Result;
 use candle_core::Tensor;
 

@@ -19,6 +19,7 @@
 //! Adding an optimizer is one file with its rule plus one kernel.
 
 use super::host::host_update;
+pub use super::rule::UpdateRule;
 use super::state::{read_step, Buf, StepCounts};
 use super::{Impl, Optimizer, StepInputs};
 use crate::grads::{GradStats, HostStats};
@@ -27,65 +28,6 @@ use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 use std::collections::HashMap;
-
-/// An optimizer's arithmetic; see the module docs for what the driver adds.
-///
-/// Every implementation (reference, host, kernel) must perform the same f32 operations in the
-/// same order on the same f32 coefficients, so that the paths agree bit for bit where the
-/// tests say they do.
-pub trait UpdateRule: Clone + Send + Sync + std::fmt::Debug + 'static {
-    /// The optimizer's name in errors (`"AdamW"`).
-    const NAME: &'static str;
-    /// Per-parameter scalars of one step, rounded to f32 once on the host.
-    type Coeffs: Copy + Send + Sync;
-
-    /// Checks the hyper-parameters (errors name the field and its range).
-    fn validate(&self) -> Result<()>;
-
-    /// Suffixes of the state tensors each stepped parameter keeps (f32, the parameter's
-    /// shape), in the order [`Self::update_host`], [`Self::update_reference`] and the kernel
-    /// take them (at most 2). SGD without momentum keeps none.
-    fn state_names(&self) -> &'static [&'static str];
-
-    /// The coefficients of a parameter at its step `t` (1-based: this step included), at
-    /// learning rate `lr`, in a weight-decay group or not, with gradient multiplier `mult`
-    /// (unscale × clip).
-    fn coeffs(&self, t: u64, lr: f64, decayed: bool, mult: f64) -> Self::Coeffs;
-
-    /// The element update over one chunk of a parameter: `p` (f32 master), `g` (f32
-    /// gradient buffer, to be multiplied by the coefficients' multiplier), `states` (the same
-    /// range of each state tensor). `first`: this is the parameter's first applied step.
-    fn update_host(
-        k: &Self::Coeffs,
-        p: &mut [f32],
-        g: &[f32],
-        states: &mut [&mut [f32]],
-        first: bool,
-    );
-
-    /// The same update in candle tensor ops (the correctness oracle): returns the new master
-    /// and replaces `states` with their new values. `g` is f32.
-    fn update_reference(
-        k: &Self::Coeffs,
-        p: &Tensor,
-        g: &Tensor,
-        states: &mut [Tensor],
-        first: bool,
-    ) -> Result<Tensor>;
-
-    /// The CUDA kernel of this rule.
-    #[cfg(feature = "cuda")]
-    const KERNEL: crate::cuda::update::Kernel;
-
-    /// The kernel's by-value argument for a step at `lr` (the kernel computes what depends
-    /// on each parameter's step count and group itself, as [`Self::coeffs`] does).
-    #[cfg(feature = "cuda")]
-    fn kernel_args(&self, lr: f64, rounding: crate::cuda::update::Rounding) -> Self::KernelArgs;
-
-    /// The by-value argument struct of the kernel (C layout).
-    #[cfg(feature = "cuda")]
-    type KernelArgs: candle_core::cuda::cudarc::driver::DeviceRepr + Copy;
-}
 
 /// An optimizer over fp32 masters: an [`UpdateRule`] run by the shared driver, on the
 /// implementation chosen at construction (see [`super::OptimPath::resolve`]).
@@ -123,49 +65,9 @@ impl<R: UpdateRule> Driver<R> {
         &self.rule
     }
 
-    /// The parameters to update this step (indices into `params`), every one checked; an
-    /// error names the first bad parameter and nothing has changed.
+    /// The parameters to update this step ([`super::work::work_list`]).
     fn work_list(&self, params: &[Param], grads: &[Option<Tensor>]) -> Result<Vec<usize>> {
-        let mut work = Vec::new();
-        for (i, (p, g)) in params.iter().zip(grads).enumerate() {
-            let Some(g) = g else { continue };
-            let owned = self.owned.as_ref().is_none_or(|o| o.get(i) == Some(&true));
-            if p.options.frozen || !owned {
-                continue;
-            }
-            if g.elem_count() != p.elem_count() {
-                bail!(
-                    "{}::step: the gradient of {} has shape {:?}, the parameter {:?}; nothing \
-                     was updated",
-                    R::NAME,
-                    p.name,
-                    g.dims(),
-                    p.master.dims()
-                );
-            }
-            if p.master.dtype() != DType::F32 || !g.dtype().is_float() {
-                bail!(
-                    "{}::step: {} needs an f32 master and a float gradient, found master \
-                     {:?} and gradient {:?}; nothing was updated",
-                    R::NAME,
-                    p.name,
-                    p.master.dtype(),
-                    g.dtype()
-                );
-            }
-            if !g.device().same_device(p.master.device()) {
-                bail!(
-                    "{}::step: the gradient of {} is on {:?}, the master on {:?}; nothing was \
-                     updated",
-                    R::NAME,
-                    p.name,
-                    g.device(),
-                    p.master.device()
-                );
-            }
-            work.push(i);
-        }
-        Ok(work)
+        super::work::work_list(R::NAME, params, grads, self.owned.as_deref())
     }
 
     /// Creates zero state for every work-list parameter that has none yet.
@@ -394,6 +296,10 @@ impl<R: UpdateRule> Optimizer for Driver<R> {
                 R::NAME
             ),
         }
+    }
+
+    fn check(&self, params: &[Param], grads: &[Option<Tensor>], _: &StepInputs) -> Result<()> {
+        self.work_list(params, grads).map(|_| ())
     }
 
     fn writes_working_copies(&self) -> bool {

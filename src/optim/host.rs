@@ -1,7 +1,7 @@
 //! The fused CPU update: one rayon pass over each element of a parameter, its gradient and its
 //! state tensors, running an [`UpdateRule`]'s element update.
 
-use super::driver::UpdateRule;
+use super::rule::UpdateRule;
 use super::state::Buf;
 use crate::grads::with_cpu_f32;
 use crate::params::Param;

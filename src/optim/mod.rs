@@ -1,6 +1,8 @@
 //! Optimizers over fp32 master weights.
 //!
-//! Like `torch.optim` (single-tensor / foreach / fused), every optimizer has two
+//! Two kinds of rule ([`rule`]): element-wise ([`UpdateRule`], run over chunks by [`Driver`])
+//! and whole-tensor ([`TensorRule`], run one whole parameter at a time by [`TensorDriver`]).
+//! Like `torch.optim` (single-tensor / foreach / fused), every element-wise optimizer has two
 //! implementations of one algorithm, chosen by [`OptimPath`] and tested against each other:
 //! - **reference**: plain candle tensor ops, any device; the correctness oracle and the
 //!   "unfused" baseline of the benchmarks;
@@ -8,25 +10,37 @@
 //!   kernels with the `cuda` feature).
 //!
 //! Optimizers: [`AdamW`] (decoupled decay) and [`Sgd`] (momentum, dampening, Nesterov, coupled
-//! L2 decay), both with `torch.optim` semantics.
+//! L2 decay), element-wise, and [`Muon`] (Newton–Schulz orthogonalised momentum for 2-D
+//! weights), whole-tensor, all with `torch.optim` semantics; [`Grouped`] is an optimizer made
+//! of parameter groups, each with its own rule ([`groups`]: Muon for the hidden layers'
+//! matrices, AdamW for the rest).
 //!
 //! The engine hands the optimizer raw fp32 gradient buffers plus one multiplier
 //! (`unscale * clip`), so unscaling and clipping cost no extra pass. What every optimizer
-//! shares (work list, state, step counts, save/load, ZeRO-1 ownership) is in [`driver`]; an
-//! optimizer file holds only its [`UpdateRule`].
+//! shares (work list, state, step counts, save/load, ZeRO-1 ownership) is in the drivers
+//! ([`driver`], [`TensorDriver`]); an optimizer file holds only its rule.
 
 pub mod adamw;
 pub mod driver;
+pub mod groups;
 mod host;
+pub mod muon;
+pub mod rule;
 pub mod schedule;
 pub mod sgd;
 mod state;
+mod whole;
+mod work;
 
 pub use crate::grads::{GradStats, HostStats};
 pub use adamw::{AdamW, AdamWConfig};
-pub use driver::{Driver, UpdateRule};
+pub use driver::Driver;
+pub use groups::{Grouped, ParamGroup, ParamGroups, RuleConfig, Select};
+pub use muon::{AdjustLr, Muon, MuonConfig};
+pub use rule::{TensorRule, UpdateRule};
 pub use schedule::LrSchedule;
 pub use sgd::{Sgd, SgdConfig};
+pub use whole::TensorDriver;
 
 use crate::params::Param;
 use anyhow::Result;
@@ -125,6 +139,18 @@ pub trait Optimizer: Send {
         grads: &[Option<Tensor>],
         inputs: StepInputs,
     ) -> Result<Option<bool>>;
+
+    /// Checks a step without changing anything: what [`Self::step`] would refuse (a
+    /// gradient of the wrong shape, dtype or device; a parameter the rule cannot update; an
+    /// option the rule does not support). [`Self::step`] checks too; a grouped optimizer calls
+    /// this on every group first, so that a step fails before any group changes.
+    fn check(&self, params: &[Param], grads: &[Option<Tensor>], inputs: &StepInputs) -> Result<()>;
+
+    /// True when some parameter's update needs the whole tensor (a [`TensorRule`]): such an
+    /// optimizer cannot run on the flat ZeRO-1 layout's segments, and the engine refuses it.
+    fn needs_whole_tensors(&self) -> bool {
+        false
+    }
 
     /// True when the update also writes the working copies (no separate refresh needed).
     fn writes_working_copies(&self) -> bool;

@@ -23,7 +23,8 @@
 //! applied step (its per-parameter count is 0, [`super::driver`]), where PyTorch finds
 //! `momentum_buffer is None`.
 
-use super::driver::{Driver, UpdateRule};
+use super::driver::Driver;
+use super::rule::UpdateRule;
 use anyhow::Result;
 use candle_core::Tensor;
 
