@@ -162,7 +162,7 @@ fn newton_schulz_matches_a_reference_in_candle_ops() -> Result<()> {
 const SHAPES: &[(&str, &[usize])] = &[
     ("blocks.0.fc.weight", &[12, 4]),
     ("blocks.0.proj.weight", &[4, 12]),
-    ("wte", &[10, 4]),
+    ("wte.weight", &[10, 4]),
     ("blocks.0.fc.bias", &[12]),
 ];
 
@@ -329,7 +329,7 @@ fn muon_steps_match_a_hand_written_step_and_adamw_keeps_its_bits() -> Result<()>
         };
         let mut a = Engine::new(alone.clone(), cfg)?;
         steps(&mut a, &alone, 0, n)?;
-        for name in ["wte", "blocks.0.fc.bias"] {
+        for name in ["wte.weight", "blocks.0.fc.bias"] {
             let (x, y) = (values(&store, name)?, values(&alone, name)?);
             assert_eq!(common::flat(&x), common::flat(&y), "{name}");
         }
@@ -415,9 +415,9 @@ fn checkpoint_resume_with_muon_is_bitwise() -> Result<()> {
     for want in [
         "blocks.0.fc.weight.momentum_buffer",
         "blocks.0.proj.weight.momentum_buffer",
-        "wte.exp_avg",
-        "wte.exp_avg_sq",
-        "wte.step",
+        "wte.weight.exp_avg",
+        "wte.weight.exp_avg_sq",
+        "wte.weight.step",
         "blocks.0.fc.bias.exp_avg",
     ] {
         assert!(

@@ -57,8 +57,9 @@ pub struct OpenAiRequest {
     temperature: f64,
     #[serde(default = "default_top_p")]
     top_p: f64,
+    /// Absent: a fresh random seed per request (OpenAI's behaviour).
     #[serde(default)]
-    seed: u64,
+    seed: Option<u64>,
     #[serde(default)]
     stop: Stop,
     #[serde(default)]
@@ -153,7 +154,7 @@ fn params(s: &OpenAiRequest, limit: usize) -> Result<SamplingParams, ApiError> {
         max_tokens: s.max_tokens,
         temperature: s.temperature,
         top_p: s.top_p,
-        seed: s.seed,
+        seed: s.seed.unwrap_or_else(rand::random),
         stop,
     };
     p.validate()

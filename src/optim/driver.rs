@@ -8,7 +8,8 @@
 //! - the work list: parameters with a gradient, trainable and (under ZeRO-1) owned by this
 //!   rank; empty ones get their (empty) state and step count, as in PyTorch, but no update pass
 //!   (candle's in-place ops reject some zero-size layouts);
-//! - validation of every row before anything changes, so a failed step changes nothing;
+//! - validation of every row before anything changes, so a step refused by validation changes nothing (a
+//!   runtime error during the update itself, e.g. out of memory, can leave it part-applied);
 //! - state creation (zeros, f32, the parameter's shape) at a parameter's first gradient;
 //! - per-parameter step counts, as `torch.optim` counts them: a parameter's `t` counts the
 //!   applied steps in which it had a gradient (on the host, or an `i64` device tensor on the

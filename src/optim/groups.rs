@@ -9,7 +9,9 @@
 //! to the first group that selects it, and one that no group selects is an error naming it.
 //! Checkpoint names stay `"{param}.{state}"` (a parameter is in one group), so what `save`
 //! writes, `load` takes, whichever group a parameter is in; ZeRO-1 ownership is per whole
-//! parameter, handed to each group for its own parameters.
+//! parameter, handed to each group for its own parameters. Every group is validated before any
+//! group steps; a runtime error inside one group's update (e.g. out of memory) leaves the
+//! groups before it updated.
 
 use super::{Impl, Optimizer, StepInputs};
 use crate::params::Param;
@@ -61,7 +63,7 @@ pub struct ParamGroups(pub Vec<ParamGroup>);
 
 /// Name globs of the 2-D weights that are not hidden layers' in wick's models and
 /// transformers' names: token and position embeddings and the output head.
-pub const EMBEDDINGS_AND_HEAD: &[&str] = &["wte", "wpe", "*embed*", "*lm_head*", "head.*"];
+pub const EMBEDDINGS_AND_HEAD: &[&str] = &["wte.*", "wpe.*", "*embed*", "*lm_head*", "head.*"];
 
 impl ParamGroups {
     /// Muon for the 2-D weights of hidden layers (rank 2, not matching `not_hidden`, e.g.

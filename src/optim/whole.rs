@@ -80,19 +80,14 @@ impl<R: TensorRule> TensorDriver<R> {
             Gate::Host(m) => (g * *m)?,
             Gate::Device { mult, .. } => g.broadcast_mul(mult)?,
         };
-        let old = self.states[i].take().unwrap_or_default();
+        // the state is written back only once the whole update has succeeded
+        let old = self.states[i].clone().unwrap_or_default();
         let mut new = old.clone();
         let lr = lr * p.options.lr_scale;
         let updated = self
             .rule
             .update(&master, &g, &mut new, lr, p.options.weight_decay);
-        let mut new_master = match updated {
-            Ok(t) => t,
-            Err(e) => {
-                self.states[i] = Some(old);
-                return Err(e);
-            }
-        };
+        let mut new_master = updated?;
         if let Gate::Device { skip, .. } = gate {
             let keep = skip.broadcast_as(master.shape())?;
             new_master = keep.where_cond(&master, &new_master)?;

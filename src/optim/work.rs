@@ -1,5 +1,5 @@
 //! The work list of an optimizer step, shared by both rule kinds' drivers: which parameters
-//! are updated, each checked before anything changes, so that a failed step changes nothing.
+//! are updated, each checked before anything changes, so that a step refused by validation changes nothing.
 
 use crate::params::Param;
 use anyhow::{bail, Result};

@@ -340,7 +340,9 @@ impl<M: CausalLm + 'static> Scheduler<M> {
         if !p.stop.is_empty() && self.detokenize.is_none() {
             return invalid("stop strings need a detokenizer; this scheduler has none".into());
         }
-        let total = request.prompt.len() + p.max_tokens;
+        let Some(total) = request.prompt.len().checked_add(p.max_tokens) else {
+            return invalid(format!("max_tokens {} is too large", p.max_tokens));
+        };
         if total > config.max_position_embeddings {
             return invalid(format!(
                 "prompt ({} tokens) + max_tokens ({}) exceeds the model's {} positions",
