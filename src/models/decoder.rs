@@ -806,7 +806,7 @@ impl Decoder {
                 .narrow(1, next_input.len() - 1, 1)?
                 .flatten_all()?
                 .to_vec1()?;
-            let id = super::sampling::sample(&last, temperature, &mut rng)?;
+            let id = super::sampling::sample(&last, temperature, 1.0, &mut rng)?;
             out.push(id);
             if !on_token(id) || self.config.is_eos(id) {
                 break;

@@ -505,7 +505,7 @@ impl Gpt {
                     .flatten_all()?,
             )?
             .to_vec1()?;
-            let next = super::sampling::sample(&logits, temperature, &mut rng)?;
+            let next = super::sampling::sample(&logits, temperature, 1.0, &mut rng)?;
             ids.push(next);
             out.push(next);
         }

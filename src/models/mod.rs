@@ -24,7 +24,7 @@ pub mod family;
 pub mod files;
 pub mod gpt;
 pub mod paged;
-mod sampling;
+pub(crate) mod sampling;
 #[cfg(feature = "tokenizers")]
 pub mod spm_tokenizer;
 #[cfg(feature = "tokenizers")]

@@ -1,5 +1,5 @@
-//! Token sampling for the models' `generate`: argument checks and one draw from
-//! `softmax(logits / temperature)`.
+//! Token sampling for the models' `generate` and the service's scheduler: argument checks and
+//! one draw from `softmax(logits / temperature)`, optionally restricted by top-p.
 
 use candle_core::{bail, Result};
 use rand::{rngs::StdRng, Rng};
@@ -24,36 +24,58 @@ pub(crate) fn check_generation(
     Ok(())
 }
 
-/// Draws an index from `softmax(logits / temperature)` (greedy when `temperature == 0`).
-pub(crate) fn sample(logits: &[f32], temperature: f64, rng: &mut StdRng) -> Result<u32> {
-    if logits.iter().any(|v| !v.is_finite()) {
-        bail!("generate: the model produced non-finite logits");
+/// Draws a token id from `logits` (one row, f32): argmax at temperature 0 (the first of
+/// equal maxima), else from `softmax(logits / temperature)` restricted to the smallest set
+/// of most probable tokens whose mass reaches `top_p` (ties in probability broken by the
+/// lower id). One uniform draw from `rng` per sampled token.
+///
+/// Errors: non-finite logits; an empty row.
+pub fn sample(logits: &[f32], temperature: f64, top_p: f64, rng: &mut StdRng) -> Result<u32> {
+    if logits.is_empty() {
+        bail!("sample: the logits row is empty");
     }
-    let argmax = logits
+    if logits.iter().any(|v| !v.is_finite()) {
+        bail!("sample: the model produced non-finite logits");
+    }
+    let (argmax, max) =
+        logits
+            .iter()
+            .enumerate()
+            .fold((0usize, f32::NEG_INFINITY), |best, (i, &v)| {
+                if v > best.1 {
+                    (i, v)
+                } else {
+                    best
+                }
+            });
+    if temperature == 0.0 {
+        return Ok(argmax as u32);
+    }
+    let mut weighted: Vec<(u32, f64)> = logits
         .iter()
         .enumerate()
-        .fold((0usize, f32::NEG_INFINITY), |best, (i, &v)| {
-            if v > best.1 {
-                (i, v)
-            } else {
-                best
-            }
-        });
-    if temperature == 0.0 {
-        return Ok(argmax.0 as u32);
-    }
-    let max = argmax.1 as f64;
-    let weights: Vec<f64> = logits
-        .iter()
-        .map(|&v| ((v as f64 - max) / temperature).exp())
+        .map(|(i, &v)| (i as u32, ((v as f64 - max as f64) / temperature).exp()))
         .collect();
-    let total: f64 = weights.iter().sum();
-    let mut u = rng.random::<f64>() * total;
-    for (i, w) in weights.iter().enumerate() {
+    let total: f64 = weighted.iter().map(|w| w.1).sum();
+    if top_p < 1.0 {
+        weighted.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        let (mut mass, mut keep) = (0.0, 0);
+        for (_, w) in &weighted {
+            mass += w / total;
+            keep += 1;
+            if mass >= top_p {
+                break;
+            }
+        }
+        weighted.truncate(keep);
+    }
+    let kept: f64 = weighted.iter().map(|w| w.1).sum();
+    let mut u = rng.random::<f64>() * kept;
+    for (id, w) in &weighted {
         if u < *w {
-            return Ok(i as u32);
+            return Ok(*id);
         }
         u -= w;
     }
-    Ok(argmax.0 as u32) // rounding at the end of the cumulative sum
+    Ok(weighted.last().map_or(argmax as u32, |w| w.0)) // rounding at the end of the sum
 }
